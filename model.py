@@ -1,0 +1,645 @@
+"""The Tiny Recursive Model (TRM, arXiv 2510.04871) in plain PyTorch.
+
+Same math as the reference implementation (github.com/SamsungSAILMontreal/TinyRecursiveModels):
+the recursive network with its ACT carry, the stablemax loss with the Q-halt head, the AdamATan2
+optimizer, SignSGD for the sparse puzzle embedding and an EMA of the weights. Everything here
+keeps static shapes and never reads a device value on the host, so one training step traces to
+one XLA graph. This file never imports torch_xla: it runs the same on CPU eager and on XLA.
+
+    model = TRM(TRMConfig(seq_len=81, vocab_size=11, num_puzzle_identifiers=1))
+    carry = model.initial_carry(batch)
+    carry, outputs = model(carry, batch)
+    loss, metrics = loss_and_metrics(carry, outputs)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_LABEL_ID = -100
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class TRMConfig:
+    """Architecture of a TRM; field names follow the reference's arch config."""
+
+    seq_len: int = 81
+    """Tokens per example (from the dataset)."""
+    vocab_size: int = 11
+    """Token vocabulary size including pad (from the dataset)."""
+    num_puzzle_identifiers: int = 1
+    """Rows of the puzzle-embedding table (from the dataset)."""
+    hidden_size: int = 512
+    """Width of every token state."""
+    num_heads: int = 8
+    """Attention heads (must divide hidden_size; unused when mlp_t)."""
+    expansion: float = 4.0
+    """SwiGLU expansion; inner width is round(expansion*2/3*width) rounded up to 256."""
+    H_cycles: int = 3
+    """Outer recursions per ACT step (the first H_cycles-1 run without gradient)."""
+    L_cycles: int = 6
+    """Latent updates z_L per outer recursion."""
+    L_layers: int = 2
+    """Blocks in the one shared network."""
+    mlp_t: bool = False
+    """Replace attention by a SwiGLU across the sequence (TRM-MLP)."""
+    pos_encodings: Literal["rope", "learned", "none"] = "rope"
+    """Position encoding: rope, learned, or none."""
+    puzzle_emb_ndim: int = 512
+    """Width of a puzzle-embedding row (0 disables the puzzle embedding)."""
+    puzzle_emb_len: int = 16
+    """Prefix positions reserved for the puzzle embedding (0: ceil(puzzle_emb_ndim/hidden_size))."""
+    halt_max_steps: int = 16
+    """ACT steps after which a sequence always halts (and the exact count in evaluation)."""
+    halt_exploration_prob: float = 0.1
+    """Probability that a training sequence gets a random minimum of 2..halt_max_steps steps."""
+    no_ACT_continue: bool = True
+    """Halt on sigmoid(q_halt) > 0.5 only; False adds the reference's Q-continue target and loss."""
+    forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    """Activation dtype (weights stay float32)."""
+    rms_norm_eps: float = 1e-5
+    """Epsilon of the RMSNorm (computed in float32)."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+
+    def __post_init__(self):
+        positive = ["seq_len", "vocab_size", "num_puzzle_identifiers", "hidden_size", "num_heads",
+                    "H_cycles", "L_cycles", "L_layers", "halt_max_steps"]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"TRMConfig.{name} must be a positive integer, got {value!r}")
+        for name in ["puzzle_emb_ndim", "puzzle_emb_len"]:
+            if getattr(self, name) < 0:
+                raise ValueError(f"TRMConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.expansion <= 0:
+            raise ValueError(f"TRMConfig.expansion must be > 0, got {self.expansion!r}")
+        if not self.mlp_t and self.hidden_size % self.num_heads:
+            raise ValueError(f"TRMConfig.num_heads={self.num_heads} does not divide "
+                             f"hidden_size={self.hidden_size}; pick a divisor of it")
+        if self.pos_encodings not in ("rope", "learned", "none"):
+            raise ValueError(f"TRMConfig.pos_encodings must be rope, learned or none, "
+                             f"got {self.pos_encodings!r}")
+        if self.forward_dtype not in DTYPES:
+            raise ValueError(f"TRMConfig.forward_dtype must be one of {sorted(DTYPES)}, "
+                             f"got {self.forward_dtype!r}")
+        if not 0.0 <= self.halt_exploration_prob <= 1.0:
+            raise ValueError(f"TRMConfig.halt_exploration_prob must be in [0, 1], "
+                             f"got {self.halt_exploration_prob!r}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError(f"TRMConfig.rms_norm_eps and rope_theta must be > 0, "
+                             f"got {self.rms_norm_eps!r} and {self.rope_theta!r}")
+        if self.puzzle_emb_ndim > self.prefix_len * self.hidden_size:
+            raise ValueError(f"TRMConfig.puzzle_emb_ndim={self.puzzle_emb_ndim} does not fit in "
+                             f"puzzle_emb_len={self.puzzle_emb_len} positions of width "
+                             f"{self.hidden_size}; raise puzzle_emb_len or set it to 0")
+
+    @property
+    def prefix_len(self) -> int:
+        """Positions in front of the tokens that hold the puzzle embedding."""
+        if self.puzzle_emb_len:
+            return self.puzzle_emb_len
+        return -(-self.puzzle_emb_ndim // self.hidden_size)
+
+    @property
+    def total_len(self) -> int:
+        return self.seq_len + self.prefix_len
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.forward_dtype]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+def truncated_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
+    """JAX-style truncated normal on [-2, 2] standard deviations whose *actual* std is `std`.
+
+    torch.nn.init.trunc_normal_ truncates a N(0, std) and so ends up narrower; the reference
+    corrects the scale so that the truncated distribution has the requested std.
+    """
+    with torch.no_grad():
+        if std == 0:
+            return tensor.zero_()
+        lo, hi = -2.0, 2.0
+        cdf_lo, cdf_hi = math.erf(lo / math.sqrt(2)), math.erf(hi / math.sqrt(2))
+        mass = (cdf_hi - cdf_lo) / 2
+        pdf = lambda x: math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)  # noqa: E731
+        var_truncated = 1 - (hi * pdf(hi) - lo * pdf(lo)) / mass - ((pdf(lo) - pdf(hi)) / mass) ** 2
+        scale = std / math.sqrt(var_truncated)
+        tensor.uniform_(cdf_lo, cdf_hi).erfinv_().mul_(math.sqrt(2) * scale)
+        return tensor.clamp_(lo * scale, hi * scale)
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a gain, computed in float32 and returned in x's dtype."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def swiglu_width(width: int, expansion: float) -> int:
+    return -(-round(expansion * width * 2 / 3) // 256) * 256
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) with float32 weights cast to the activation dtype; LeCun truncated init."""
+
+    def __init__(self, fan_in: int, fan_out: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(truncated_normal_(torch.empty(fan_out, fan_in), std=fan_in ** -0.5))
+        self.bias = nn.Parameter(torch.zeros(fan_out)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, width: int, expansion: float):
+        super().__init__()
+        inner = swiglu_width(width, expansion)
+        self.gate_up = Linear(width, 2 * inner)
+        self.down = Linear(inner, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [length, head_dim] in the half-split layout the reference uses."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, head_dim] in float32, return it in its own dtype."""
+    x32 = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
+    return (x32 * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Bidirectional multi-head self-attention, no bias."""
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.qkv = Linear(hidden_size, 3 * hidden_size)
+        self.out = Linear(hidden_size, hidden_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        batch, length, width = x.shape
+        qkv = self.qkv(x).view(batch, length, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(dim=2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        return self.out(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class Block(nn.Module):
+    """Post-norm block: token mixing (attention, or a SwiGLU across positions) then a SwiGLU."""
+
+    def __init__(self, config: TRMConfig):
+        super().__init__()
+        self.eps = config.rms_norm_eps
+        if config.mlp_t:
+            self.seq_mlp = SwiGLU(config.total_len, config.expansion)
+        else:
+            self.attn = Attention(config.hidden_size, config.num_heads)
+        self.mlp = SwiGLU(config.hidden_size, config.expansion)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        if hasattr(self, "seq_mlp"):
+            # Mixing across positions; the norm is taken over positions too, as in the reference.
+            xt = x.transpose(1, 2)
+            x = rms_norm(xt + self.seq_mlp(xt), self.eps).transpose(1, 2)
+        else:
+            x = rms_norm(x + self.attn(x, rope), self.eps)
+        return rms_norm(x + self.mlp(x), self.eps)
+
+
+class SparseEmbedding(nn.Module):
+    """The puzzle-embedding table: a float32 buffer trained by SignSGD, not by autograd.
+
+    In training, the rows of the batch are gathered into a fresh leaf tensor that receives the
+    gradient; `SignSGD` then reads `batch_rows.grad` and `batch_ids`. The table itself never
+    gets a dense gradient, so a 900k-row ARC table costs nothing per step beyond its rows.
+    """
+
+    def __init__(self, num_rows: int, width: int):
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(num_rows, width))  # the reference inits to 0
+        self.batch_rows: torch.Tensor | None = None
+        self.batch_ids: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.index_select(0, ids)
+        if self.training and torch.is_grad_enabled():
+            rows = rows.detach().requires_grad_(True)
+            self.batch_rows, self.batch_ids = rows, ids
+        return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The recursive model with its ACT carry
+
+
+@dataclass
+class Carry:
+    """State that persists across training steps, one row per batch slot."""
+
+    z_H: torch.Tensor  # [B, total_len, hidden] forward_dtype
+    z_L: torch.Tensor  # [B, total_len, hidden] forward_dtype
+    steps: torch.Tensor  # [B] int32, ACT steps taken by the row's current example
+    halted: torch.Tensor  # [B] bool, the row takes a new example at the next step
+    current_data: dict[str, torch.Tensor]  # the example each row is working on
+    rng_counter: torch.Tensor  # [] int64, ACT steps taken by the whole carry (exploration key)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat name → tensor view (for checkpoints and sharding)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "current_data"}
+        out.update({f"current_data.{k}": v for k, v in self.current_data.items()})
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "Carry":
+        data = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("current_data.")}
+        return cls(current_data=data, **{k: v for k, v in tensors.items() if "." not in k})
+
+
+def hashed_uniform(seed: int, counter: torch.Tensor, rows: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniform [0, 1) floats from a counter-based hash of (seed, counter, row, stream).
+
+    The exploration noise is a pure function of its key rather than a draw from a stateful
+    generator, so it is identical on CPU and XLA, sharded or not, and after a resume.
+    """
+    key = (seed * 0x27D4EB2F + stream * 0x165667B1) & 0xFFFFFFFF
+    x = (rows.to(torch.int64) * 0x9E3779B1 + counter * 0x85EBCA77 + key) & 0xFFFFFFFF
+    for multiplier in (0x7FEB352D, 0x4C8E9CF5, 0x2C1B3C6D):  # xorshift-multiply rounds (low 32 bits)
+        x = ((x ^ (x >> 16)) * multiplier) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+class TRM(nn.Module):
+    """TRM with the ACT wrapper: `forward(carry, batch)` runs one ACT step (segment)."""
+
+    def __init__(self, config: TRMConfig, exploration_seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.exploration_seed = exploration_seed
+        c = config
+        self.embed_scale = math.sqrt(c.hidden_size)
+        self.token_embedding = nn.Parameter(
+            truncated_normal_(torch.empty(c.vocab_size, c.hidden_size), std=1 / self.embed_scale))
+        if c.pos_encodings == "learned":
+            self.position_embedding = nn.Parameter(
+                truncated_normal_(torch.empty(c.total_len, c.hidden_size), std=1 / self.embed_scale))
+        if c.pos_encodings == "rope":
+            cos, sin = rope_tables(c.hidden_size // c.num_heads, c.total_len, c.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        if c.puzzle_emb_ndim > 0:
+            self.puzzle_embedding = SparseEmbedding(c.num_puzzle_identifiers, c.puzzle_emb_ndim)
+        self.blocks = nn.ModuleList([Block(c) for _ in range(c.L_layers)])
+        self.lm_head = Linear(c.hidden_size, c.vocab_size)
+        self.q_head = Linear(c.hidden_size, 2, bias=True)
+        with torch.no_grad():  # Q head starts near "never halt" (sigmoid(-5) ≈ 0.007)
+            self.q_head.weight.zero_()
+            self.q_head.bias.fill_(-5.0)
+        self.register_buffer("H_init", truncated_normal_(torch.empty(c.hidden_size, dtype=c.dtype), std=1.0))
+        self.register_buffer("L_init", truncated_normal_(torch.empty(c.hidden_size, dtype=c.dtype), std=1.0))
+
+    # -- the network --------------------------------------------------------------------------
+
+    def embed(self, inputs: torch.Tensor, puzzle_identifiers: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        x = F.embedding(inputs.to(torch.int32), self.token_embedding.to(c.dtype))
+        if c.puzzle_emb_ndim > 0:
+            rows = self.puzzle_embedding(puzzle_identifiers).to(c.dtype)
+            rows = F.pad(rows, (0, c.prefix_len * c.hidden_size - c.puzzle_emb_ndim))
+            x = torch.cat([rows.view(-1, c.prefix_len, c.hidden_size), x], dim=1)
+        elif c.prefix_len:
+            x = F.pad(x, (0, 0, c.prefix_len, 0))
+        if c.pos_encodings == "learned":
+            x = 0.707106781 * (x + self.position_embedding.to(c.dtype))  # keeps the variance
+        return self.embed_scale * x
+
+    def net(self, z: torch.Tensor, injection: torch.Tensor) -> torch.Tensor:
+        """The one shared network: z + injection through L_layers blocks."""
+        rope = (self.rope_cos, self.rope_sin) if self.config.pos_encodings == "rope" else None
+        z = z + injection
+        for block in self.blocks:
+            z = block(z, rope)
+        return z
+
+    def recurse(self, z_H, z_L, x):
+        """One ACT step: H_cycles-1 recursions without gradient, then one with it."""
+        c = self.config
+        with torch.no_grad():
+            for _ in range(c.H_cycles - 1):
+                for _ in range(c.L_cycles):
+                    z_L = self.net(z_L, z_H + x)
+                z_H = self.net(z_H, z_L)
+        for _ in range(c.L_cycles):
+            z_L = self.net(z_L, z_H + x)
+        z_H = self.net(z_H, z_L)
+        logits = self.lm_head(z_H)[:, c.prefix_len:]
+        q = self.q_head(z_H[:, 0]).float()
+        return z_H, z_L, logits, q[..., 0], q[..., 1]
+
+    # -- ACT ----------------------------------------------------------------------------------
+
+    def initial_carry(self, batch: dict[str, torch.Tensor]) -> Carry:
+        """A carry whose rows are all halted, so the first step loads the whole batch."""
+        c = self.config
+        size, device = batch["inputs"].shape[0], batch["inputs"].device
+        state_shape = (size, c.total_len, c.hidden_size)
+        return Carry(
+            z_H=torch.zeros(state_shape, dtype=c.dtype, device=device),
+            z_L=torch.zeros(state_shape, dtype=c.dtype, device=device),
+            steps=torch.zeros(size, dtype=torch.int32, device=device),
+            halted=torch.ones(size, dtype=torch.bool, device=device),
+            current_data={k: torch.zeros_like(v) for k, v in batch.items()},
+            rng_counter=torch.zeros((), dtype=torch.int64, device=device),
+        )
+
+    def forward(self, carry: Carry, batch: dict[str, torch.Tensor]) -> tuple[Carry, dict[str, torch.Tensor]]:
+        c = self.config
+        # Rows that halted at the previous step start over on the new batch's example.
+        reset = carry.halted
+        z_H = torch.where(reset.view(-1, 1, 1), self.H_init, carry.z_H)
+        z_L = torch.where(reset.view(-1, 1, 1), self.L_init, carry.z_L)
+        steps = torch.where(reset, 0, carry.steps)
+        data = {k: torch.where(reset.view((-1,) + (1,) * (v.ndim - 1)), batch[k], v)
+                for k, v in carry.current_data.items()}
+
+        x = self.embed(data["inputs"], data["puzzle_identifiers"])
+        z_H, z_L, logits, q_halt, q_continue = self.recurse(z_H, z_L, x)
+        outputs = {"logits": logits, "q_halt_logits": q_halt, "q_continue_logits": q_continue}
+
+        with torch.no_grad():
+            steps = steps + 1
+            halted = steps >= c.halt_max_steps
+            if self.training and c.halt_max_steps > 1:
+                halted = halted | (q_halt > 0 if c.no_ACT_continue else q_halt > q_continue)
+                # Exploration: some rows must run a random minimum of 2..halt_max_steps steps.
+                rows = torch.arange(steps.shape[0], device=steps.device)
+                explore = hashed_uniform(self.exploration_seed, carry.rng_counter, rows, 0) < c.halt_exploration_prob
+                draw = hashed_uniform(self.exploration_seed, carry.rng_counter, rows, 1)
+                min_steps = 2 + (draw * (c.halt_max_steps - 1)).to(torch.int32)
+                halted = halted & (steps >= torch.where(explore, min_steps, 0))
+                if not c.no_ACT_continue:
+                    # The reference's bootstrapped target: Q of the next step from the new state.
+                    _, _, _, next_halt, next_continue = self.recurse(z_H, z_L, x)
+                    is_last = steps >= c.halt_max_steps
+                    outputs["target_q_continue"] = torch.sigmoid(
+                        torch.where(is_last, next_halt, torch.maximum(next_halt, next_continue)))
+
+        new_carry = Carry(z_H=z_H.detach(), z_L=z_L.detach(), steps=steps, halted=halted,
+                          current_data=data, rng_counter=carry.rng_counter + 1)
+        return new_carry, outputs
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+
+
+def stablemax_log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log of stablemax: s(x) = 1/(1-x) for x < 0, x + 1 otherwise, normalised over the last dim."""
+    x = logits.float()
+    s = torch.where(x < 0, 1 / (1 - x + 1e-30), x + 1)
+    return torch.log(s) - torch.log(s.sum(-1, keepdim=True))
+
+
+def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token loss [..., seq]; 0 where labels == IGNORE_LABEL_ID."""
+    valid = labels != IGNORE_LABEL_ID
+    safe_labels = torch.where(valid, labels, 0).to(torch.int64)
+    picked = stablemax_log_probs(logits).gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, -picked, 0.0)
+
+
+def loss_and_metrics(carry: Carry, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reference's ACT loss (sum over the batch) and its metrics summed over halted rows.
+
+    Divide the loss by the global batch size before backward. Metrics are float32 device
+    tensors; divide lm_loss/q_halt_loss by the batch size and the others by `count` to report.
+    """
+    labels = carry.current_data["labels"]
+    logits = outputs["logits"]
+    valid = labels != IGNORE_LABEL_ID
+    valid_count = valid.sum(-1)
+    divisor = valid_count.clamp_min(1).unsqueeze(-1)
+
+    with torch.no_grad():
+        correct = valid & (logits.argmax(-1) == labels)
+        seq_correct = correct.sum(-1) == valid_count
+        counted = carry.halted & (valid_count > 0)
+        q_halt = outputs["q_halt_logits"]
+        metrics = {
+            "count": counted.sum(),
+            "accuracy": torch.where(counted, (correct.float() / divisor).sum(-1), 0.0).sum(),
+            "exact_accuracy": (counted & seq_correct).sum(),
+            "q_halt_accuracy": (counted & ((q_halt >= 0) == seq_correct)).sum(),
+            "steps": torch.where(counted, carry.steps, 0).sum(),
+        }
+
+    lm_loss = (stablemax_cross_entropy(logits, labels) / divisor).sum()
+    q_halt_loss = F.binary_cross_entropy_with_logits(q_halt, seq_correct.float(), reduction="sum")
+    loss = lm_loss + 0.5 * q_halt_loss
+    metrics["lm_loss"] = lm_loss.detach()
+    metrics["q_halt_loss"] = q_halt_loss.detach()
+    if "target_q_continue" in outputs:
+        q_continue_loss = F.binary_cross_entropy_with_logits(
+            outputs["q_continue_logits"], outputs["target_q_continue"], reduction="sum")
+        loss = loss + 0.5 * q_continue_loss
+        metrics["q_continue_loss"] = q_continue_loss.detach()
+    return loss, {k: v.float() for k, v in metrics.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Optimizers and EMA
+
+
+class AdamATan2(torch.optim.Optimizer):
+    """Adam with atan2 in place of m / (sqrt(v) + eps) (no epsilon), decoupled weight decay.
+
+        θ ← θ(1 - ηλ);  m ← lerp(m, g, 1-β1);  v ← lerp(v, g², 1-β2)
+        θ ← θ - η · atan2(m / (1-β1^t), sqrt(v / (1-β2^t)))
+
+    `lr` may be a 0-d tensor on the parameters' device: set it with `set_lr(value)` each step
+    and the traced graph stays the same. The step count t is a device tensor for the same reason.
+    """
+
+    def __init__(self, params, lr: float | torch.Tensor = 0.0, betas=(0.9, 0.95), weight_decay: float = 0.0):
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"AdamATan2 betas must be in [0, 1), got {betas}")
+        if weight_decay < 0:
+            raise ValueError(f"AdamATan2 weight_decay must be >= 0, got {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, decay = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["step"].add_(1)
+                t = state["step"]
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                p.mul_(1 - lr * decay)
+                m.lerp_(p.grad, 1 - beta1)
+                v.lerp_(p.grad.square(), 1 - beta2)
+                update = torch.atan2(m / (1 - beta1 ** t), (v / (1 - beta2 ** t)).sqrt())
+                p.sub_(lr * update)
+
+
+class SignSGD:
+    """The reference's optimizer for the sparse puzzle embedding, with static shapes.
+
+    For every id in the (global) batch: row ← row(1 - ηλ) - η·sign(Σ of that id's gradients over
+    the batch). Duplicate ids are summed with an id-equality matrix [B, B] instead of `unique`
+    (whose output size depends on the data), and every duplicate writes the same new row. No
+    state; rows not in the batch are untouched.
+    """
+
+    def __init__(self, embedding: SparseEmbedding, lr: float | torch.Tensor = 0.0, weight_decay: float = 0.0):
+        if weight_decay < 0:
+            raise ValueError(f"SignSGD weight_decay must be >= 0, got {weight_decay}")
+        self.embedding = embedding
+        self.lr = lr
+        self.weight_decay = weight_decay
+
+    @torch.no_grad()
+    def step(self):
+        rows, ids = self.embedding.batch_rows, self.embedding.batch_ids
+        if rows is None or rows.grad is None:
+            return
+        same_id = (ids.unsqueeze(0) == ids.unsqueeze(1)).to(rows.grad.dtype)
+        grad_sum = same_id @ rows.grad
+        new_rows = rows * (1 - self.lr * self.weight_decay) - self.lr * torch.sign(grad_sum)
+        self.embedding.weight.index_copy_(0, ids.long(), new_rows)
+
+    def zero_grad(self):
+        self.embedding.batch_rows = self.embedding.batch_ids = None
+
+
+class EMA:
+    """Exponential moving average of the trainable parameters (not of buffers such as the
+    puzzle-embedding table, which the reference does not average either)."""
+
+    def __init__(self, model: nn.Module, rate: float = 0.999):
+        if not 0.0 <= rate < 1.0:
+            raise ValueError(f"EMA rate must be in [0, 1), got {rate}")
+        self.rate = rate
+        self.shadow = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module):
+        for name, p in model.named_parameters():
+            if name in self.shadow:
+                self.shadow[name].lerp_(p.detach(), 1 - self.rate)
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module):
+        """Write the averaged weights into `model` (same architecture)."""
+        for name, p in model.named_parameters():
+            if name in self.shadow:
+                p.copy_(self.shadow[name])
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference checkpoint interop
+
+
+def _reference_names(config: TRMConfig) -> dict[str, str]:
+    """Our state_dict name → the reference's name under `model.inner.`."""
+    names = {
+        "token_embedding": "embed_tokens.embedding_weight",
+        "lm_head.weight": "lm_head.weight",
+        "q_head.weight": "q_head.weight",
+        "q_head.bias": "q_head.bias",
+        "H_init": "H_init",
+        "L_init": "L_init",
+    }
+    if config.pos_encodings == "learned":
+        names["position_embedding"] = "embed_pos.embedding_weight"
+    if config.puzzle_emb_ndim > 0:
+        names["puzzle_embedding.weight"] = "puzzle_emb.weights"
+    for i in range(config.L_layers):
+        ours, theirs = f"blocks.{i}.", f"L_level.layers.{i}."
+        if config.mlp_t:
+            names[ours + "seq_mlp.gate_up.weight"] = theirs + "mlp_t.gate_up_proj.weight"
+            names[ours + "seq_mlp.down.weight"] = theirs + "mlp_t.down_proj.weight"
+        else:
+            names[ours + "attn.qkv.weight"] = theirs + "self_attn.qkv_proj.weight"
+            names[ours + "attn.out.weight"] = theirs + "self_attn.o_proj.weight"
+        names[ours + "mlp.gate_up.weight"] = theirs + "mlp.gate_up_proj.weight"
+        names[ours + "mlp.down.weight"] = theirs + "mlp.down_proj.weight"
+    return names
+
+
+def reference_state_dict(model: TRM) -> dict[str, torch.Tensor]:
+    """Our weights under the reference's names (`model.inner.*`), loadable by its code."""
+    ours = model.state_dict()
+    return {f"model.inner.{theirs}": ours[name] for name, theirs in _reference_names(model.config).items()}
+
+
+def load_reference_state_dict(model: TRM, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a reference checkpoint (keys `model.inner.*`, optionally prefixed `_orig_mod.`).
+
+    A puzzle-embedding table with another number of identifiers is replaced by its mean row
+    repeated, as the reference does when fine-tuning on a different dataset.
+    """
+    inner = {}
+    for key, value in state_dict.items():
+        key = key.removeprefix("_orig_mod.")
+        if key.startswith("model.inner."):
+            inner[key.removeprefix("model.inner.")] = value
+    names = _reference_names(model.config)
+    missing = sorted(theirs for theirs in names.values() if theirs not in inner)
+    unexpected = sorted(k for k in inner if k not in set(names.values()))
+    if missing or unexpected:
+        raise ValueError(
+            "reference checkpoint does not match this TRMConfig "
+            f"(missing: {missing or 'none'}; unexpected: {unexpected or 'none'}); "
+            "check mlp_t, pos_encodings, L_layers and puzzle_emb_ndim")
+    ours = model.state_dict()
+    converted = {}
+    for name, theirs in names.items():
+        value = inner[theirs]
+        expected = ours[name].shape
+        if name == "puzzle_embedding.weight" and value.shape != expected and value.shape[1:] == expected[1:]:
+            print(f"puzzle embedding has {value.shape[0]} identifiers, this dataset {expected[0]}: "
+                  "resetting every row to the checkpoint's mean row")
+            value = value.float().mean(0, keepdim=True).expand(expected).contiguous()
+        if value.shape != expected:
+            raise ValueError(f"reference tensor model.inner.{theirs} has shape {tuple(value.shape)}, "
+                             f"this TRMConfig expects {tuple(expected)} (check hidden_size, "
+                             "expansion, seq_len, vocab_size)")
+        converted[name] = value.to(dtype=ours[name].dtype)
+    model.load_state_dict(converted, strict=True)
