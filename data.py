@@ -1,4 +1,4 @@
-"""TRM puzzle datasets: the reference format through fsspec, deterministic multi-host batches, builders.
+"""TRM puzzle datasets: the reference format via fsspec, deterministic multi-host batches, builders.
 
 A dataset root (a local path or any fsspec URL such as ``gs://bucket/data/sudoku``) holds the
 format of the reference implementation (SamsungSAILMontreal/TinyRecursiveModels):
@@ -55,7 +55,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Iterator, Optional, Sequence
 
 import fsspec
@@ -197,7 +197,8 @@ class Metadata:
         for f in fields(cls):
             value = data[f.name]
             if f.name == "sets":
-                ok = isinstance(value, list) and value and all(isinstance(s, str) for s in value)
+                ok = isinstance(value, list) and len(value) > 0 \
+                    and all(isinstance(s, str) for s in value)
                 value = tuple(value) if ok else value
             elif f.name == "mean_puzzle_examples":
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
@@ -231,15 +232,15 @@ class Dataset:
     """"train" or "test"."""
     metadata: Metadata
     """The split's dataset.json."""
-    inputs: np.ndarray
+    inputs: np.ndarray = field(repr=False)
     """[examples, seq_len] token ids, memory-mapped."""
-    labels: np.ndarray
+    labels: np.ndarray = field(repr=False)
     """[examples, seq_len] target ids, memory-mapped."""
-    puzzle_identifiers: np.ndarray
+    puzzle_identifiers: np.ndarray = field(repr=False)
     """[puzzles] puzzle-embedding row of each puzzle."""
-    puzzle_indices: np.ndarray
+    puzzle_indices: np.ndarray = field(repr=False)
     """[puzzles + 1] first example of each puzzle (int64, in memory)."""
-    group_indices: np.ndarray
+    group_indices: np.ndarray = field(repr=False)
     """[groups + 1] first puzzle of each group (int64, in memory)."""
     downloaded_bytes: int
     """Bytes copied from remote storage when opening (0 when cached or local)."""
@@ -756,8 +757,10 @@ class _SplitAccumulator:
 # Sudoku and Maze builders
 # --------------------------------------------------------------------------------------------
 
-SUDOKU_CSV_URL = "https://huggingface.co/datasets/sapientinc/sudoku-extreme/resolve/main/{split}.csv"
-MAZE_CSV_URL = "https://huggingface.co/datasets/sapientinc/maze-30x30-hard-1k/resolve/main/{split}.csv"
+# The public copies of the sources (the sapientinc datasets on Hugging Face).
+_HF = "https://huggingface.co/datasets/sapientinc"
+SUDOKU_CSV_URL = _HF + "/sudoku-extreme/resolve/main/{split}.csv"
+MAZE_CSV_URL = _HF + "/maze-30x30-hard-1k/resolve/main/{split}.csv"
 MAZE_CHARSET = "# SGo"  # wall, open, start, goal, path -> tokens 1..5 (0 is pad)
 
 
@@ -992,7 +995,10 @@ def decode_arc_grid(sequence: np.ndarray) -> np.ndarray:
 
 
 def _arc_grid(value, where: str) -> np.ndarray:
-    grid = np.array(value)
+    try:
+        grid = np.array(value)
+    except ValueError:  # ragged rows
+        grid = np.zeros(0)
     if grid.ndim != 2 or not (1 <= grid.shape[0] <= ARC_GRID_SIZE) \
             or not (1 <= grid.shape[1] <= ARC_GRID_SIZE) or grid.dtype.kind not in "iu" \
             or grid.min() < 0 or grid.max() > 9:
@@ -1319,7 +1325,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sub.add_argument("--num-aug", type=int, default=0, help="shuffled variants per train puzzle")
     sub = command("build-maze", "Build Maze-Hard from its CSV files.")
     csv_options(sub, MAZE_CSV_URL)
-    sub.add_argument("--aug", action="store_true", help="add the 8 dihedral variants per train maze")
+    sub.add_argument("--aug", action="store_true",
+                     help="add the 8 dihedral variants of each train maze")
     sub = command("build-arc", "Build ARC-AGI from challenge/solution JSON files.")
     sub.add_argument("--input-prefix", required=True,
                      help="files are {prefix}_{subset}_challenges.json and _solutions.json")

@@ -33,7 +33,8 @@ def write_synthetic(url, num_groups=12, puzzles_per_group=3, sizes=(1, 4), seq_l
             "puzzle_identifiers": np.arange(1, num_puzzles + 1),
             "puzzle_indices": np.concatenate(([0], np.cumsum(puzzle_sizes))),
             "group_indices": np.arange(0, num_puzzles + 1, puzzles_per_group)})
-    data.write_identifiers(url, ["<blank>"] + [f"p{i}" for i in range(num_groups * puzzles_per_group)])
+    names = [f"puzzle {i}" for i in range(num_groups * puzzles_per_group)]
+    data.write_identifiers(url, ["<blank>"] + names)
 
 
 def example_index(inputs):

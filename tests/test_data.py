@@ -88,7 +88,8 @@ def test_batch_contents_follow_the_plan(synthetic):
     examples, puzzles = batches.global_plan(4)
     batch = batches.batch(4)
     np.testing.assert_array_equal(example_index(batch["inputs"]), examples)
-    np.testing.assert_array_equal(batch["puzzle_identifiers"], synthetic.puzzle_identifiers[puzzles])
+    np.testing.assert_array_equal(batch["puzzle_identifiers"],
+                                  synthetic.puzzle_identifiers[puzzles])
     raw = synthetic.labels[examples].astype(np.int32)
     assert (raw == 0).any()
     np.testing.assert_array_equal(batch["labels"], np.where(raw == 0, -100, raw))
@@ -203,7 +204,8 @@ def test_builders_are_reproducible(tmp_path, demo_root):
     for split in data.SPLITS:
         for name in data.ARRAY_NAMES:
             file = f"{split}/all__{name}.npy"
-            assert (tmp_path / file).read_bytes() == open(os.path.join(demo_root, file), "rb").read()
+            with open(os.path.join(demo_root, file), "rb") as f:
+                assert (tmp_path / file).read_bytes() == f.read()
 
 
 def test_build_sudoku(tmp_path):
@@ -226,7 +228,8 @@ def test_build_sudoku(tmp_path):
 
 def test_build_maze(tmp_path):
     out = str(tmp_path / "maze")
-    data.build_maze(out, maze_csv(str(tmp_path / "tr.csv"), 3), maze_csv(str(tmp_path / "te.csv"), 2),
+    data.build_maze(out, maze_csv(str(tmp_path / "tr.csv"), 3),
+                    maze_csv(str(tmp_path / "te.csv"), 2),
                     aug=True)
     train, test = data.open_train_test(out)
     assert (train.num_groups, train.num_puzzles, test.num_puzzles) == (3, 24, 2)
