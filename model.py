@@ -13,6 +13,7 @@ one XLA graph. This file never imports torch_xla: it runs the same on CPU eager 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -563,6 +564,19 @@ class EMA:
         for name, p in model.named_parameters():
             if name in self.shadow:
                 self.shadow[name].lerp_(p.detach(), 1 - self.rate)
+
+    @contextlib.contextmanager
+    def swapped_into(self, model: nn.Module):
+        """Within the block, `model` holds the averaged weights (no copy: the tensors swap)."""
+        def swap():
+            for name, p in model.named_parameters():
+                if name in self.shadow:
+                    p.data, self.shadow[name] = self.shadow[name], p.data
+        swap()
+        try:
+            yield model
+        finally:
+            swap()
 
     @torch.no_grad()
     def copy_to(self, model: nn.Module):

@@ -1,18 +1,57 @@
-"""The only file that speaks torch_xla SPMD: the device mesh and tensor sharding annotations.
+"""The only file that speaks torch_xla SPMD: runtime start, the device mesh, sharding
+annotations, and the small cross-host protocol (barrier, broadcast, config check).
 
 Data parallel over one global 1-D mesh named "data": batch-shaped tensors (inputs, the ACT
 carry) are split on their first dimension across every device of every host; parameters and
-optimizer state are replicated.
+optimizer state are replicated. Every host runs the same program; the runtime finds its peers
+from the TPU VM metadata.
 """
 from __future__ import annotations
 
+import datetime
+import hashlib
+import os
+
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 _spmd_on = False
+
+
+class NoTPUError(RuntimeError):
+    pass
+
+
+def start_runtime(device: str, cpu_devices: int = 8) -> str:
+    """Choose the PJRT device before the runtime starts; return "TPU" or "CPU".
+
+    device: "tpu" (fail loudly when this VM has no TPU), "cpu" (a virtual mesh of
+    `cpu_devices` CPU devices), or "auto" (PJRT_DEVICE if set, else TPU when one is attached).
+    """
+    from torch_xla._internal import tpu
+
+    has_tpu = bool(torch_xla._found_libtpu) and tpu.num_available_chips() > 0
+    if device == "auto":
+        device = os.environ.get("PJRT_DEVICE", "TPU" if has_tpu else "CPU").lower()
+    if device == "tpu":
+        if not has_tpu:
+            raise NoTPUError(
+                "a TPU run was asked for (--run.device tpu or PJRT_DEVICE=TPU) but this machine "
+                f"has no TPU chips (libtpu found: {bool(torch_xla._found_libtpu)}). Run on a TPU VM, "
+                "or pass --run.device cpu to train on a virtual CPU mesh.")
+        xr.set_device_type("TPU")
+    elif device == "cpu":
+        os.environ.setdefault("CPU_NUM_DEVICES", str(cpu_devices))
+        xr.set_device_type("CPU")
+    else:
+        raise ValueError(f"run.device must be auto, tpu or cpu, got {device!r}")
+    init_spmd()
+    return xr.device_type()
 
 
 def init_spmd() -> None:
@@ -23,22 +62,134 @@ def init_spmd() -> None:
         _spmd_on = True
 
 
+def device() -> torch.device:
+    return torch_xla.device()
+
+
+def device_counts() -> tuple[int, int]:
+    """(devices in the whole slice, devices attached to this host)."""
+    return xr.global_runtime_device_count(), xr.addressable_runtime_device_count()
+
+
+def process_index() -> int:
+    return xr.process_index()
+
+
+def process_count() -> int:
+    return xr.process_count()
+
+
+def is_main_process() -> bool:
+    return xr.process_index() == 0
+
+
+# -- sharding -----------------------------------------------------------------------------------
+
+
 def data_mesh() -> xs.Mesh:
     """One axis over all devices of the slice; the size always comes from the runtime."""
     num_devices = xr.global_runtime_device_count()
     return xs.Mesh(np.arange(num_devices), (num_devices,), ("data",))
 
 
-def device() -> torch.device:
-    return torch_xla.device()
+def _batch_spec(ndim: int) -> tuple:
+    return ("data",) + (None,) * (ndim - 1)
 
 
 def shard_batch_dim(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
-    """Annotate an XLA tensor as split on dim 0 over the data axis, replicated on the rest."""
-    xs.mark_sharding(tensor, mesh, ("data",) + (None,) * (tensor.ndim - 1))
+    """Annotate an XLA tensor as split on dim 0 over the data axis (0-d tensors stay replicated)."""
+    if tensor.ndim:
+        xs.mark_sharding(tensor, mesh, _batch_spec(tensor.ndim))
     return tensor
+
+
+def host_batch_to_global(host_batch: dict[str, np.ndarray], mesh: xs.Mesh) -> dict[str, torch.Tensor]:
+    """Each host's rows → one global XLA tensor per key, batch-sharded over all devices.
+
+    This host's array holds its contiguous slice of the global batch (host p of P holds rows
+    [p·B/P, (p+1)·B/P)); with `minibatch=True` the runtime places the slice on this host's
+    devices without any cross-host traffic. Each key gets a spec of its own rank: a spec of the
+    wrong rank would silently leave that tensor replicated.
+    """
+    local_devices = xr.addressable_runtime_device_count()
+    out = {}
+    for key, array in host_batch.items():
+        if array.shape[0] % local_devices:
+            raise ValueError(f"host batch of {key!r} has {array.shape[0]} rows, not divisible by "
+                             f"this host's {local_devices} devices")
+        spec = xs.ShardingSpec(mesh, _batch_spec(array.ndim), minibatch=True)
+        cpu_tensor = torch.from_numpy(np.ascontiguousarray(array))
+        out[key] = xm.send_cpu_data_to_device(cpu_tensor, device(), input_sharding=spec)[0]
+    return out
 
 
 def sharding_spec(tensor: torch.Tensor) -> str:
     """The tensor's sharding as XLA prints it (for tests and debugging)."""
     return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+
+
+# -- cross-host protocol --------------------------------------------------------------------------
+
+
+def init_host_group(init_method: str | None = None, rank: int | None = None, world_size: int | None = None,
+                    timeout_s: float = 600) -> None:
+    """A gloo process group over the hosts, for barriers and small objects (not for tensors of
+    the step). On a pod it finds its peers through the TPU runtime (`xla://`); tests pass a
+    tcp:// address, rank and world size. A single process needs no group.
+    """
+    if dist.is_initialized():
+        return
+    if init_method is None:
+        if xr.process_count() == 1:
+            return
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// rendezvous)
+        init_method, rank, world_size = "xla://", xr.process_index(), xr.process_count()
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _group_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def barrier() -> None:
+    if _group_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Process `src`'s object on every host."""
+    if _group_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj) -> list:
+    if _group_size() == 1:
+        return [obj]
+    out = [None] * _group_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class HostMismatchError(RuntimeError):
+    pass
+
+
+def check_same_config(config_text: str) -> str:
+    """Stop every host when any host runs a different configuration (code or flags).
+
+    Returns the config hash. Every host raises the same error, naming the hosts that differ
+    from process 0.
+    """
+    digest = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    digests = all_gather_object(digest)
+    odd = [i for i, d in enumerate(digests) if d != digests[0]]
+    if odd:
+        raise HostMismatchError(
+            f"host(s) {odd} run a configuration whose hash differs from process 0's "
+            f"({', '.join(f'host {i}: {digests[i]}' for i in odd)}; host 0: {digests[0]}). "
+            "Deploy the same code and pass the same flags to every host (launch.sh deploy + train).")
+    return digest

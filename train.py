@@ -1,0 +1,406 @@
+"""Train a Tiny Recursive Model (TRM) on a Cloud TPU slice or on a virtual CPU mesh.
+
+Every host of a slice runs this same command; one program spans all devices (PyTorch/XLA SPMD,
+data parallel). On a laptop:
+
+    python train.py demo                 # builds data/demo if missing, trains on 8 virtual CPU devices
+
+With a dataset in the reference format (local path or gs://), a preset and any overrides:
+
+    python train.py sudoku-mlp --data.path gs://BUCKET/data/sudoku-extreme-1k-aug-1000 \\
+        --run.dir gs://BUCKET/runs/sudoku-mlp-1
+    python train.py arc1 --optim.lr 3e-4 --data.path gs://BUCKET/data/arc1 --run.dir gs://BUCKET/runs/x
+    python train.py --help               # the presets
+    python train.py arc1 --help          # every setting, with its preset value
+
+Presets: sudoku-mlp, sudoku-att, maze, arc1, arc2 (the paper's recipes) and demo. On a pod,
+`bash launch.sh train RUN_NAME PRESET ...` runs this on every host with PJRT_DEVICE=TPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+
+import data
+from model import EMA, TRM, AdamATan2, Carry, SignSGD, TRMConfig, loss_and_metrics
+
+PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/sudoku-extreme-1k-aug-1000"
+    """Dataset root in the reference's format: a local path or an fsspec URL (gs://...)."""
+    cache_dir: Optional[str] = None
+    """Local directory for the cached arrays (default ~/.cache/trm-data/<hash of path>)."""
+
+
+@dataclass
+class OptimConfig:
+    global_batch_size: int = 768
+    """Examples per step over all hosts (the paper's 768); must divide by the device count."""
+    epochs: int = 50000
+    """Training length in epochs (an epoch draws one puzzle per group)."""
+    max_steps: Optional[int] = None
+    """Stop after this many steps instead (for quick runs); None trains for `epochs`."""
+    lr: float = 1e-4
+    """Peak learning rate of AdamATan2."""
+    lr_min_ratio: float = 1.0
+    """Cosine decay floor as a fraction of lr (1.0: constant after warmup, as in the paper)."""
+    lr_warmup_steps: int = 2000
+    """Linear warmup steps from 0."""
+    beta1: float = 0.9
+    """AdamATan2 beta1."""
+    beta2: float = 0.95
+    """AdamATan2 beta2."""
+    weight_decay: float = 1.0
+    """Decoupled weight decay of AdamATan2."""
+    puzzle_emb_lr: float = 1e-4
+    """Peak learning rate of the puzzle-embedding SignSGD (same schedule)."""
+    puzzle_emb_weight_decay: float = 1.0
+    """Decoupled weight decay of the puzzle embedding."""
+    ema_rate: float = 0.999
+    """EMA rate of the weights used for evaluation and export."""
+
+
+@dataclass
+class EvalConfig:
+    every_epochs: int = 5000
+    """Evaluate every this many epochs (and always at the end)."""
+    max_examples: Optional[int] = None
+    """Cap intermediate evaluations to a fixed seeded subset of this many test examples
+    (the final evaluation uses all); None evaluates everything every time."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory (local or gs://): config, checkpoints, TensorBoard logs."""
+    seed: int = 0
+    """Seed of the initial weights, the data order and the halting exploration."""
+    device: Literal["auto", "tpu", "cpu"] = "auto"
+    """auto (TPU if attached or PJRT_DEVICE says so), tpu (fail without one), cpu (virtual mesh)."""
+    cpu_devices: int = 8
+    """Virtual devices of the CPU mesh (device cpu)."""
+    log_every: int = 100
+    """Read metrics back and print a progress line every this many steps."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: TRMConfig = field(default_factory=lambda: TRMConfig(mlp_t=True, pos_encodings="none"))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def _preset(base: Config | None = None, **sections) -> Config:
+    config = base or Config()
+    for name, overrides in sections.items():
+        config = dataclasses.replace(config, **{name: dataclasses.replace(getattr(config, name), **overrides)})
+    return config
+
+
+_arc = _preset(
+    data=dict(path="data/arc1concept-aug-1000"),
+    model=dict(seq_len=900, vocab_size=12, mlp_t=False, pos_encodings="rope", L_cycles=4),
+    optim=dict(epochs=100000, puzzle_emb_lr=1e-2, weight_decay=0.1, puzzle_emb_weight_decay=0.1),
+    eval=dict(every_epochs=10000),
+)
+PRESETS: dict[str, tuple[str, Config]] = {
+    "sudoku-mlp": ("Sudoku-Extreme, TRM-MLP (paper: 87.4% exact)", Config()),
+    "sudoku-att": ("Sudoku-Extreme, attention TRM (paper: 74.7%)",
+                   _preset(model=dict(mlp_t=False, pos_encodings="rope"))),
+    "maze": ("Maze-Hard 30x30, attention TRM (paper: 85.3%)",
+             _preset(data=dict(path="data/maze-30x30-hard-1k"),
+                     model=dict(seq_len=900, vocab_size=6, mlp_t=False, pos_encodings="rope", L_cycles=4))),
+    "arc1": ("ARC-AGI-1, attention TRM (paper: 44.6% pass@2)", _arc),
+    "arc2": ("ARC-AGI-2, attention TRM (paper: 7.8% pass@2)",
+             _preset(_arc, data=dict(path="data/arc2concept-aug-1000"))),
+    "demo": ("4x4 Sudoku built locally, a tiny TRM on the CPU mesh in minutes",
+             _preset(data=dict(path="data/demo"),
+                     model=dict(seq_len=16, vocab_size=6, hidden_size=64, num_heads=4, expansion=2.0,
+                                H_cycles=2, L_cycles=2, puzzle_emb_ndim=64, puzzle_emb_len=1,
+                                halt_max_steps=4, forward_dtype="float32"),
+                     optim=dict(global_batch_size=128, epochs=200, lr=1e-3, puzzle_emb_lr=1e-2,
+                                lr_warmup_steps=50, weight_decay=0.1, puzzle_emb_weight_decay=0.1,
+                                ema_rate=0.99),
+                     eval=dict(every_epochs=50, max_examples=512),
+                     run=dict(dir="runs/demo", device="cpu", log_every=20))),
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def check_against_dataset(config: Config, metadata: data.Metadata) -> Config:
+    """The model's data-derived fields must match the dataset; returns the config with the
+    dataset's identifier count filled in."""
+    for name in ("seq_len", "vocab_size"):
+        ours, theirs = getattr(config.model, name), getattr(metadata, name)
+        if ours != theirs:
+            raise ConfigError(
+                f"model.{name}={ours} but the dataset at {config.data.path} has {name}={theirs}: "
+                f"pass --model.{name.replace('_', '-')} {theirs} or the preset made for this dataset")
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, num_puzzle_identifiers=metadata.num_puzzle_identifiers))
+
+
+def check_batch_layout(global_batch_size: int, num_devices: int, num_hosts: int) -> None:
+    if global_batch_size % num_devices:
+        raise ConfigError(
+            f"optim.global_batch_size={global_batch_size} does not divide over the {num_devices} devices "
+            f"of this slice; use a multiple of {num_devices} (e.g. {math.ceil(global_batch_size / num_devices) * num_devices})")
+    if global_batch_size % num_hosts:
+        raise ConfigError(f"optim.global_batch_size={global_batch_size} does not divide over {num_hosts} hosts")
+
+
+def lr_at(step: int, peak: float, optim: OptimConfig, total_steps: int) -> float:
+    """The reference schedule: linear warmup from 0, then cosine down to lr_min_ratio·peak.
+
+    `step` counts updates from 1 (the reference increments its counter before the update).
+    """
+    if step < optim.lr_warmup_steps:
+        return peak * step / max(1, optim.lr_warmup_steps)
+    progress = (step - optim.lr_warmup_steps) / max(1, total_steps - optim.lr_warmup_steps)
+    floor = optim.lr_min_ratio
+    return peak * (floor + max(0.0, (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))))
+
+
+def config_fingerprint(config: Config) -> str:
+    """Text that differs whenever the flags or the code differ (compared across hosts)."""
+    sources = []
+    for name in ("train.py", "model.py", "data.py", "sharding.py"):
+        with open(os.path.join(PROJECT_DIR, name), "rb") as f:
+            sources.append(f"{name}:{hashlib.sha256(f.read()).hexdigest()}")
+    return json.dumps(dataclasses.asdict(config), sort_keys=True) + "\n" + "\n".join(sources)
+
+
+# ----------------------------------------------------------------------------------------------
+# The training state and the step
+
+
+TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
+EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
+
+
+class Trainer:
+    """Model, optimizers, EMA and ACT carry on the XLA device, and the traced step."""
+
+    def __init__(self, config: Config, device, mesh, shard_batch_dim):
+        self.config, self.device, self.mesh = config, device, mesh
+        self.shard = lambda t: shard_batch_dim(t, mesh)
+        torch.manual_seed(config.run.seed)  # identical initial weights on every host
+        self.model = TRM(config.model, exploration_seed=config.run.seed).to(device).train()
+        o = config.optim
+        self.adam = AdamATan2(self.model.parameters(), betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        self.sign_sgd = (SignSGD(self.model.puzzle_embedding, weight_decay=o.puzzle_emb_weight_decay)
+                         if config.model.puzzle_emb_ndim > 0 else None)
+        self.ema = EMA(self.model, rate=o.ema_rate)
+        self.carry: Carry | None = None
+        self.eval_carry: Carry | None = None
+
+    def _sharded_carry(self, carry: Carry) -> Carry:
+        return Carry.from_tensors({k: self.shard(v) for k, v in carry.tensors().items()})
+
+    def set_lrs(self, lr: float, puzzle_emb_lr: float) -> None:
+        # Uploaded as graph inputs (device data), so a new value does not change the graph.
+        lrs = torch.tensor([lr, puzzle_emb_lr], dtype=torch.float32).to(self.device)
+        for group in self.adam.param_groups:
+            group["lr"] = lrs[0]
+        if self.sign_sgd is not None:
+            self.sign_sgd.lr = lrs[1]
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One ACT segment, backward, both optimizers and the EMA; returns the metric vector
+        (TRAIN_METRICS order) as a lazy device tensor."""
+        if self.carry is None:
+            self.carry = self._sharded_carry(self.model.initial_carry(batch))
+        carry, outputs = self.model(self.carry, batch)
+        loss, metrics = loss_and_metrics(carry, outputs)
+        (loss / self.config.optim.global_batch_size).backward()
+        self.adam.step()
+        self.adam.zero_grad(set_to_none=True)
+        if self.sign_sgd is not None:
+            self.sign_sgd.step()
+            self.sign_sgd.zero_grad()
+        self.ema.update(self.model)
+        self.carry = self._sharded_carry(carry)
+        return torch.stack([metrics[k] for k in TRAIN_METRICS])
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One ACT step in eval mode on the persistent eval carry; metrics of rows that halted."""
+        carry, outputs = self.model(self.eval_carry, batch)
+        _, metrics = loss_and_metrics(carry, outputs)
+        self.eval_carry = self._sharded_carry(carry)
+        return torch.stack([metrics[k] for k in EVAL_METRICS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Reporting
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def summarize(names, values: np.ndarray, steps: int, global_batch_size: int) -> dict[str, float]:
+    """Sums over a window of steps → the reference's normalisation: losses per example, the
+    rest per halted (counted) example."""
+    sums = dict(zip(names, values.tolist()))
+    count = max(sums["count"], 1.0)
+    return {k: v if k == "count" else v / (global_batch_size * steps if k.endswith("loss") else count)
+            for k, v in sums.items()}
+
+
+def xla_summary() -> str:
+    import torch_xla.debug.metrics as met
+
+    compile_data = met.metric_data("CompileTime")
+    compiles, compile_s = (compile_data[0], compile_data[1] / 1e9) if compile_data else (0, 0.0)
+    transfers = met.metric_data("TransferFromDeviceTime")
+    fallbacks = {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}
+    return (f"XLA: {compiles} graphs compiled ({compile_s:.1f}s), "
+            f"{sum(fallbacks.values())} aten:: CPU fallbacks{' ' + str(fallbacks) if fallbacks else ''}, "
+            f"{transfers[0] if transfers else 0} device-to-host transfers")
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+
+
+def main(config: Config) -> dict[str, float]:
+    # 1. Everything that can be checked without a device, checked first.
+    try:
+        train_set, test_set = data.open_train_test(config.data.path, cache_dir=config.data.cache_dir)
+    except data.DatasetError as e:
+        raise SystemExit(f"error: {e}")
+    try:
+        config = check_against_dataset(config, train_set.metadata)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
+
+    # 2. The runtime, the mesh and the hosts.
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import sharding
+
+    device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices)
+    num_devices, local_devices = sharding.device_counts()
+    num_hosts, host = sharding.process_count(), sharding.process_index()
+    try:
+        check_batch_layout(config.optim.global_batch_size, num_devices, num_hosts)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
+    sharding.init_host_group()
+    sharding.check_same_config(config_fingerprint(config))
+    main_host = sharding.is_main_process()
+    say = (lambda *a: print(*a, flush=True)) if main_host else (lambda *a: None)
+
+    o = config.optim
+    total_steps = data.total_train_steps(train_set.metadata, o.epochs, o.global_batch_size)
+    steps_per_epoch = total_steps / o.epochs
+    if o.max_steps is not None:
+        total_steps = min(total_steps, o.max_steps)
+    eval_every = max(1, round(config.eval.every_epochs * steps_per_epoch))
+    say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
+        f"global batch {o.global_batch_size}, {total_steps} steps, evaluation every {eval_every} steps")
+
+    mesh = sharding.data_mesh()
+    device = sharding.device()
+    trainer = Trainer(config, device, mesh, sharding.shard_batch_dim)
+    say(f"model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters; data: {config.data.path}")
+    train_batches = data.TrainBatches(train_set, o.global_batch_size, seed=config.run.seed,
+                                      process_index=host, process_count=num_hosts)
+
+    def evaluate(step: int, final: bool) -> dict[str, float]:
+        batches = data.EvalBatches(test_set, o.global_batch_size, process_index=host, process_count=num_hosts,
+                                   max_examples=None if final else config.eval.max_examples,
+                                   seed=config.run.seed)
+        started = time.time()
+        sums = torch.zeros(len(EVAL_METRICS)).to(device)
+        with trainer.ema.swapped_into(trainer.model):
+            trainer.model.eval()
+            for index in range(len(batches)):
+                batch = sharding.host_batch_to_global(batches.batch(index), mesh)
+                if trainer.eval_carry is None:
+                    trainer.eval_carry = trainer._sharded_carry(trainer.model.initial_carry(batch))
+                for _ in range(config.model.halt_max_steps):
+                    sums = sums + trainer.eval_step(batch)
+                    torch_xla.sync()
+            trainer.model.train()
+        result = summarize(EVAL_METRICS, sums.cpu().numpy(), 1, o.global_batch_size)
+        say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  accuracy {result['accuracy']:.4f}  "
+            f"q_halt_accuracy {result['q_halt_accuracy']:.4f}  steps {result['steps']:.2f}  "
+            f"on {batches.num_examples} examples in {time.time() - started:.0f}s")
+        return result
+
+    # 3. The loop. Nothing in it reads a device value except the asynchronous log closure.
+    window_sums = torch.zeros(len(TRAIN_METRICS)).to(device)
+    window_start, window_steps = time.time(), 0
+    last_eval: dict[str, float] = {}
+    loop_start = time.time()
+
+    def report(values: torch.Tensor, step: int, steps: int, seconds: float, lr: float):
+        m = summarize(TRAIN_METRICS, values.cpu().numpy(), steps, o.global_batch_size)
+        rate = steps / max(seconds, 1e-9)
+        say(f"step {step}/{total_steps} ({100 * step / total_steps:.1f}%)  loss {m['lm_loss'] + 0.5 * m['q_halt_loss']:.4f}  "
+            f"exact {m['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
+            f"{rate * o.global_batch_size:.0f} ex/s  ETA {format_duration((total_steps - step) / rate)}")
+
+    for step in range(1, total_steps + 1):
+        host_batch = train_batches.batch(step - 1)
+        batch = sharding.host_batch_to_global(host_batch, mesh)
+        lr = lr_at(step, o.lr, o, total_steps)
+        trainer.set_lrs(lr, lr_at(step, o.puzzle_emb_lr, o, total_steps))
+        window_sums = window_sums + trainer.train_step(batch)
+        torch_xla.sync()
+        window_steps += 1
+        if step % config.run.log_every == 0 or step == total_steps:
+            xm.add_step_closure(report, args=(window_sums, step, window_steps, time.time() - window_start, lr),
+                                run_async=True)
+            window_sums = torch.zeros(len(TRAIN_METRICS)).to(device)
+            window_start, window_steps = time.time(), 0
+        if step % eval_every == 0 and step != total_steps:
+            last_eval = evaluate(step, final=False)
+
+    xm.wait_device_ops()
+    last_eval = evaluate(total_steps, final=True)
+    say(f"done: {total_steps} steps in {format_duration(time.time() - loop_start)}; "
+        f"final exact accuracy {100 * last_eval['exact_accuracy']:.2f}% on held-out puzzles")
+    say(xla_summary())
+    return last_eval
+
+
+def cli(argv: list[str] | None = None) -> Config:
+    import tyro
+
+    config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
+    if config.data.path == PRESETS["demo"][1].data.path and not os.path.exists(config.data.path):
+        print(f"building the demo dataset at {config.data.path}", flush=True)
+        data.build_demo(config.data.path, seed=0)
+    return config
+
+
+if __name__ == "__main__":
+    main(cli())
