@@ -106,8 +106,7 @@ def _storage_problem(exc: BaseException) -> Optional[str]:
         return (f"no valid Google Cloud credentials ({exc}). Authenticate with "
                 "`gcloud auth application-default login`, or on a TPU VM give its service "
                 "account read access (roles/storage.objectViewer) to the bucket")
-    if isinstance(exc, PermissionError) or str(exc).startswith("Forbidden") \
-            or getattr(exc, "code", None) == 403:
+    if str(exc).startswith("Forbidden") or getattr(exc, "code", None) == 403:
         return (f"access denied ({exc}). Give the account you run as "
                 "roles/storage.objectViewer on the bucket (objectAdmin to write), "
                 "or check the bucket name")
