@@ -497,7 +497,19 @@ class AdamATan2(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
     @torch.no_grad()
+    def init_state(self):
+        """Create the state now rather than at the first step, so that the first step traces
+        the same graph as every later one."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self.state[p]:
+                    self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    self.state[p]["exp_avg"] = torch.zeros_like(p)
+                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+
+    @torch.no_grad()
     def step(self, closure=None):
+        self.init_state()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, decay = group["lr"], group["weight_decay"]
@@ -505,10 +517,6 @@ class AdamATan2(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"].add_(1)
                 t = state["step"]
                 m, v = state["exp_avg"], state["exp_avg_sq"]

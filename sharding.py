@@ -103,6 +103,14 @@ def shard_batch_dim(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
     return tensor
 
 
+def replicate(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
+    """Annotate an XLA tensor as replicated on every device. Model state starts unannotated;
+    a tensor the step writes comes back annotated "replicated", and that difference alone would
+    make the second step trace a new graph."""
+    xs.mark_sharding(tensor, mesh, (None,) * tensor.ndim)
+    return tensor
+
+
 def host_batch_to_global(host_batch: dict[str, np.ndarray], mesh: xs.Mesh) -> dict[str, torch.Tensor]:
     """Each host's rows → one global XLA tensor per key, batch-sharded over all devices.
 

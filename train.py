@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -203,18 +204,28 @@ EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps
 class Trainer:
     """Model, optimizers, EMA and ACT carry on the XLA device, and the traced step."""
 
-    def __init__(self, config: Config, device, mesh, shard_batch_dim):
+    def __init__(self, config: Config, device, mesh, shard_batch_dim, replicate):
         self.config, self.device, self.mesh = config, device, mesh
         self.shard = lambda t: shard_batch_dim(t, mesh)
         torch.manual_seed(config.run.seed)  # identical initial weights on every host
         self.model = TRM(config.model, exploration_seed=config.run.seed).to(device).train()
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            replicate(tensor, mesh)
         o = config.optim
         self.adam = AdamATan2(self.model.parameters(), betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.sign_sgd = (SignSGD(self.model.puzzle_embedding, weight_decay=o.puzzle_emb_weight_decay)
                          if config.model.puzzle_emb_ndim > 0 else None)
+        self.adam.init_state()
         self.ema = EMA(self.model, rate=o.ema_rate)
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
+
+    def init_carries(self, batch: dict[str, torch.Tensor]) -> None:
+        """All-halted carries for training and evaluation, so that the first step of each
+        loads its whole batch. Created before the first step (and materialised by the caller's
+        sync) so that every step, the first included, traces the same graph."""
+        self.carry = self._sharded_carry(self.model.initial_carry(batch))
+        self.eval_carry = self._sharded_carry(self.model.initial_carry(batch))
 
     def _sharded_carry(self, carry: Carry) -> Carry:
         return Carry.from_tensors({k: self.shard(v) for k, v in carry.tensors().items()})
@@ -230,8 +241,6 @@ class Trainer:
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One ACT segment, backward, both optimizers and the EMA; returns the metric vector
         (TRAIN_METRICS order) as a lazy device tensor."""
-        if self.carry is None:
-            self.carry = self._sharded_carry(self.model.initial_carry(batch))
         carry, outputs = self.model(self.carry, batch)
         loss, metrics = loss_and_metrics(carry, outputs)
         (loss / self.config.optim.global_batch_size).backward()
@@ -272,23 +281,27 @@ def summarize(names, values: np.ndarray, steps: int, global_batch_size: int) -> 
             for k, v in sums.items()}
 
 
-def xla_summary() -> str:
+def xla_counters() -> dict:
+    """Graphs compiled (and seconds), aten:: CPU fallbacks by op, device-to-host transfers."""
     import torch_xla.debug.metrics as met
 
     compile_data = met.metric_data("CompileTime")
-    compiles, compile_s = (compile_data[0], compile_data[1] / 1e9) if compile_data else (0, 0.0)
     transfers = met.metric_data("TransferFromDeviceTime")
-    fallbacks = {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")}
-    return (f"XLA: {compiles} graphs compiled ({compile_s:.1f}s), "
-            f"{sum(fallbacks.values())} aten:: CPU fallbacks{' ' + str(fallbacks) if fallbacks else ''}, "
-            f"{transfers[0] if transfers else 0} device-to-host transfers")
+    return {
+        "compiles": compile_data[0] if compile_data else 0,
+        "compile_seconds": compile_data[1] / 1e9 if compile_data else 0.0,
+        "fallbacks": {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")},
+        "transfers": transfers[0] if transfers else 0,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # Main
 
 
-def main(config: Config) -> dict[str, float]:
+def main(config: Config) -> dict:
+    """Train (and evaluate) as configured; returns the logged history, the evaluations and
+    the XLA counters."""
     # 1. Everything that can be checked without a device, checked first.
     try:
         train_set, test_set = data.open_train_test(config.data.path, cache_dir=config.data.cache_dir)
@@ -301,7 +314,6 @@ def main(config: Config) -> dict[str, float]:
 
     # 2. The runtime, the mesh and the hosts.
     import torch_xla
-    import torch_xla.core.xla_model as xm
 
     import sharding
 
@@ -328,7 +340,7 @@ def main(config: Config) -> dict[str, float]:
 
     mesh = sharding.data_mesh()
     device = sharding.device()
-    trainer = Trainer(config, device, mesh, sharding.shard_batch_dim)
+    trainer = Trainer(config, device, mesh, sharding.shard_batch_dim, sharding.replicate)
     say(f"model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters; data: {config.data.path}")
     train_batches = data.TrainBatches(train_set, o.global_batch_size, seed=config.run.seed,
                                       process_index=host, process_count=num_hosts)
@@ -343,53 +355,69 @@ def main(config: Config) -> dict[str, float]:
             trainer.model.eval()
             for index in range(len(batches)):
                 batch = sharding.host_batch_to_global(batches.batch(index), mesh)
-                if trainer.eval_carry is None:
-                    trainer.eval_carry = trainer._sharded_carry(trainer.model.initial_carry(batch))
                 for _ in range(config.model.halt_max_steps):
                     sums = sums + trainer.eval_step(batch)
                     torch_xla.sync()
             trainer.model.train()
         result = summarize(EVAL_METRICS, sums.cpu().numpy(), 1, o.global_batch_size)
+        result["num_examples"] = batches.num_examples
         say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  accuracy {result['accuracy']:.4f}  "
             f"q_halt_accuracy {result['q_halt_accuracy']:.4f}  steps {result['steps']:.2f}  "
             f"on {batches.num_examples} examples in {time.time() - started:.0f}s")
         return result
 
-    # 3. The loop. Nothing in it reads a device value except the asynchronous log closure.
+    # 3. The loop. Nothing in it reads a device value: metric sums are read by a background
+    # thread every log_every steps, while the host traces the following steps.
+    trainer.init_carries(sharding.host_batch_to_global(train_batches.batch(0), mesh))
+    torch_xla.sync()  # materialise weights, optimizer state and carries before the first step
+    reader = ThreadPoolExecutor(max_workers=1)
+    history: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
     window_sums = torch.zeros(len(TRAIN_METRICS)).to(device)
     window_start, window_steps = time.time(), 0
-    last_eval: dict[str, float] = {}
     loop_start = time.time()
 
     def report(values: torch.Tensor, step: int, steps: int, seconds: float, lr: float):
         m = summarize(TRAIN_METRICS, values.cpu().numpy(), steps, o.global_batch_size)
-        rate = steps / max(seconds, 1e-9)
-        say(f"step {step}/{total_steps} ({100 * step / total_steps:.1f}%)  loss {m['lm_loss'] + 0.5 * m['q_halt_loss']:.4f}  "
+        m.update(step=step, lr=lr, loss=m["lm_loss"] + 0.5 * m["q_halt_loss"], steps_per_s=steps / max(seconds, 1e-9))
+        history.append(m)
+        rate = m["steps_per_s"]
+        say(f"step {step}/{total_steps} ({100 * step / total_steps:.1f}%)  loss {m['loss']:.4f}  "
             f"exact {m['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
             f"{rate * o.global_batch_size:.0f} ex/s  ETA {format_duration((total_steps - step) / rate)}")
 
     for step in range(1, total_steps + 1):
-        host_batch = train_batches.batch(step - 1)
-        batch = sharding.host_batch_to_global(host_batch, mesh)
+        batch = sharding.host_batch_to_global(train_batches.batch(step - 1), mesh)
         lr = lr_at(step, o.lr, o, total_steps)
         trainer.set_lrs(lr, lr_at(step, o.puzzle_emb_lr, o, total_steps))
         window_sums = window_sums + trainer.train_step(batch)
         torch_xla.sync()
         window_steps += 1
         if step % config.run.log_every == 0 or step == total_steps:
-            xm.add_step_closure(report, args=(window_sums, step, window_steps, time.time() - window_start, lr),
-                                run_async=True)
+            reader.submit(report, window_sums, step, window_steps, time.time() - window_start, lr).add_done_callback(
+                _raise_in_main_thread)
             window_sums = torch.zeros(len(TRAIN_METRICS)).to(device)
             window_start, window_steps = time.time(), 0
         if step % eval_every == 0 and step != total_steps:
-            last_eval = evaluate(step, final=False)
+            evals.append(dict(evaluate(step, final=False), step=step))
 
-    xm.wait_device_ops()
-    last_eval = evaluate(total_steps, final=True)
+    reader.shutdown(wait=True)
+    final = dict(evaluate(total_steps, final=True), step=total_steps)
+    evals.append(final)
     say(f"done: {total_steps} steps in {format_duration(time.time() - loop_start)}; "
-        f"final exact accuracy {100 * last_eval['exact_accuracy']:.2f}% on held-out puzzles")
-    say(xla_summary())
-    return last_eval
+        f"final exact accuracy {100 * final['exact_accuracy']:.2f}% on held-out puzzles")
+    xla = xla_counters()
+    say(f"XLA: {xla['compiles']} graphs compiled ({xla['compile_seconds']:.1f}s), "
+        f"{sum(xla['fallbacks'].values())} aten:: CPU fallbacks{' ' + str(xla['fallbacks']) if xla['fallbacks'] else ''}, "
+        f"{xla['transfers']} device-to-host transfers")
+    return {"history": history, "evals": evals, "final": final, "xla": xla}
+
+
+def _raise_in_main_thread(future) -> None:
+    if future.exception() is not None:  # a failed metrics read must not pass silently
+        import _thread
+        print(f"error: reading metrics failed: {future.exception()!r}", file=sys.stderr, flush=True)
+        _thread.interrupt_main()
 
 
 def cli(argv: list[str] | None = None) -> Config:

@@ -1,0 +1,156 @@
+"""train.py and sharding.py: end-to-end SPMD training on the virtual CPU mesh."""
+import dataclasses
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import data
+import train
+
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("demo"))
+    data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
+    return path
+
+
+def tiny_args(demo_path, tmp_path, *extra):
+    """CLI arguments of a small demo run (hidden 32) on `demo_path`."""
+    return ["demo", "--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache"),
+            "--run.dir", str(tmp_path / "run"), "--model.hidden-size", "32", "--model.puzzle-emb-ndim", "32",
+            "--optim.global-batch-size", "32", *extra]
+
+
+def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
+    import torch_xla.debug.metrics as met
+
+    met.clear_all()
+    config = train.cli(tiny_args(demo_path, tmp_path, "--optim.max-steps", "150", "--run.log-every", "50",
+                                 "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "5"))
+    result = train.main(config)
+    xla = result["xla"]
+    # One graph to materialise the initial state, one training step, one evaluation step:
+    # anything more is a recompile.
+    assert xla["compiles"] == 3, xla
+    assert not xla["fallbacks"]
+    # Device-to-host reads: one per log line and one per evaluation, nothing in the steps.
+    assert xla["transfers"] == len(result["history"]) + len(result["evals"]) == 3 + 1
+    history = result["history"]
+    assert [h["step"] for h in history] == [50, 100, 150]
+    assert history[-1]["lm_loss"] < 0.8 * history[0]["lm_loss"], history
+    assert history[0]["exact_accuracy"] < 0.05 and history[-1]["exact_accuracy"] > 0.3, history
+    assert result["final"]["count"] == 40  # every held-out puzzle, no padding row counted
+
+
+def test_sharded_over_8_devices_equals_1_device(demo_path, tmp_path):
+    args = tiny_args(demo_path, tmp_path, "--optim.max-steps", "5", "--run.log-every", "1",
+                     "--eval.every-epochs", "1000")
+    sharded = train.main(train.cli(args))
+
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {PROJECT_DIR!r})
+        import train
+        result = train.main(train.cli({args!r} + ["--run.cpu-devices", "1"]))
+        print("RESULT" + json.dumps([h["loss"] for h in result["history"]]))
+    """)
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TRM on CPU: 1 devices on 1 host(s)" in proc.stdout
+    one_device = json.loads(proc.stdout.split("RESULT")[1])
+    assert len(one_device) == 5
+    for a, b in zip([h["loss"] for h in sharded["history"]], one_device):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_config_errors_name_the_values(demo_path, tmp_path, capsys):
+    with pytest.raises(SystemExit, match=r"model.seq_len=81 but the dataset at .* has seq_len=16: "
+                                         r"pass --model.seq-len 16"):
+        train.main(train.cli(tiny_args(demo_path, tmp_path, "--model.seq-len", "81")))
+    with pytest.raises(SystemExit, match="model.vocab_size=11 but the dataset .* has vocab_size=6"):
+        train.main(train.cli(tiny_args(demo_path, tmp_path, "--model.vocab-size", "11")))
+    with pytest.raises(SystemExit, match=r"global_batch_size=36 does not divide over the 8 devices .* "
+                                         r"use a multiple of 8 \(e.g. 40\)"):
+        train.main(train.cli(tiny_args(demo_path, tmp_path, "--optim.global-batch-size", "36")))
+    missing = str(tmp_path / "nowhere")
+    with pytest.raises(SystemExit, match="nowhere"):
+        train.main(train.cli(tiny_args(demo_path, tmp_path, "--data.path", missing)))
+    with pytest.raises(SystemExit):
+        train.cli(["sudoku-xl"])
+    assert "sudoku-xl" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # tyro shows the model's ValueError and exits
+        train.cli(tiny_args(demo_path, tmp_path, "--model.H-cycles", "0"))
+    err = " ".join(capsys.readouterr().err.replace("│", " ").split())
+    assert "TRMConfig.H_cycles must be a positive integer, got 0" in err
+
+
+def test_tpu_requested_without_tpu_fails_loudly():
+    import sharding
+
+    with pytest.raises(sharding.NoTPUError, match="has no TPU chips.*--run.device cpu"):
+        sharding.start_runtime("tpu")
+
+
+def test_presets_are_the_papers_recipes():
+    presets = {name: config for name, (_, config) in train.PRESETS.items()}
+    assert presets["sudoku-mlp"].model.mlp_t and presets["sudoku-mlp"].model.pos_encodings == "none"
+    for name in ("sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2"):
+        c = presets[name]
+        assert (c.optim.global_batch_size, c.optim.lr, c.optim.lr_warmup_steps) == (768, 1e-4, 2000)
+        assert (c.model.H_cycles, c.model.hidden_size, c.model.halt_max_steps) == (3, 512, 16)
+        assert c.model.L_cycles == (6 if name.startswith("sudoku") else 4)
+    assert presets["arc1"].optim.puzzle_emb_lr == 1e-2 and presets["arc1"].optim.weight_decay == 0.1
+    assert presets["arc1"].optim.epochs == 100000 and presets["sudoku-att"].optim.epochs == 50000
+
+
+def test_lr_schedule_matches_the_reference_formula():
+    optim = dataclasses.replace(train.OptimConfig(), lr_warmup_steps=10, lr_min_ratio=0.1)
+    assert train.lr_at(0, 1.0, optim, 110) == 0
+    assert train.lr_at(5, 1.0, optim, 110) == pytest.approx(0.5)
+    assert train.lr_at(10, 1.0, optim, 110) == pytest.approx(1.0)
+    assert train.lr_at(60, 1.0, optim, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert train.lr_at(110, 1.0, optim, 110) == pytest.approx(0.1)
+    constant = dataclasses.replace(optim, lr_min_ratio=1.0)
+    assert train.lr_at(80, 2.0, constant, 110) == 2.0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hosts_with_different_configs_all_stop_naming_the_odd_host():
+    """Three real processes in a gloo group; host 2 runs different flags."""
+    port = _free_port()
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {PROJECT_DIR!r})
+        import sharding
+        rank = int(sys.argv[1])
+        sharding.init_host_group("tcp://127.0.0.1:{port}", rank=rank, world_size=3, timeout_s=60)
+        assert sharding.broadcast_object({{"run": "abc"}} if rank == 0 else None) == {{"run": "abc"}}
+        sharding.barrier()
+        try:
+            sharding.check_same_config("lr=1e-4" if rank != 2 else "lr=3e-4")
+        except sharding.HostMismatchError as e:
+            print("MISMATCH", e)
+            sys.exit(3)
+    """)
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(rank)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(3)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 3, err[-2000:]
+        assert "MISMATCH host(s) [2] run a configuration whose hash differs from process 0's" in out
