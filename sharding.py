@@ -131,6 +131,27 @@ def host_batch_to_global(host_batch: dict[str, np.ndarray], mesh: xs.Mesh) -> di
     return out
 
 
+def local_rows(tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """This host's rows of a batch-sharded tensor as (first global row, CPU tensor), copied from
+    the local devices only (`.cpu()` of a sharded tensor would gather from every host)."""
+    from torch_xla.distributed.spmd import XLAShardedTensor
+
+    shards = XLAShardedTensor(tensor).local_shards
+    if any(s.indices is Ellipsis for s in shards):  # a mesh of one device: nothing is split
+        return 0, shards[0].data
+    blocks = sorted(((s.indices[0].start, s.unpadded_data) for s in shards), key=lambda b: b[0])
+    start = blocks[0][0]
+    rows = torch.cat([b for _, b in blocks])
+    if [b[0] for b in blocks] != [start + sum(len(x) for _, x in blocks[:i]) for i in range(len(blocks))]:
+        raise RuntimeError("this host's rows are not contiguous; the data mesh must list devices in host order")
+    return start, rows
+
+
+def local_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of a replicated tensor, read from one local device (no cross-host traffic)."""
+    return tensor.cpu()
+
+
 def sharding_spec(tensor: torch.Tensor) -> str:
     """The tensor's sharding as XLA prints it (for tests and debugging)."""
     return torch_xla._XLAC._get_xla_sharding_spec(tensor)
@@ -180,6 +201,15 @@ def all_gather_object(obj) -> list:
     out = [None] * _group_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def any_host(flag: bool) -> bool:
+    """True on every host when `flag` is true on at least one (a collective: all hosts call it)."""
+    if _group_size() == 1:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 class HostMismatchError(RuntimeError):

@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 import data
+from checkpoint import Block, CheckpointWriter, assign_owners
 from model import EMA, TRM, AdamATan2, Carry, SignSGD, TRMConfig, loss_and_metrics
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -99,6 +101,17 @@ class RunConfig:
     """Virtual devices of the CPU mesh (device cpu)."""
     log_every: int = 100
     """Read metrics back and print a progress line every this many steps."""
+    ckpt_every: int = 2000
+    """Save a checkpoint every this many steps (and always at the end and on SIGTERM)."""
+    keep_checkpoints: int = 3
+    """Committed checkpoints to keep; older ones are deleted."""
+    init_from: Optional[str] = None
+    """Start from these weights (a reference-implementation checkpoint or an exported
+    model.safetensors) when the run directory has no checkpoint yet."""
+    allow_config_change: bool = False
+    """Resume even though the run directory was created with a different configuration."""
+    preempt_check_every: int = 10
+    """On several hosts, agree every this many steps whether any host got SIGTERM."""
 
 
 @dataclass
@@ -202,15 +215,21 @@ EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps
 
 
 class Trainer:
-    """Model, optimizers, EMA and ACT carry on the XLA device, and the traced step."""
+    """Model, optimizers, EMA and ACT carry on the XLA device, and the traced step.
 
-    def __init__(self, config: Config, device, mesh, shard_batch_dim, replicate):
-        self.config, self.device, self.mesh = config, device, mesh
-        self.shard = lambda t: shard_batch_dim(t, mesh)
+    `restore` (CPU tensors under checkpoint names, see `named_state`) replaces the fresh
+    state: a full checkpoint, or only `model/*` weights to start from.
+    """
+
+    def __init__(self, config: Config, sharding, mesh, restore: dict[str, torch.Tensor] | None = None):
+        self.config, self.sharding, self.mesh = config, sharding, mesh
+        self.device = sharding.device()
+        restore = restore or {}
         torch.manual_seed(config.run.seed)  # identical initial weights on every host
-        self.model = TRM(config.model, exploration_seed=config.run.seed).to(device).train()
-        for tensor in [*self.model.parameters(), *self.model.buffers()]:
-            replicate(tensor, mesh)
+        model = TRM(config.model, exploration_seed=config.run.seed).train()
+        if restore:
+            model.load_state_dict({k.removeprefix("model/"): v for k, v in restore.items() if k.startswith("model/")})
+        self.model = model.to(self.device)
         o = config.optim
         self.adam = AdamATan2(self.model.parameters(), betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.sign_sgd = (SignSGD(self.model.puzzle_embedding, weight_decay=o.puzzle_emb_weight_decay)
@@ -219,16 +238,53 @@ class Trainer:
         self.ema = EMA(self.model, rate=o.ema_rate)
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
+        for name, tensor in self.named_state().items():
+            if name in restore and not name.startswith("model/"):
+                tensor.data = restore[name].to(self.device)
+        for tensor in self.named_state().values():
+            sharding.replicate(tensor, mesh)
+        if "carry/rng_counter" in restore:
+            host_rows = {k.removeprefix("carry/"): v.numpy() for k, v in restore.items()
+                         if k.startswith("carry/") and v.ndim}
+            restored = self.sharding.host_batch_to_global(host_rows, mesh)
+            restored["rng_counter"] = sharding.replicate(restore["carry/rng_counter"].to(self.device), mesh)
+            self.restored_carry = Carry.from_tensors(restored)
+        else:
+            self.restored_carry = None
+
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the training state under its checkpoint name (not the carries)."""
+        state = {f"model/{n}": t for n, t in self.model.state_dict(keep_vars=True).items()}
+        state.update({f"ema/{n}": t for n, t in self.ema.shadow.items()})
+        for name, p in self.model.named_parameters():
+            state.update({f"adam/{name}/{k}": v for k, v in self.adam.state[p].items()})
+        return state
+
+    def checkpoint_blocks(self, process_index: int, process_count: int) -> dict[str, Block]:
+        """This host's share of the state, copied to the CPU: the replicated tensors it owns
+        and its rows of the carry."""
+        state = self.named_state()
+        owners = assign_owners({n: t.numel() * t.element_size() for n, t in state.items()}, process_count)
+        blocks = {n: Block(self.sharding.local_copy(t), tuple(t.shape)) for n, t in state.items()
+                  if owners[n] == process_index}
+        for name, t in self.carry.tensors().items():
+            if t.ndim == 0:
+                if process_index == 0:
+                    blocks[f"carry/{name}"] = Block(self.sharding.local_copy(t), ())
+            else:
+                start, rows = self.sharding.local_rows(t)
+                blocks[f"carry/{name}"] = Block(rows, tuple(t.shape), start)
+        return blocks
 
     def init_carries(self, batch: dict[str, torch.Tensor]) -> None:
         """All-halted carries for training and evaluation, so that the first step of each
         loads its whole batch. Created before the first step (and materialised by the caller's
         sync) so that every step, the first included, traces the same graph."""
-        self.carry = self._sharded_carry(self.model.initial_carry(batch))
+        self.carry = self.restored_carry or self._sharded_carry(self.model.initial_carry(batch))
         self.eval_carry = self._sharded_carry(self.model.initial_carry(batch))
 
     def _sharded_carry(self, carry: Carry) -> Carry:
-        return Carry.from_tensors({k: self.shard(v) for k, v in carry.tensors().items()})
+        return Carry.from_tensors({k: self.sharding.shard_batch_dim(v, self.mesh) for k, v in carry.tensors().items()})
 
     def set_lrs(self, lr: float, puzzle_emb_lr: float) -> None:
         # Uploaded as graph inputs (device data), so a new value does not change the graph.
@@ -299,22 +355,143 @@ def xla_counters() -> dict:
 # Main
 
 
+class RunLog:
+    """Progress lines (process 0), TensorBoard scalars under {run_dir}/tb (process 0) and the
+    returned history. Device values are read on one background thread, in order, so the step
+    loop never waits for them."""
+
+    def __init__(self, config: Config, total_steps: int, main_host: bool):
+        self.config, self.total_steps, self.main_host = config, total_steps, main_host
+        self.history: list[dict[str, float]] = []
+        self.evals: list[dict[str, float]] = []
+        self.reader = ThreadPoolExecutor(max_workers=1)
+        self.tb = None
+        if main_host:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(_join(config.run.dir, "tb"))
+
+    def say(self, *parts) -> None:
+        if self.main_host:
+            print(*parts, flush=True)
+
+    def _in_order(self, fn, *args) -> None:
+        self.reader.submit(fn, *args).add_done_callback(_raise_in_main_thread)
+
+    def config_text(self, config: Config) -> None:
+        if self.tb:
+            text = json.dumps(dataclasses.asdict(config), indent=2)
+            self._in_order(self.tb.add_text, "config", f"```\n{text}\n```", 0)
+
+    def train_window(self, sums: torch.Tensor, step: int, steps: int, seconds: float, lr: float) -> None:
+        self._in_order(self._report_train, sums, step, steps, seconds, lr)
+
+    def _report_train(self, sums, step, steps, seconds, lr):
+        o = self.config.optim
+        m = summarize(TRAIN_METRICS, sums.cpu().numpy(), steps, o.global_batch_size)
+        rate = steps / max(seconds, 1e-9)
+        m.update(step=step, lr=lr, loss=m["lm_loss"] + 0.5 * m["q_halt_loss"], steps_per_s=rate,
+                 examples_per_s=rate * o.global_batch_size)
+        self.history.append(m)
+        self.say(f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.1f}%)  loss {m['loss']:.4f}  "
+                 f"exact {m['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
+                 f"{m['examples_per_s']:.0f} ex/s  ETA {format_duration((self.total_steps - step) / rate)}")
+        if self.tb:
+            for k, v in m.items():
+                if k != "step":
+                    self.tb.add_scalar(f"train/{k}", v, step)
+            self.tb.add_scalar("xla/compiles", xla_counters()["compiles"], step)
+
+    def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
+        self.evals.append(dict(result, step=step))
+        self.say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  "
+                 f"accuracy {result['accuracy']:.4f}  q_halt_accuracy {result['q_halt_accuracy']:.4f}  "
+                 f"steps {result['steps']:.2f}  on {result['num_examples']} examples in {seconds:.0f}s")
+        if self.tb:
+            for k, v in result.items():
+                self._in_order(self.tb.add_scalar, f"eval/{k}", v, step)
+
+    def drain(self) -> None:
+        """Wait until every queued read has finished."""
+        self.reader.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.reader.shutdown(wait=True)
+        if self.tb:
+            self.tb.close()
+
+
+def _join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+OPERATIONAL_FIELDS = {"data.cache_dir", "run.log_every", "run.device", "run.cpu_devices", "run.ckpt_every",
+                      "run.keep_checkpoints", "run.init_from", "run.allow_config_change",
+                      "run.preempt_check_every", "optim.max_steps"}
+
+
+def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Fields (dotted) whose values differ, leaving out those that do not change the math."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        name = f"{prefix}{key}"
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, name + ".")
+        elif a != b and name not in OPERATIONAL_FIELDS:
+            out.append(f"{name}: {a!r} in the run directory, {b!r} now")
+    return out
+
+
+def load_initial_weights(url: str, model_config: TRMConfig) -> dict[str, torch.Tensor]:
+    """`model/*` tensors from an exported model.safetensors or a reference checkpoint."""
+    import io
+
+    import checkpoint
+    from model import load_reference_state_dict
+
+    model = TRM(model_config)
+    if url.endswith(".safetensors"):
+        weights, _ = checkpoint.read_exported(url)
+        model.load_state_dict(weights)
+    else:
+        state_dict = torch.load(io.BytesIO(checkpoint.read_bytes(url)), map_location="cpu", weights_only=True)
+        load_reference_state_dict(model, state_dict)
+    return {f"model/{k}": v for k, v in model.state_dict().items()}
+
+
+def evaluate(trainer: Trainer, batches: data.EvalBatches, sync) -> dict[str, float]:
+    """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
+    metrics over real (non-padding) examples."""
+    sharding, o = trainer.sharding, trainer.config.optim
+    sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
+    with trainer.ema.swapped_into(trainer.model):
+        trainer.model.eval()
+        for index in range(len(batches)):
+            batch = sharding.host_batch_to_global(batches.batch(index), trainer.mesh)
+            for _ in range(trainer.config.model.halt_max_steps):
+                sums = sums + trainer.eval_step(batch)
+                sync()
+        trainer.model.train()
+    result = summarize(EVAL_METRICS, sums.cpu().numpy(), 1, o.global_batch_size)
+    result["num_examples"] = batches.num_examples
+    return result
+
+
 def main(config: Config) -> dict:
-    """Train (and evaluate) as configured; returns the logged history, the evaluations and
-    the XLA counters."""
+    """Train (and evaluate) as configured, resuming from the run directory's latest
+    checkpoint; returns the logged history, the evaluations and the XLA counters."""
     # 1. Everything that can be checked without a device, checked first.
     try:
         train_set, test_set = data.open_train_test(config.data.path, cache_dir=config.data.cache_dir)
-    except data.DatasetError as e:
-        raise SystemExit(f"error: {e}")
-    try:
         config = check_against_dataset(config, train_set.metadata)
-    except ConfigError as e:
+    except (data.DatasetError, ConfigError) as e:
         raise SystemExit(f"error: {e}")
 
     # 2. The runtime, the mesh and the hosts.
     import torch_xla
 
+    import checkpoint
     import sharding
 
     device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices)
@@ -326,8 +503,6 @@ def main(config: Config) -> dict:
         raise SystemExit(f"error: {e}")
     sharding.init_host_group()
     sharding.check_same_config(config_fingerprint(config))
-    main_host = sharding.is_main_process()
-    say = (lambda *a: print(*a, flush=True)) if main_host else (lambda *a: None)
 
     o = config.optim
     total_steps = data.total_train_steps(train_set.metadata, o.epochs, o.global_batch_size)
@@ -335,58 +510,67 @@ def main(config: Config) -> dict:
     if o.max_steps is not None:
         total_steps = min(total_steps, o.max_steps)
     eval_every = max(1, round(config.eval.every_epochs * steps_per_epoch))
-    say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
-        f"global batch {o.global_batch_size}, {total_steps} steps, evaluation every {eval_every} steps")
+    log = RunLog(config, total_steps, sharding.is_main_process())
+    log.say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
+            f"global batch {o.global_batch_size}, {total_steps} steps, evaluation every {eval_every} steps")
+
+    # 3. Resume from the latest committed checkpoint, or start (optionally from given weights).
+    def host_rows(shape):
+        return host * shape[0] // num_hosts, (host + 1) * shape[0] // num_hosts
+
+    found = checkpoint.latest_checkpoint(config.run.dir, lambda url: checkpoint.read_checkpoint(url, host_rows))
+    restore, start_step = None, 0
+    if found:
+        start_step, url, (restore, saved) = found
+        differences = config_differences(saved["config"], dataclasses.asdict(config))
+        if differences and not config.run.allow_config_change:
+            raise SystemExit(f"error: {config.run.dir} was created with another configuration:\n  "
+                             + "\n  ".join(differences)
+                             + "\nuse the original flags, a new --run.dir, or --run.allow-config-change")
+        log.say(f"resuming from {url} (step {start_step})")
+    elif config.run.init_from:
+        restore = load_initial_weights(config.run.init_from, config.model)
+        log.say(f"initial weights from {config.run.init_from}")
+    if sharding.is_main_process() and not found:
+        checkpoint.write_bytes(_join(config.run.dir, "config.json"),
+                               json.dumps(dataclasses.asdict(config), indent=2).encode())
+    log.config_text(config)
 
     mesh = sharding.data_mesh()
-    device = sharding.device()
-    trainer = Trainer(config, device, mesh, sharding.shard_batch_dim, sharding.replicate)
-    say(f"model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters; data: {config.data.path}")
+    trainer = Trainer(config, sharding, mesh, restore)
+    del restore
+    log.say(f"model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters; data: {config.data.path}")
     train_batches = data.TrainBatches(train_set, o.global_batch_size, seed=config.run.seed,
                                       process_index=host, process_count=num_hosts)
+    writer = CheckpointWriter(config.run.dir, host, num_hosts, keep=config.run.keep_checkpoints)
 
-    def evaluate(step: int, final: bool) -> dict[str, float]:
-        batches = data.EvalBatches(test_set, o.global_batch_size, process_index=host, process_count=num_hosts,
-                                   max_examples=None if final else config.eval.max_examples,
-                                   seed=config.run.seed)
+    checkpoint_transfers = []
+
+    def save(step: int) -> None:
+        log.drain()  # the copy waits for this step anyway; draining first keeps the counts apart
+        before = xla_counters()["transfers"]
+        blocks = trainer.checkpoint_blocks(host, num_hosts)  # the loop pauses only for this copy
+        checkpoint_transfers.append(xla_counters()["transfers"] - before)
+        writer.save(step, blocks, {"step": step, "config": dataclasses.asdict(config)})
+
+    def run_eval(step: int, final: bool) -> None:
         started = time.time()
-        sums = torch.zeros(len(EVAL_METRICS)).to(device)
-        with trainer.ema.swapped_into(trainer.model):
-            trainer.model.eval()
-            for index in range(len(batches)):
-                batch = sharding.host_batch_to_global(batches.batch(index), mesh)
-                for _ in range(config.model.halt_max_steps):
-                    sums = sums + trainer.eval_step(batch)
-                    torch_xla.sync()
-            trainer.model.train()
-        result = summarize(EVAL_METRICS, sums.cpu().numpy(), 1, o.global_batch_size)
-        result["num_examples"] = batches.num_examples
-        say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  accuracy {result['accuracy']:.4f}  "
-            f"q_halt_accuracy {result['q_halt_accuracy']:.4f}  steps {result['steps']:.2f}  "
-            f"on {batches.num_examples} examples in {time.time() - started:.0f}s")
-        return result
+        batches = data.EvalBatches(test_set, o.global_batch_size, process_index=host, process_count=num_hosts,
+                                   max_examples=None if final else config.eval.max_examples, seed=config.run.seed)
+        log.evaluation(evaluate(trainer, batches, torch_xla.sync), step, time.time() - started)
 
-    # 3. The loop. Nothing in it reads a device value: metric sums are read by a background
+    stop_requested = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    check_stop_every = 1 if num_hosts == 1 else config.run.preempt_check_every
+
+    # 4. The loop. Nothing in it reads a device value: metric sums are read by a background
     # thread every log_every steps, while the host traces the following steps.
-    trainer.init_carries(sharding.host_batch_to_global(train_batches.batch(0), mesh))
+    trainer.init_carries(sharding.host_batch_to_global(train_batches.batch(start_step), mesh))
     torch_xla.sync()  # materialise weights, optimizer state and carries before the first step
-    reader = ThreadPoolExecutor(max_workers=1)
-    history: list[dict[str, float]] = []
-    evals: list[dict[str, float]] = []
-    window_sums = torch.zeros(len(TRAIN_METRICS)).to(device)
-    window_start, window_steps = time.time(), 0
-    loop_start = time.time()
-
-    def report(values: torch.Tensor, step: int, steps: int, seconds: float, lr: float):
-        m = summarize(TRAIN_METRICS, values.cpu().numpy(), steps, o.global_batch_size)
-        m.update(step=step, lr=lr, loss=m["lm_loss"] + 0.5 * m["q_halt_loss"], steps_per_s=steps / max(seconds, 1e-9))
-        history.append(m)
-        rate = m["steps_per_s"]
-        say(f"step {step}/{total_steps} ({100 * step / total_steps:.1f}%)  loss {m['loss']:.4f}  "
-            f"exact {m['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
-            f"{rate * o.global_batch_size:.0f} ex/s  ETA {format_duration((total_steps - step) / rate)}")
-
-    for step in range(1, total_steps + 1):
+    window_sums = torch.zeros(len(TRAIN_METRICS)).to(trainer.device)
+    window_start, window_steps, loop_start = time.time(), 0, time.time()
+    preempted = False
+    for step in range(start_step + 1, total_steps + 1):
         batch = sharding.host_batch_to_global(train_batches.batch(step - 1), mesh)
         lr = lr_at(step, o.lr, o, total_steps)
         trainer.set_lrs(lr, lr_at(step, o.puzzle_emb_lr, o, total_steps))
@@ -394,23 +578,36 @@ def main(config: Config) -> dict:
         torch_xla.sync()
         window_steps += 1
         if step % config.run.log_every == 0 or step == total_steps:
-            reader.submit(report, window_sums, step, window_steps, time.time() - window_start, lr).add_done_callback(
-                _raise_in_main_thread)
-            window_sums = torch.zeros(len(TRAIN_METRICS)).to(device)
+            log.train_window(window_sums, step, window_steps, time.time() - window_start, lr)
+            window_sums = torch.zeros(len(TRAIN_METRICS)).to(trainer.device)
             window_start, window_steps = time.time(), 0
+        if step % check_stop_every == 0 and sharding.any_host(bool(stop_requested)):
+            save(step)
+            writer.wait()
+            log.say(f"SIGTERM: saved checkpoint {checkpoint.step_dir(config.run.dir, step)}; "
+                    "run the same command again to resume")
+            preempted = True
+            break
+        if step % config.run.ckpt_every == 0 and step != total_steps:
+            save(step)
         if step % eval_every == 0 and step != total_steps:
-            evals.append(dict(evaluate(step, final=False), step=step))
+            run_eval(step, final=False)
 
-    reader.shutdown(wait=True)
-    final = dict(evaluate(total_steps, final=True), step=total_steps)
-    evals.append(final)
-    say(f"done: {total_steps} steps in {format_duration(time.time() - loop_start)}; "
-        f"final exact accuracy {100 * final['exact_accuracy']:.2f}% on held-out puzzles")
+    if not preempted:
+        if total_steps > start_step or not found:
+            save(total_steps)
+        run_eval(total_steps, final=True)
+        writer.wait()
+        log.say(f"done: {total_steps} steps in {format_duration(time.time() - loop_start)}; final exact accuracy "
+                f"{100 * log.evals[-1]['exact_accuracy']:.2f}% on held-out puzzles")
+    log.close()
     xla = xla_counters()
-    say(f"XLA: {xla['compiles']} graphs compiled ({xla['compile_seconds']:.1f}s), "
-        f"{sum(xla['fallbacks'].values())} aten:: CPU fallbacks{' ' + str(xla['fallbacks']) if xla['fallbacks'] else ''}, "
-        f"{xla['transfers']} device-to-host transfers")
-    return {"history": history, "evals": evals, "final": final, "xla": xla}
+    log.say(f"XLA: {xla['compiles']} graphs compiled ({xla['compile_seconds']:.1f}s), "
+            f"{sum(xla['fallbacks'].values())} aten:: CPU fallbacks{' ' + str(xla['fallbacks']) if xla['fallbacks'] else ''}, "
+            f"{xla['transfers']} device-to-host transfers")
+    return {"history": log.history, "evals": log.evals, "final": log.evals[-1] if log.evals else None,
+            "xla": xla, "checkpoint_transfers": sum(checkpoint_transfers), "preempted": preempted,
+            "start_step": start_step}
 
 
 def _raise_in_main_thread(future) -> None:
@@ -421,6 +618,7 @@ def _raise_in_main_thread(future) -> None:
 
 
 def cli(argv: list[str] | None = None) -> Config:
+    """The training configuration from the command line (a preset name, then overrides)."""
     import tyro
 
     config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
@@ -430,5 +628,34 @@ def cli(argv: list[str] | None = None) -> Config:
     return config
 
 
+def export(source: str, out: str) -> None:
+    """Write the EMA weights of a checkpoint as one model.safetensors (config in its metadata).
+
+    source: a run directory (its latest committed checkpoint) or one checkpoint directory.
+    out: where to write, local or gs:// (e.g. gs://BUCKET/models/sudoku.safetensors).
+    """
+    import checkpoint
+
+    if checkpoint.exists(_join(source, checkpoint.COMMIT_MARKER)):
+        url = source
+    else:
+        found = checkpoint.list_checkpoints(source)
+        if not found:
+            raise SystemExit(f"error: no committed checkpoint in {source} (looked in {_join(source, 'checkpoints')})")
+        url = found[0][1]
+    checkpoint.export_model(url, out)
+    print(f"exported the EMA weights of {url} to {out}", flush=True)
+
+
+def command_line(argv: list[str]) -> int:
+    if argv[:1] == ["export"]:
+        import tyro
+
+        tyro.cli(export, args=argv[1:])
+        return 0
+    result = main(cli(argv))
+    return 0 if result["final"] is not None or result["preempted"] else 1
+
+
 if __name__ == "__main__":
-    main(cli())
+    sys.exit(command_line(sys.argv[1:]))

@@ -1,0 +1,333 @@
+"""Distributed safetensors checkpoints on any fsspec URL (gs:// first), and model export.
+
+A checkpoint is a directory `{run_dir}/checkpoints/step_{N:08d}/`:
+
+    host_{p:03d}.safetensors   the tensors host p owns: its share of the replicated tensors
+                               and its rows of the batch-sharded ones (the ACT carry)
+    host_{p:03d}.json          host p's index: tensor name -> key, dtype, global shape, rows;
+                               written after its safetensors file, so its presence means done
+    state.json                 what is not a tensor: step, config, hosts (process 0)
+    COMMITTED                  written last by process 0, once every host's index exists
+
+Hosts write in parallel from a background thread; nothing crosses hosts but files, so a
+host that dies before finishing leaves no COMMITTED marker, and discovery skips the
+directory. This file imports torch, safetensors and fsspec, never torch_xla: exported
+models load anywhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import fsspec
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+COMMIT_MARKER = "COMMITTED"
+STEP_DIR = re.compile(r"step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _fs(url: str):
+    options = {"token": "anon"} if url.startswith("gs://") and os.environ.get("STORAGE_EMULATOR_HOST") else {}
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    return fs, path
+
+
+def _join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)
+
+
+def with_retries(what: str, url: str, fn: Callable, attempts: int = 6, first_delay: float = 0.5):
+    """Run fn(); retry transient storage errors with exponential backoff. A permanent error
+    (or the last attempt) raises CheckpointError naming the URL and the cause."""
+    delay = first_delay
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except _PERMANENT as e:
+            raise CheckpointError(f"{what} {url} failed: {type(e).__name__}: {e}") from e
+        except Exception as e:  # network, 5xx, 429: worth another try
+            if attempt == attempts:
+                raise CheckpointError(f"{what} {url} failed after {attempts} attempts: "
+                                      f"{type(e).__name__}: {e}") from e
+            print(f"warning: {what} {url} failed ({type(e).__name__}: {e}); retrying in {delay:.1f}s",
+                  flush=True)
+            time.sleep(delay)
+            delay *= 2
+
+
+def write_bytes(url: str, payload: bytes) -> None:
+    def write():
+        fs, path = _fs(url)
+        if "file" in fs.protocol:  # object stores have no directories to create
+            fs.makedirs(fs._parent(path), exist_ok=True)
+        with fs.open(path, "wb") as f:
+            f.write(payload)
+    with_retries("writing", url, write)
+
+
+def read_bytes(url: str) -> bytes:
+    def read():
+        fs, path = _fs(url)
+        with fs.open(path, "rb") as f:
+            return f.read()
+    return with_retries("reading", url, read)
+
+
+def exists(url: str) -> bool:
+    fs, path = _fs(url)
+    return with_retries("checking", url, lambda: fs.exists(path))
+
+
+def step_dir(run_dir: str, step: int) -> str:
+    return _join(run_dir, "checkpoints", f"step_{step:08d}")
+
+
+def host_file(p: int) -> str:
+    return f"host_{p:03d}"
+
+
+# -- ownership ------------------------------------------------------------------------------------
+
+
+def assign_owners(sizes: dict[str, int], process_count: int) -> dict[str, int]:
+    """Spread whole replicated tensors over the hosts, largest first onto the least-loaded
+    host. A pure function of names and sizes: every host computes the same assignment."""
+    load = [0] * process_count
+    owners = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        host = min(range(process_count), key=lambda h: (load[h], h))
+        owners[name] = host
+        load[host] += sizes[name]
+    return owners
+
+
+@dataclass
+class Block:
+    """A tensor, or rows [row_start, row_start + len) of a batch-sharded tensor, held by one host."""
+
+    tensor: torch.Tensor  # on the CPU
+    global_shape: tuple
+    row_start: Optional[int] = None  # None: the whole tensor
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+
+class CheckpointWriter:
+    """Writes this host's part of each checkpoint in a background thread; process 0 commits.
+
+    `save` returns once the background write has started; the next `save` (or `wait`) first
+    waits for the previous one and raises if it failed.
+    """
+
+    def __init__(self, run_dir: str, process_index: int, process_count: int, keep: int = 3,
+                 commit_timeout_s: float = 1800.0):
+        if keep < 1:
+            raise ValueError(f"run.keep_checkpoints must be >= 1, got {keep}")
+        self.run_dir, self.process_index, self.process_count = run_dir, process_index, process_count
+        self.keep, self.commit_timeout_s = keep, commit_timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_committed: int | None = None
+
+    def save(self, step: int, blocks: dict[str, Block], state: dict) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._write, args=(step, blocks, state), daemon=True,
+                                        name=f"checkpoint-{step}")
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _write(self, step: int, blocks: dict[str, Block], state: dict) -> None:
+        try:
+            self._write_host_part(step, blocks)
+            if self.process_index == 0:
+                self._commit(step, state)
+                self._delete_old(step)
+        except BaseException as e:  # reported to the training loop by wait()
+            self._error = e
+
+    def _write_host_part(self, step: int, blocks: dict[str, Block]) -> None:
+        directory = step_dir(self.run_dir, step)
+        name = host_file(self.process_index)
+        tensors = {key: block.tensor.contiguous() for key, block in blocks.items()}
+        index = {key: {"file": f"{name}.safetensors", "dtype": str(block.tensor.dtype).removeprefix("torch."),
+                       "global_shape": list(block.global_shape), "row_start": block.row_start,
+                       "rows": None if block.row_start is None else block.tensor.shape[0]}
+                 for key, block in blocks.items()}
+        fault = os.environ.get("TRM_FAULT_KILL_BEFORE_COMMIT")  # fault injection for the crash test
+        write_bytes(_join(directory, f"{name}.safetensors"), safetensors_bytes(tensors) if tensors else b"")
+        if fault is not None and int(fault) == step:
+            os.kill(os.getpid(), 9)
+        write_bytes(_join(directory, f"{name}.json"), json.dumps(index).encode())
+
+    def _commit(self, step: int, state: dict) -> None:
+        directory = step_dir(self.run_dir, step)
+        expected = {f"{host_file(p)}.json" for p in range(self.process_count)}
+        deadline = time.time() + self.commit_timeout_s
+        fs, path = _fs(directory)
+        while True:
+            fs.invalidate_cache(path)
+            present = {os.path.basename(p) for p in with_retries("listing", directory, lambda: fs.ls(path, detail=False))}
+            if expected <= present:
+                break
+            if time.time() > deadline:
+                missing = sorted(expected - present)
+                raise CheckpointError(f"checkpoint {directory} not committed: no index from {missing} "
+                                      f"after {self.commit_timeout_s:.0f}s (a host died or cannot write)")
+            time.sleep(0.2)
+        write_bytes(_join(directory, "state.json"), json.dumps(dict(state, hosts=self.process_count)).encode())
+        write_bytes(_join(directory, COMMIT_MARKER), json.dumps({"step": step, "time": time.time()}).encode())
+        self.last_committed = step
+
+    def _delete_old(self, newest: int) -> None:
+        committed = [s for s, _ in list_checkpoints(self.run_dir, committed_only=True)]
+        doomed = [s for s in committed if s < newest][self.keep - 1:] if newest in committed else []
+        # Uncommitted directories older than the newest commit are dead writes: remove them too.
+        doomed += [s for s, _ in list_checkpoints(self.run_dir, committed_only=False)
+                   if s < newest and s not in committed]
+        for s in doomed:
+            fs, path = _fs(step_dir(self.run_dir, s))
+            try:
+                fs.rm(path, recursive=True)
+            except Exception as e:  # a leftover directory costs storage, not correctness
+                print(f"warning: could not delete old checkpoint {step_dir(self.run_dir, s)}: {e}", flush=True)
+
+
+# -- discovery and reading ----------------------------------------------------------------------------
+
+
+def list_checkpoints(run_dir: str, committed_only: bool = True) -> list[tuple[int, str]]:
+    """(step, url) of the checkpoints under run_dir, newest first."""
+    root = _join(run_dir, "checkpoints")
+    fs, path = _fs(root)
+    if not with_retries("checking", root, lambda: fs.exists(path)):
+        return []
+    fs.invalidate_cache(path)
+    found = []
+    for entry in with_retries("listing", root, lambda: fs.ls(path, detail=False)):
+        match = STEP_DIR.search(entry.rstrip("/"))
+        if match:
+            url = step_dir(run_dir, int(match.group(1)))
+            if not committed_only or exists(_join(url, COMMIT_MARKER)):
+                found.append((int(match.group(1)), url))
+    return sorted(found, reverse=True)
+
+
+def read_checkpoint(url: str, row_range: Callable[[tuple], tuple[int, int]] | None = None,
+                    names: Callable[[str], bool] = lambda name: True) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a committed checkpoint: (tensors, state).
+
+    Whole tensors are read in full; for a batch-sharded tensor, `row_range(global_shape)` gives
+    the rows this host needs (default: all), assembled from whichever hosts wrote them, so a
+    run can resume on a different number of hosts. `names` filters the tensors to read.
+    """
+    if not exists(_join(url, COMMIT_MARKER)):
+        raise CheckpointError(f"{url} has no {COMMIT_MARKER} marker (an interrupted save)")
+    state = json.loads(read_bytes(_join(url, "state.json")))
+    index = {}
+    for p in range(state["hosts"]):
+        for key, entry in json.loads(read_bytes(_join(url, f"{host_file(p)}.json"))).items():
+            index.setdefault(key, []).append(entry)
+    needed_files = sorted({e["file"] for key, entries in index.items() if names(key) for e in entries})
+    tensors: dict[str, torch.Tensor] = {}
+    with tempfile.TemporaryDirectory(prefix="trm-ckpt-") as tmp:
+        local = {}
+        for file in needed_files:
+            local[file] = os.path.join(tmp, file)
+            with open(local[file], "wb") as f:
+                f.write(read_bytes(_join(url, file)))
+        handles = {}
+        try:
+            for file, path in local.items():
+                try:
+                    handles[file] = safe_open(path, framework="pt")
+                except Exception as e:
+                    raise CheckpointError(f"{_join(url, file)} is not a readable safetensors file: {e}") from e
+            for key, entries in index.items():
+                if not names(key):
+                    continue
+                if entries[0]["row_start"] is None:
+                    tensors[key] = handles[entries[0]["file"]].get_tensor(key)
+                    continue
+                shape = tuple(entries[0]["global_shape"])
+                start, stop = row_range(shape) if row_range else (0, shape[0])
+                parts = []
+                for e in sorted(entries, key=lambda e: e["row_start"]):
+                    lo, hi = max(start, e["row_start"]), min(stop, e["row_start"] + e["rows"])
+                    if lo < hi:
+                        block = handles[e["file"]].get_slice(key)
+                        parts.append(block[lo - e["row_start"]:hi - e["row_start"]])
+                if sum(p.shape[0] for p in parts) != stop - start:
+                    raise CheckpointError(f"{url}: rows {start}..{stop} of {key} are not all present")
+                tensors[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        finally:
+            handles.clear()
+    return tensors, state
+
+
+def latest_checkpoint(run_dir: str, read: Callable[[str], tuple]) -> tuple[int, str, tuple] | None:
+    """The newest checkpoint that `read(url)` accepts, skipping (with a warning naming it)
+    directories without a commit marker and unreadable ones."""
+    committed = {step for step, _ in list_checkpoints(run_dir, committed_only=True)}
+    for step, url in list_checkpoints(run_dir, committed_only=False):
+        if step not in committed:
+            print(f"warning: skipping {url}: no {COMMIT_MARKER} marker (a save that did not finish)", flush=True)
+            continue
+        try:
+            return step, url, read(url)
+        except (CheckpointError, KeyError, ValueError, OSError) as e:
+            print(f"warning: skipping unreadable checkpoint {url}: {e}", flush=True)
+    return None
+
+
+# -- export ------------------------------------------------------------------------------------------
+
+
+def export_model(checkpoint_url: str, out_url: str) -> dict:
+    """The EMA weights (and the buffers, which have no average) of a checkpoint as one
+    model.safetensors whose metadata holds the model config; returns that config."""
+    tensors, state = read_checkpoint(checkpoint_url, names=lambda n: n.startswith(("model/", "ema/")))
+    weights = {}
+    for key, value in tensors.items():
+        if key.startswith("model/"):
+            name = key.removeprefix("model/")
+            weights[name] = tensors.get(f"ema/{name}", value)
+    model_config = state["config"]["model"]
+    payload = safetensors_bytes(weights, metadata={"trm_config": json.dumps(model_config), "step": str(state["step"])})
+    write_bytes(out_url, payload)
+    return model_config
+
+
+def read_exported(url: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state_dict in our names, model config dict) of an exported model.safetensors."""
+    with tempfile.TemporaryDirectory(prefix="trm-model-") as tmp:
+        path = os.path.join(tmp, "model.safetensors")
+        with open(path, "wb") as f:
+            f.write(read_bytes(url))
+        with safe_open(path, framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            if "trm_config" not in metadata:
+                raise CheckpointError(f"{url} has no trm_config metadata: not a model exported by train.py export")
+            return {k: handle.get_tensor(k) for k in handle.keys()}, json.loads(metadata["trm_config"])
