@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from typing import Literal, Optional
 
 import numpy as np
 import torch
+import tyro
 
 import data
 from checkpoint import Block, CheckpointWriter, assign_owners
@@ -369,7 +371,11 @@ class RunLog:
         if main_host:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(_join(config.run.dir, "tb"))
+            # Event files grow by appending, which object stores cannot do (gcsfs silently
+            # overwrites): write them locally and upload whole copies after each write.
+            self.tb_remote = _join(config.run.dir, "tb")
+            self.tb_local = self.tb_remote if "://" not in config.run.dir else tempfile.mkdtemp(prefix="trm-tb-")
+            self.tb = SummaryWriter(self.tb_local)
 
     def say(self, *parts) -> None:
         if self.main_host:
@@ -401,6 +407,16 @@ class RunLog:
                 if k != "step":
                     self.tb.add_scalar(f"train/{k}", v, step)
             self.tb.add_scalar("xla/compiles", xla_counters()["compiles"], step)
+            self._upload_tb()
+
+    def _upload_tb(self) -> None:
+        self.tb.flush()
+        if self.tb_local != self.tb_remote:
+            import checkpoint
+
+            for name in os.listdir(self.tb_local):
+                with open(os.path.join(self.tb_local, name), "rb") as f:
+                    checkpoint.write_bytes(_join(self.tb_remote, name), f.read())
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         self.evals.append(dict(result, step=step))
@@ -410,6 +426,7 @@ class RunLog:
         if self.tb:
             for k, v in result.items():
                 self._in_order(self.tb.add_scalar, f"eval/{k}", v, step)
+            self._in_order(self._upload_tb)
 
     def drain(self) -> None:
         """Wait until every queued read has finished."""
@@ -418,6 +435,7 @@ class RunLog:
     def close(self) -> None:
         self.reader.shutdown(wait=True)
         if self.tb:
+            self._upload_tb()
             self.tb.close()
 
 
@@ -619,8 +637,6 @@ def _raise_in_main_thread(future) -> None:
 
 def cli(argv: list[str] | None = None) -> Config:
     """The training configuration from the command line (a preset name, then overrides)."""
-    import tyro
-
     config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
     if config.data.path == PRESETS["demo"][1].data.path and not os.path.exists(config.data.path):
         print(f"building the demo dataset at {config.data.path}", flush=True)
@@ -628,7 +644,7 @@ def cli(argv: list[str] | None = None) -> Config:
     return config
 
 
-def export(source: str, out: str) -> None:
+def export(source: tyro.conf.Positional[str], out: str) -> None:
     """Write the EMA weights of a checkpoint as one model.safetensors (config in its metadata).
 
     source: a run directory (its latest committed checkpoint) or one checkpoint directory.
@@ -649,8 +665,6 @@ def export(source: str, out: str) -> None:
 
 def command_line(argv: list[str]) -> int:
     if argv[:1] == ["export"]:
-        import tyro
-
         tyro.cli(export, args=argv[1:])
         return 0
     result = main(cli(argv))

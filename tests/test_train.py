@@ -34,8 +34,10 @@ def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
     import torch_xla.debug.metrics as met
 
     met.clear_all()
+    # expansion 3 gives shapes no other test uses: the process-wide graph cache cannot hide a compile.
     config = train.cli(tiny_args(demo_path, tmp_path, "--optim.max-steps", "150", "--run.log-every", "50",
-                                 "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "5"))
+                                 "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "5",
+                                 "--model.expansion", "3.0"))
     result = train.main(config)
     xla = result["xla"]
     # One graph to materialise the initial state, one training step, one evaluation step:

@@ -1,0 +1,304 @@
+"""Checkpoints, resume, preemption, export and TensorBoard, against local dirs and a real GCS server."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import checkpoint
+import data
+import train
+from checkpoint import Block, CheckpointWriter
+
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("demo"))
+    data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
+    return path
+
+
+def run_args(demo_path, run_dir, cache_dir, *extra):
+    return ["demo", "--data.path", demo_path, "--data.cache-dir", str(cache_dir), "--run.dir", str(run_dir),
+            "--model.hidden-size", "32", "--model.puzzle-emb-ndim", "32", "--optim.global-batch-size", "32",
+            "--eval.every-epochs", "1000", "--run.log-every", "1", *extra]
+
+
+def subprocess_env(**extra):
+    return dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", PYTHONUNBUFFERED="1", **extra)
+
+
+def losses_by_step(result):
+    return {h["step"]: h["loss"] for h in result["history"]}
+
+
+# -- the writer and reader ------------------------------------------------------------------------
+
+
+def sample_state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model/w": torch.randn(5, 3, generator=g),
+        "model/h": torch.randn(4, generator=g).to(torch.bfloat16),
+        "adam/w/step": torch.tensor(7.0),
+        "carry/steps": torch.arange(8, dtype=torch.int32),
+        "carry/halted": torch.tensor([True, False] * 4),
+        "carry/rng_counter": torch.tensor(3, dtype=torch.int64),
+    }
+
+
+def host_blocks(state, p, count):
+    owners = checkpoint.assign_owners({k: v.numel() for k, v in state.items() if not k.startswith("carry/")}, count)
+    blocks = {k: Block(v, tuple(v.shape)) for k, v in state.items() if owners.get(k) == p}
+    for k, v in state.items():
+        if k.startswith("carry/") and v.ndim:
+            lo, hi = p * len(v) // count, (p + 1) * len(v) // count
+            blocks[k] = Block(v[lo:hi], tuple(v.shape), lo)
+        elif k == "carry/rng_counter" and p == 0:
+            blocks[k] = Block(v, ())
+    return blocks
+
+
+def test_round_trip_on_gcs_by_two_hosts(gcs_url):
+    state = sample_state()
+    writers = [CheckpointWriter(gcs_url, p, 2) for p in (1, 0)]  # host 0 commits after host 1
+    for w in writers:
+        w.save(10, host_blocks(state, w.process_index, 2), {"step": 10, "config": {"a": 1}})
+    for w in writers:
+        w.wait()
+    assert checkpoint.list_checkpoints(gcs_url) == [(10, checkpoint.step_dir(gcs_url, 10))]
+    tensors, saved = checkpoint.read_checkpoint(checkpoint.step_dir(gcs_url, 10))
+    assert saved == {"step": 10, "config": {"a": 1}, "hosts": 2}
+    assert tensors.keys() == state.keys()
+    for k in state:
+        assert tensors[k].dtype == state[k].dtype and torch.equal(tensors[k], state[k]), k
+    # Host 1 on resume reads only its rows, whoever wrote them.
+    rows, _ = checkpoint.read_checkpoint(checkpoint.step_dir(gcs_url, 10), row_range=lambda shape: (4, 8))
+    assert torch.equal(rows["carry/steps"], state["carry/steps"][4:])
+    # Every file is a plain safetensors file.
+    fs, path = checkpoint._fs(checkpoint.step_dir(gcs_url, 10))
+    for name in ("host_000.safetensors", "host_001.safetensors"):
+        local = f"/tmp/{os.getpid()}-{name}"
+        fs.get(f"{path}/{name}", local)
+        with safe_open(local, framework="pt") as f:
+            assert set(f.keys()) <= set(state)
+        os.remove(local)
+
+
+def test_keeps_the_last_k_and_skips_broken_checkpoints(tmp_path, capsys):
+    run = str(tmp_path)
+    writer = CheckpointWriter(run, 0, 1, keep=2)
+    for step in (1, 2, 3):
+        writer.save(step, host_blocks(sample_state(step), 0, 1), {"step": step, "config": {}})
+        writer.wait()
+    assert [s for s, _ in checkpoint.list_checkpoints(run)] == [3, 2]
+    # A save that never committed (a host died) and a committed one whose file is corrupt.
+    os.makedirs(tmp_path / "checkpoints" / "step_00000005")
+    (tmp_path / "checkpoints" / "step_00000005" / "host_000.safetensors").write_bytes(b"partial")
+    with open(tmp_path / "checkpoints" / "step_00000003" / "host_000.safetensors", "r+b") as f:
+        f.write(b"\xff" * 16)
+    found = checkpoint.latest_checkpoint(run, checkpoint.read_checkpoint)
+    assert found[0] == 2 and torch.equal(found[2][0]["model/w"], sample_state(2)["model/w"])
+    err = capsys.readouterr().out
+    assert "skipping" in err and "step_00000005: no COMMITTED marker" in err
+    assert "skipping unreadable checkpoint" in err and "step_00000003" in err
+
+
+def test_transient_errors_are_retried_and_permanent_ones_name_the_url():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("503 backend error")
+        return "ok"
+
+    assert checkpoint.with_retries("writing", "gs://b/x", flaky, first_delay=0.01) == "ok" and len(calls) == 3
+    with pytest.raises(checkpoint.CheckpointError, match=r"writing gs://b/y failed: PermissionError: 403"):
+        checkpoint.with_retries("writing", "gs://b/y", lambda: (_ for _ in ()).throw(PermissionError("403")))
+    with pytest.raises(checkpoint.CheckpointError, match=r"gs://b/z failed after 2 attempts: TimeoutError"):
+        checkpoint.with_retries("reading", "gs://b/z", lambda: (_ for _ in ()).throw(TimeoutError()),
+                                attempts=2, first_delay=0.01)
+
+
+WRITER_SCRIPT = textwrap.dedent("""
+    import os, sys, time, torch
+    sys.path.insert(0, {project!r}); sys.path.insert(0, {tests!r})
+    from test_checkpoint import host_blocks, sample_state
+    from checkpoint import CheckpointWriter
+    p, count, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    time.sleep(delay)
+    writer = CheckpointWriter(sys.argv[4], p, count, commit_timeout_s=float(sys.argv[5]))
+    writer.save(7, host_blocks(sample_state(), p, count), {{"step": 7, "config": {{}}}})
+    writer.wait()
+    print("written", p, flush=True)
+""")
+
+
+def start_writers(url, delays, timeout_s, fault_host=None):
+    script = WRITER_SCRIPT.format(project=PROJECT_DIR, tests=os.path.join(PROJECT_DIR, "tests"))
+    procs = []
+    for p, delay in enumerate(delays):
+        env = subprocess_env(**({"TRM_FAULT_KILL_BEFORE_COMMIT": "7"} if p == fault_host else {}))
+        procs.append(subprocess.Popen([sys.executable, "-c", script, str(p), str(len(delays)), str(delay), url,
+                                       str(timeout_s)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return procs
+
+
+def test_multi_host_commit_waits_for_every_host(gcs_url):
+    marker = checkpoint.step_dir(gcs_url, 7) + "/COMMITTED"
+    procs = start_writers(gcs_url, delays=[0, 0, 0, 12], timeout_s=120)
+    for p in procs[1:3]:
+        p.wait(timeout=60)
+    time.sleep(1)
+    assert procs[3].poll() is None and procs[0].poll() is None  # host 3 still sleeping, host 0 waiting
+    assert not checkpoint.exists(marker), "committed before host 3 wrote its part"
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], [o[1][-1500:] for o in outputs]
+    assert checkpoint.exists(marker)
+    tensors, _ = checkpoint.read_checkpoint(checkpoint.step_dir(gcs_url, 7))
+    assert all(torch.equal(tensors[k], v) for k, v in sample_state().items())
+
+
+def test_a_host_killed_before_the_commit_leaves_no_marker(gcs_url):
+    procs = start_writers(gcs_url, delays=[0, 0, 0, 0], timeout_s=8, fault_host=2)
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert procs[2].returncode == -signal.SIGKILL
+    assert procs[0].returncode != 0 and "no index from ['host_002.json']" in outputs[0][1]
+    assert not checkpoint.exists(checkpoint.step_dir(gcs_url, 7) + "/COMMITTED")
+    assert checkpoint.list_checkpoints(gcs_url) == []
+
+
+# -- training runs ----------------------------------------------------------------------------------
+
+
+def run_train_subprocess(args, timeout=600, **env):
+    code = f"import sys; sys.path.insert(0, {PROJECT_DIR!r}); import train; sys.exit(train.command_line({args!r}))"
+    return subprocess.run([sys.executable, "-c", code], env=subprocess_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_killed_during_a_save_resumes_and_matches_the_uninterrupted_run(demo_path, tmp_path):
+    steps = ["--optim.max-steps", "12", "--run.ckpt-every", "4"]
+    uninterrupted = train.main(train.cli(run_args(demo_path, tmp_path / "straight", tmp_path / "cache", *steps)))
+
+    args = run_args(demo_path, tmp_path / "crashy", tmp_path / "cache", *steps)
+    crashed = run_train_subprocess(args, TRM_FAULT_KILL_BEFORE_COMMIT="8")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
+    assert "step 8/12" in crashed.stdout
+    resumed = run_train_subprocess(args)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "skipping" in resumed.stdout and "step_00000008: no COMMITTED marker" in resumed.stdout
+    assert "(step 4)" in resumed.stdout
+    relaunched = {int(line.split()[1].split("/")[0]): float(line.split("loss ")[1].split()[0])
+                  for line in resumed.stdout.splitlines() if line.startswith("step ")}
+    assert sorted(relaunched) == list(range(5, 13))
+    expected = losses_by_step(uninterrupted)
+    for step, loss in relaunched.items():
+        assert loss == pytest.approx(expected[step], abs=5e-5), step  # printed with 4 decimals
+    final_line = [line for line in resumed.stdout.splitlines() if line.startswith("eval @ step 12")][0]
+    assert f"exact_accuracy {uninterrupted['final']['exact_accuracy']:.4f}" in final_line
+    assert f"accuracy {uninterrupted['final']['accuracy']:.4f}" in final_line
+
+
+def test_sigterm_saves_exits_0_and_the_relaunch_resumes(demo_path, tmp_path):
+    args = run_args(demo_path, tmp_path / "run", tmp_path / "cache", "--optim.max-steps", "100000")
+    code = f"import sys; sys.path.insert(0, {PROJECT_DIR!r}); import train; sys.exit(train.command_line({args!r}))"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    for line in proc.stdout:
+        if line.startswith("step 5/") or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    saved = [line for line in out.splitlines() if line.startswith("SIGTERM: saved checkpoint")]
+    assert saved and "run the same command again to resume" in saved[0]
+    stop_step = int(saved[0].split("step_")[1][:8])
+    assert checkpoint.list_checkpoints(str(tmp_path / "run"))[0][0] == stop_step
+
+    # The relaunch (shortened so the test ends) continues from that step.
+    again = run_args(demo_path, tmp_path / "run", tmp_path / "cache", "--optim.max-steps", str(stop_step + 2))
+    resumed = train.main(train.cli(again))
+    assert resumed["start_step"] == stop_step
+    assert [h["step"] for h in resumed["history"]] == [stop_step + 1, stop_step + 2]
+
+
+def test_changed_config_refuses_to_resume_unless_allowed(demo_path, tmp_path):
+    base = run_args(demo_path, tmp_path / "run", tmp_path / "cache", "--optim.max-steps", "2")
+    train.main(train.cli(base))
+    with pytest.raises(SystemExit, match=r"(?s)created with another configuration:.*optim.lr: 0.001 in the run "
+                                         r"directory, 0.002 now.*--run.allow-config-change"):
+        train.main(train.cli(base + ["--optim.lr", "0.002"]))
+    result = train.main(train.cli(base + ["--optim.lr", "0.002", "--run.allow-config-change",
+                                          "--optim.max-steps", "3"]))
+    assert result["start_step"] == 2 and [h["step"] for h in result["history"]] == [3]
+
+
+def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = f"{gcs_url}/runs/a"
+    result = train.main(train.cli(run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "6",
+                                           "--run.ckpt-every", "3")))
+    assert [s for s, _ in checkpoint.list_checkpoints(run_dir)] == [6, 3]
+    assert json.loads(checkpoint.read_bytes(f"{run_dir}/config.json"))["model"]["hidden_size"] == 32
+
+    # TensorBoard scalars, read back by tensorboard's own reader from a local copy of {run_dir}/tb.
+    fs, path = checkpoint._fs(f"{run_dir}/tb")
+    fs.get(path, str(tmp_path / "tb"), recursive=True)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [1, 2, 3, 4, 5, 6]
+    assert [round(e.value, 5) for e in losses] == [round(h["loss"], 5) for h in result["history"]]
+    assert events.Scalars("eval/exact_accuracy")[-1].step == 6
+    assert "xla/compiles" in events.Tags()["scalars"] and "config/text_summary" in events.Tags()["tensors"]
+
+    # Export, then load it in a process without torch_xla, and start a new run from it.
+    exported = f"{gcs_url}/models/demo.safetensors"
+    assert train.command_line(["export", run_dir, "--out", exported]) == 0
+    loader = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {PROJECT_DIR!r})
+        import checkpoint, model
+        weights, config = checkpoint.read_exported({exported!r})
+        trm = model.TRM(model.TRMConfig(**config)); trm.load_state_dict(weights)
+        assert "torch_xla" not in sys.modules
+        print("LOADED", sum(p.numel() for p in trm.parameters()))
+    """)
+    loaded = subprocess.run([sys.executable, "-c", loader], env=subprocess_env(), capture_output=True, text=True)
+    assert loaded.returncode == 0 and "LOADED" in loaded.stdout, loaded.stderr[-2000:]
+
+    # Zero further steps from the exported EMA weights evaluate exactly like the run's own final evaluation.
+    fresh = train.main(train.cli(run_args(demo_path, tmp_path / "from-export", tmp_path / "cache",
+                                          "--optim.max-steps", "0", "--run.init-from", exported)))
+    for key in ("exact_accuracy", "accuracy", "q_halt_accuracy"):
+        assert fresh["final"][key] == pytest.approx(result["final"][key], abs=1e-6)
+
+
+def test_init_from_a_reference_checkpoint(demo_path, tmp_path):
+    import model
+
+    base = run_args(demo_path, tmp_path / "ours", tmp_path / "cache", "--optim.max-steps", "0")
+    config = train.check_against_dataset(train.cli(base), data.open_dataset(demo_path, "train").metadata)
+    torch.manual_seed(123)
+    reference_model = model.TRM(config.model)
+    with torch.no_grad():
+        reference_model.puzzle_embedding.weight.normal_()
+    reference_file = tmp_path / "reference_step_1000"
+    torch.save({"_orig_mod." + k: v for k, v in model.reference_state_dict(reference_model).items()}, reference_file)
+    weights = train.load_initial_weights(str(reference_file), config.model)
+    for name, value in reference_model.state_dict().items():
+        assert torch.equal(weights[f"model/{name}"], value), name
+    result = train.main(train.cli(base + ["--run.init-from", str(reference_file)]))
+    assert result["final"]["count"] == 40
