@@ -1,0 +1,450 @@
+"""launch.sh against a stand-in gcloud (tests/launch_fake_gcloud) that simulates a TPU pod here.
+
+Each test copies launch.sh into a scratch git checkout whose train.py is a stub: it records its
+arguments, environment and working directory per worker and launch, then exits, fails or waits
+for SIGTERM as STUB_PLAN says ("0", "hang", "fail1" = worker 1 exits 3 and the others wait; one
+entry per launch, the last one repeating). The fake runs every ssh --command once per simulated
+worker, each with its own home directory.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+LAUNCH = PROJECT_DIR / "launch.sh"
+FAKE_GCLOUD = PROJECT_DIR / "tests" / "launch_fake_gcloud"
+SUBCOMMANDS = ["create", "delete", "setup", "deploy", "check", "train", "status", "logs", "stop", "tensorboard"]
+TPU = "trm-test"
+
+STUB_TRAIN = r'''
+import json, os, signal, sys, time
+d, w = os.environ["STUB_DIR"], os.environ["FAKE_WORKER_ID"]
+counter = os.path.join(d, f"launches-{w}")
+n = int(open(counter).read()) if os.path.exists(counter) else 0
+open(counter, "w").write(str(n + 1))
+plan = os.environ.get("STUB_PLAN", "0").split(",")
+step = plan[min(n, len(plan) - 1)]
+env = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "PYTHONUNBUFFERED", "TRM_RUN_NAME")}
+with open(os.path.join(d, f"launch-{w}-{n}.json"), "w") as f:
+    json.dump({"argv": sys.argv[1:], "env": env, "cwd": os.getcwd()}, f)
+
+def on_term(*_):
+    open(os.path.join(d, f"term-{w}-{n}"), "w").close()
+    print("SIGTERM: checkpoint saved", flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, on_term)
+print(f"stub train.py, worker {w}, launch {n}: {step}", flush=True)
+if step.startswith("fail") and step[4:] == w:
+    print("RuntimeError: boom", flush=True)
+    sys.exit(3)
+if step == "hang" or step.startswith("fail"):
+    while True:
+        time.sleep(0.05)
+sys.exit(int(step))
+'''
+
+# Arguments that break naive quoting on the way laptop shell -> gcloud -> remote shell -> bash.
+TRICKY_ARGS = ["demo", "--data.path", "gs://b/data with  spaces", "--note",
+               "it's \"quoted\" $HOME `id` $(id) ; echo pwned > /tmp/x | &", "--glob", "*", "--empty", "",
+               "--lines", "one\ntwo\tthree", "--unicode", "puzzle ü→✓", "--backslash", "a\\b\\\\c"]
+
+
+def worker_pids(root: Path):
+    marker = f"FAKE_WORKER_HOME={root / 'workers'}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+class Pod:
+    """A scratch checkout with launch.sh, the fake gcloud first on PATH, and its simulated pod."""
+
+    def __init__(self, tmp: Path, workers: int):
+        self.tmp, self.workers = tmp, workers
+        self.repo, self.root, self.stub_dir = tmp / "repo", tmp / "fake", tmp / "stub"
+        bin_dir = tmp / "bin"
+        for d in (self.repo, bin_dir, self.stub_dir, tmp / "tmp"):
+            d.mkdir()
+        (bin_dir / "gcloud").write_text(f'#!/bin/sh\nexec {sys.executable} -S {FAKE_GCLOUD} "$@"\n')
+        (bin_dir / "gcloud").chmod(0o755)
+        shutil.copy(LAUNCH, self.repo / "launch.sh")
+        shutil.copy(PROJECT_DIR / "requirements.txt", self.repo / "requirements.txt")
+        (self.repo / "train.py").write_text(STUB_TRAIN)
+        (self.repo / "docs").mkdir()
+        (self.repo / "docs" / "a file with spaces.txt").write_text("tracked\n")
+        self.git("init", "-q")
+        self.git("add", ".")
+        self.commit()
+        self.log = self.root / "calls.jsonl"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("TRM_", "FAKE_", "STUB_"))}
+        self.env.update(
+            PATH=f"{bin_dir}:{os.environ['PATH']}", TMPDIR=str(tmp / "tmp"), FAKE_GCLOUD_ROOT=str(self.root),
+            FAKE_GCLOUD_LOG=str(self.log), FAKE_WORKERS=str(workers), FAKE_PYTHON=sys.executable,
+            STUB_DIR=str(self.stub_dir), TRM_TPU=TPU, TRM_ZONE="us-central2-b", TRM_PROJECT="proj",
+            TRM_BUCKET="trm-bucket", TRM_POLL_SECONDS="0.2", TRM_STOP_WAIT="10")
+
+    def git(self, *args):
+        subprocess.run(["git", "-C", str(self.repo), *args], check=True, capture_output=True)
+
+    def commit(self):
+        self.git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "code")
+
+    def run(self, *args, expect=0, **env):
+        result = subprocess.run(["bash", str(self.repo / "launch.sh"), *args], capture_output=True, text=True,
+                                env=dict(self.env, **env), timeout=120)
+        if expect is not None:
+            assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+        return result
+
+    def calls(self):
+        """gcloud command lines recorded since the last call of this method."""
+        if not self.log.exists():
+            return []
+        lines = self.log.read_text().splitlines()
+        self.log.unlink()
+        return [["gcloud", *json.loads(line)["argv"]] for line in lines]
+
+    def set_tpu(self, states=("READY",), accelerator="v4-16", spot=True):
+        self.root.mkdir(exist_ok=True)
+        (self.root / "tpu.json").write_text(json.dumps(
+            {"name": TPU, "states": list(states), "acceleratorType": accelerator,
+             "runtimeVersion": "tpu-ubuntu2204-base", "spot": spot}))
+
+    def ready(self):
+        """A READY TPU with venvs and the code: what create, setup and deploy leave."""
+        self.set_tpu()
+        self.run("setup")
+        self.run("deploy")
+        self.calls()
+
+    def home(self, worker: int) -> Path:
+        return self.root / "workers" / str(worker)
+
+    def launches(self, worker: int):
+        return sorted(self.stub_dir.glob(f"launch-{worker}-*.json"))
+
+    def launch_record(self, worker: int, n: int):
+        return json.loads((self.stub_dir / f"launch-{worker}-{n}.json").read_text())
+
+
+@pytest.fixture
+def pod(tmp_path):
+    p = Pod(tmp_path, workers=2)
+    yield p
+    for pid in worker_pids(p.root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def dry_run_commands(stdout: str):
+    """The gcloud lines of --dry-run output, split into arguments by bash itself."""
+    out = []
+    for line in stdout.splitlines():
+        if line.startswith("gcloud "):
+            split = subprocess.run(["bash", "-c", 'eval "a=($1)"; printf "%s\\0" "${a[@]}"', "_", line],
+                                   capture_output=True, check=True)
+            out.append(split.stdout.decode().split("\0")[:-1])
+    return out
+
+
+def assert_dry_run_matches(pod: Pod, *args):
+    """`launch.sh --dry-run ARGS` prints exactly the gcloud calls that `launch.sh ARGS` then makes."""
+    pod.calls()
+    dry = pod.run("--dry-run", *args)
+    assert pod.calls() == [], "--dry-run ran gcloud"
+    printed = dry_run_commands(dry.stdout)
+    pod.run(*args)
+    made = pod.calls()
+    assert printed == made
+    return made
+
+
+def test_shellcheck():
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck; .ci/run installs it)")
+    result = subprocess.run(["shellcheck", str(LAUNCH)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_help(pod):
+    top = pod.run("--help")
+    for name in SUBCOMMANDS:
+        assert name in top.stdout
+        result = pod.run(name, "--help")
+        assert result.stdout.startswith(f"usage: bash launch.sh {name}"), result.stdout
+    assert "usage:" in pod.run(expect=2).stdout
+    assert "unknown command" in pod.run("launch", expect=2).stderr
+    assert "unknown option --nope" in pod.run("status", "--nope", expect=2).stderr
+    assert pod.calls() == []
+
+
+def test_missing_settings_are_named_with_how_to_set_them(pod):
+    for name in ("TRM_TPU", "TRM_ZONE", "TRM_PROJECT", "TRM_BUCKET"):
+        del pod.env[name]
+    err = pod.run("create", expect=2).stderr
+    for flag, var in (("--tpu", "TRM_TPU"), ("--zone", "TRM_ZONE"), ("--project", "TRM_PROJECT"),
+                      ("--bucket", "TRM_BUCKET")):
+        assert f"pass {flag}" in err and f"export {var}=" in err
+    err = pod.run("status", "--tpu", "x", "--zone=us-central2-b", expect=2).stderr
+    assert "project" in err and "TRM_PROJECT" in err and "TRM_TPU" not in err and "bucket" not in err
+    assert "bucket" in pod.run("tensorboard", expect=2).stderr
+    assert pod.calls() == []
+
+
+def test_lifecycle_dry_run_prints_exactly_the_real_calls(pod):
+    made = assert_dry_run_matches(pod, "create", "--spot", "--accelerator", "v4-16")
+    assert ["gcloud", "storage", "buckets", "create", "gs://trm-bucket", "--project=proj",
+            "--location=us-central2", "--uniform-bucket-level-access"] in made
+    assert ["gcloud", "compute", "tpus", "tpu-vm", "create", TPU, "--zone=us-central2-b", "--project=proj",
+            "--accelerator-type=v4-16", "--version=tpu-ubuntu2204-base", "--spot"] in made
+    assert_dry_run_matches(pod, "setup")
+    assert_dry_run_matches(pod, "deploy")
+    made = assert_dry_run_matches(pod, "train", "run-1", *TRICKY_ARGS)
+    assert [c[4] for c in made] == ["describe", "ssh", "ssh"]
+    assert_dry_run_matches(pod, "status")
+    assert_dry_run_matches(pod, "logs", "1", "--no-follow")
+    assert_dry_run_matches(pod, "stop")
+    assert_dry_run_matches(pod, "delete")
+    assert not (pod.root / "tpu.json").exists()
+
+
+def test_create_and_delete_are_idempotent(pod):
+    pod.run("create", "--accelerator", "v4-16", "--spot")
+    pod.calls()
+    again = pod.run("create", "--accelerator", "v4-16", "--spot")
+    assert [c[2:5] for c in pod.calls()] == [["buckets", "describe", "gs://trm-bucket"],
+                                             ["tpus", "tpu-vm", "describe"]]
+    assert "exists" in again.stderr
+    assert "exists as v4-16" in pod.run("create", "--accelerator", "v4-64", expect=1).stderr
+    pod.calls()
+    pod.set_tpu(states=["PREEMPTED"])   # a spot TPU does not come back: create replaces it
+    pod.run("create", "--accelerator", "v4-16")
+    assert [c[4] for c in pod.calls() if c[1] == "compute"] == ["describe", "delete", "create"]
+    pod.run("delete")
+    assert "nothing to delete" in pod.run("delete").stderr
+
+
+def test_setup_installs_tpu_requirements_once_per_worker(pod):
+    pod.set_tpu()
+    first = pod.run("setup")
+    second = pod.run("setup")
+    pins = (PROJECT_DIR / "requirements.txt").read_text()
+    assert "torch_xla==" in pins
+    for w in range(pod.workers):
+        requirements = (pod.home(w) / "trm-venv" / "trm-requirements.txt").read_text().splitlines()
+        assert "torch_xla[tpu]==" + pins.split("torch_xla==")[1].split()[0] in requirements
+        assert "torch==" + pins.split("\ntorch==")[1].split()[0] in requirements
+        assert not any(line.startswith("torch_xla==") or "#" in line for line in requirements)
+        pip_calls = (pod.home(w) / ".fake_pip.log").read_text().splitlines()
+        assert len(pip_calls) == 1 and pip_calls[0].startswith("install ")   # the second setup skipped pip
+        assert f"worker {w}: venv ready" in first.stderr
+        assert f"worker {w}: requirements already installed" in second.stderr
+    assert f"setup done on {pod.workers} workers" in second.stderr
+
+
+def test_deploy_ships_tracked_code_only_and_compares_hashes(pod):
+    pod.set_tpu()
+    (pod.repo / "data").mkdir()
+    (pod.repo / "data" / "tracked.npy").write_text("dataset")
+    pod.git("add", "-f", "data/tracked.npy")
+    pod.commit()
+    (pod.repo / "untracked.txt").write_text("not shipped")
+    (pod.repo / ".venv").mkdir()
+    (pod.repo / ".venv" / "x").write_text("not shipped")
+    (pod.repo / "docs" / "a file with spaces.txt").write_text("uncommitted edit\n")
+    result = pod.run("deploy")
+    assert f"all {pod.workers} workers hold code" in result.stderr
+    for w in range(pod.workers):
+        code = pod.home(w) / "trm"
+        shipped = sorted(str(p.relative_to(code)) for p in code.rglob("*") if p.is_file())
+        assert shipped == [".trm-code-sha256sums", "docs/a file with spaces.txt", "launch.sh",
+                           "requirements.txt", "train.py"]
+        assert (code / "docs" / "a file with spaces.txt").read_text() == "uncommitted edit\n"
+    assert pod.run("deploy").stderr.count("code ") >= pod.workers   # again: same code, no error
+
+    # A worker whose code differs is named, and train refuses until deploy runs again.
+    pod.run("setup")
+    (pod.home(1) / "trm" / "train.py").write_text("print('edited on the worker')\n")
+    refused = pod.run("train", "r", "demo", expect=1).stderr
+    assert "worker 1: modified" in refused and "deploy" in refused
+    assert "code*" in pod.run("status").stdout
+    pod.run("deploy")
+    pod.run("train", "r", "demo")
+
+
+def test_train_sends_the_same_command_run_name_and_environment_to_every_worker(tmp_path):
+    pod = Pod(tmp_path, workers=8)   # a v4-64 has 8 hosts
+    try:
+        pod.ready()
+        result = pod.run("train", "sudoku-1", *TRICKY_ARGS)
+        calls = pod.calls()
+        launch_calls = [c for c in calls if c[4] == "ssh"]
+        assert all("--worker=all" in c for c in launch_calls)
+        expected = TRICKY_ARGS + ["--run.dir", "gs://trm-bucket/runs/sudoku-1", "--run.device", "tpu"]
+        deadline = time.time() + 20
+        while time.time() < deadline and not all(pod.launches(w) for w in range(8)):
+            time.sleep(0.05)
+        for w in range(8):
+            record = pod.launch_record(w, 0)
+            assert record["argv"] == expected
+            assert record["env"] == {"PJRT_DEVICE": "TPU", "PYTHONUNBUFFERED": "1", "TRM_RUN_NAME": "sudoku-1"}
+            assert record["cwd"] == str(pod.home(w) / "trm")
+            assert (pod.home(w) / "trm-state" / "logs" / "sudoku-1.log").exists()
+            assert "rm -f /tmp/libtpu_lockfile" in (pod.home(w) / ".fake_sudo.log").read_text()
+        assert "run sudoku-1 started on 8 workers" in result.stderr
+    finally:
+        for pid in worker_pids(pod.root):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_train_argument_errors(pod):
+    assert "sets --run.dir" in pod.run("train", "r", "demo", "--run.dir", "gs://x", expect=2).stderr
+    assert "run name" in pod.run("train", "bad/name", "demo", expect=2).stderr
+    assert "preset" in pod.run("train", "r", expect=2).stderr
+    assert "preset" in pod.run("train", "r", "--optim.lr", "1", expect=2).stderr
+    assert pod.calls() == []
+
+
+def test_second_train_is_refused_while_one_runs_and_stop_sends_sigterm(pod):
+    pod.ready()
+    pod.run("train", "run-a", "demo", "--x", "1", STUB_PLAN="hang")
+    refused = pod.run("train", "run-b", "demo", STUB_PLAN="hang", expect=1)
+    assert "already running" in refused.stderr and "run run-a" in refused.stderr
+    assert [c[4] for c in pod.calls() if c[1] == "compute"] == ["describe", "ssh", "ssh", "describe", "ssh"]
+    status = pod.run("status").stdout
+    assert status.count("RUNNING") == pod.workers
+
+    stopped = pod.run("stop")
+    assert "exited with status 0" in stopped.stderr
+    for w in range(pod.workers):
+        assert (pod.stub_dir / f"term-{w}-0").exists()   # SIGTERM reached train.py
+        assert len(pod.launches(w)) == 1                  # the refused train started nothing
+    assert pod.run("status").stdout.count("STOPPED 0") == pod.workers
+    assert "no trainer running" in pod.run("stop").stderr
+
+    pod.run("train", "run-a", "demo", "--x", "1", STUB_PLAN="0")   # the same command resumes
+    while not all(len(pod.launches(w)) == 2 for w in range(pod.workers)):
+        time.sleep(0.05)
+    assert pod.launch_record(0, 1)["argv"] == pod.launch_record(0, 0)["argv"]
+
+
+def test_train_ends_stale_trainers_of_ours(pod):
+    pod.ready()
+    home = pod.home(1)
+    env = dict(pod.env, HOME=str(home), FAKE_WORKER_ID="1", FAKE_WORKER_HOME=str(home), STUB_PLAN="hang")
+    stale = subprocess.Popen([sys.executable, str(home / "trm" / "train.py")], cwd=home / "trm", env=env)
+    try:
+        result = pod.run("train", "r", "demo")
+        assert f"ending stale train.py processes: {stale.pid}" in result.stderr
+        assert stale.wait(timeout=10) == 0   # the stub saves on SIGTERM and exits 0
+    finally:
+        stale.kill()
+
+
+def test_logs_tensorboard_and_the_default_data_path(pod):
+    pod.ready()
+    pod.run("train", "r1", "demo", TRM_DATA="gs://trm-bucket/data/demo")
+    deadline = time.time() + 10
+    while time.time() < deadline and "exited" not in pod.run("logs", "1", "--no-follow").stdout:
+        time.sleep(0.1)
+    one = pod.run("logs", "1", "--no-follow").stdout
+    assert "stub train.py, worker 1, launch 0" in one and "exited with status 0" in one
+    every = pod.run("logs", "all").stdout
+    for w in range(pod.workers):
+        assert f"[worker {w}] stub train.py, worker {w}" in every
+    assert pod.launch_record(0, 0)["argv"][:3] == ["demo", "--data.path", "gs://trm-bucket/data/demo"]
+    assert pod.run("tensorboard", "r1").stdout.strip() == \
+        "tensorboard --logdir gs://trm-bucket/runs/r1/tb --port 6006 --load_fast=false"
+
+
+def test_check_compares_workers(pod):
+    pod.ready()
+    canned = {"python": "3.10.12", "torch": "2.9.0", "torch_xla": "2.9.0", "libtpu": "0.0.21", "bucket": "ok",
+              "data": "ok", "devices": "8", "local_devices": "4", "processes": str(pod.workers)}
+
+    def answer(worker, **changes):
+        values = dict(canned, **changes)
+        lines = "".join(f"{k}\\t{v}\\n" for k, v in values.items())
+        python = pod.home(worker) / "trm-venv" / "bin" / "python"
+        python.write_text(f"#!/bin/sh\ncat > /dev/null\nprintf '{lines}'\n")
+
+    for w in range(pod.workers):
+        answer(w)
+    result = pod.run("check", "--data", "gs://trm-bucket/data/x")
+    assert f"all {pod.workers} workers OK" in result.stderr
+    assert result.stdout.count("2.9.0") == 2 * pod.workers
+    answer(1, torch_xla="2.8.0")
+    answer(0, bucket="ERROR Forbidden: 403")
+    errors = pod.run("check", "--data", "gs://trm-bucket/data/x", expect=1).stderr
+    assert "worker 1: torch_xla 2.8.0, requirements.txt pins 2.9.0" in errors
+    assert "torch_xla differs between workers" in errors
+    assert "worker 0: bucket gs://trm-bucket: ERROR Forbidden: 403" in errors
+    answer(0)
+    answer(1, devices="16")   # v4-16 has 8 chips
+    assert "worker 1: 16 devices, v4-16 has 8" in pod.run("check", expect=1).stderr
+
+
+def test_retry_recreates_a_preempted_tpu_and_relaunches_the_same_command(pod):
+    pod.ready()
+    # The first describe (at start) says READY; the next one PREEMPTED: the fake then ends the
+    # workers' processes (SIGTERM, as a VM shutdown does) and ssh fails until the TPU is recreated.
+    pod.set_tpu(states=["READY", "PREEMPTED"])
+    result = pod.run("train", "--retry", "run-p", "demo", "--x", "a b", STUB_PLAN="hang,0")
+    assert "preempted" in result.stderr and "run run-p finished" in result.stderr
+    compute = [c for c in pod.calls() if c[1] == "compute"]
+    verbs = [c[4] for c in compute]
+    assert verbs.count("delete") == 1 and verbs.count("create") == 1
+    create = next(c for c in compute if c[4] == "create")
+    assert "--accelerator-type=v4-16" in create and "--spot" in create   # recreated as it was
+    assert verbs.index("delete") < verbs.index("create") < verbs.index("scp")
+    for w in range(pod.workers):
+        assert len(pod.launches(w)) == 2
+        assert pod.launch_record(w, 1)["argv"] == pod.launch_record(w, 0)["argv"]
+        assert (pod.stub_dir / f"term-{w}-0").exists()
+        assert (pod.home(w) / "trm-venv" / "trm-requirements.txt").exists()   # setup ran on the new VMs
+
+
+def test_retry_stops_on_a_real_failure(pod):
+    pod.ready()
+    result = pod.run("train", "--retry", "run-f", "demo", STUB_PLAN="fail1", expect=1)
+    assert "failed on worker(s) 1 (exit 3)" in result.stderr and "not relaunching" in result.stderr
+    assert "[worker 1] RuntimeError: boom" in result.stderr
+    verbs = [c[4] for c in pod.calls() if c[1] == "compute"]
+    assert "create" not in verbs and "delete" not in verbs
+    for w in range(pod.workers):
+        assert len(pod.launches(w)) == 1
+        if w != 1:
+            assert (pod.stub_dir / f"term-{w}-0").exists()   # the others were stopped
+    assert not worker_pids(pod.root)
+
+
+def test_retry_attaches_to_its_own_running_run(pod):
+    pod.ready()
+    pod.run("train", "run-w", "demo", STUB_PLAN="hang")
+    # Watching from another laptop session: no second launch; `stop` ends the watch cleanly.
+    watcher = subprocess.Popen(["bash", str(pod.repo / "launch.sh"), "train", "--retry", "run-w", "demo"],
+                               env=pod.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 20
+    while time.time() < deadline and "remote_status" not in (pod.log.read_text() if pod.log.exists() else ""):
+        time.sleep(0.05)   # until the watcher polls the workers
+    pod.run("stop")
+    out, err = watcher.communicate(timeout=30)
+    assert watcher.returncode == 0, err
+    assert "already running" in err and "was stopped" in err
+    assert all(len(pod.launches(w)) == 1 for w in range(pod.workers))
