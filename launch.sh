@@ -251,7 +251,7 @@ dry() { [ "$DRY_RUN" = 1 ]; }
 tmpdir() {
   if [ -z "$TMPD" ]; then
     TMPD=$(mktemp -d "${TMPDIR:-/tmp}/trm-launch.XXXXXX")
-    trap 'rm -rf "$TMPD"' EXIT
+    trap 'rm -rf "$TMPD" ${CODE_TAR:+"$CODE_TAR"}' EXIT
   fi
 }
 
@@ -466,10 +466,11 @@ code_files() {  # tracked files, as in the working tree, without data/, runs/, .
   done | LC_ALL=C sort
 }
 
-# Sets CODE_HASH (sha256 of the manifest of every shipped file) and CODE_TAR (the tarball).
+# Sets CODE_HASH (sha256 of the manifest of every shipped file); `build_code tar` also CODE_TAR,
+# the tarball (named by the hash, so that --dry-run prints the same path; removed on exit).
 build_code() {
   local stage n
-  [ -z "$CODE_HASH" ] || return 0
+  if [ -n "$CODE_HASH" ] && { [ "${1:-}" != tar ] || [ -n "$CODE_TAR" ]; }; then return 0; fi
   git -C "$REPO" rev-parse --is-inside-work-tree >/dev/null 2>&1 \
     || die "$REPO is not a git checkout: deploy ships the files git tracks"
   tmpdir
@@ -482,12 +483,14 @@ build_code() {
   (cd "$REPO" && tr '\n' '\0' < "$stage/files" | COPYFILE_DISABLE=1 tar --null -T - -cf -) | (cd "$stage/trm" && tar -xf -)
   (cd "$stage/trm" && while IFS= read -r f; do sha256_file "$f"; done < "$stage/files" > .trm-code-sha256sums)
   CODE_HASH=$(sha256_stdin < "$stage/trm/.trm-code-sha256sums" | cut -c1-64)
-  CODE_TAR="${TMPDIR:-/tmp}/trm-code-${CODE_HASH:0:16}.tar.gz"
-  (cd "$stage" && COPYFILE_DISABLE=1 tar -czf "$CODE_TAR" trm)
-  rm -rf "$stage"
-  if [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
-    info "note: your checkout has uncommitted changes; they are part of code ${CODE_HASH:0:12}"
+  if [ "${1:-}" = tar ]; then
+    CODE_TAR="${TMPDIR:-/tmp}/trm-code-${CODE_HASH:0:16}.tar.gz"
+    (cd "$stage" && COPYFILE_DISABLE=1 tar -czf "$CODE_TAR" trm)
+    if [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+      info "note: your checkout has uncommitted changes; they are part of code ${CODE_HASH:0:12}"
+    fi
   fi
+  rm -rf "$stage"
   CODE_FILES=$n
 }
 
@@ -831,7 +834,7 @@ cmd_setup() { require tpu zone project; do_setup; }
 
 do_deploy() {
   local out bad=0 w got mismatch=()
-  build_code
+  build_code tar
   tmpdir
   out=$TMPD/deploy.out
   info "deploy: code ${CODE_HASH:0:12} ($CODE_FILES files) to ~/trm on every worker of $TPU"
