@@ -136,6 +136,7 @@ def local_rows(tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
     the local devices only (`.cpu()` of a sharded tensor would gather from every host)."""
     from torch_xla.distributed.spmd import XLAShardedTensor
 
+    xm.wait_device_ops()  # local shards can only be read once the computation producing them ended
     shards = XLAShardedTensor(tensor).local_shards
     if any(s.indices is Ellipsis for s in shards):  # a mesh of one device: nothing is split
         return 0, shards[0].data

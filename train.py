@@ -13,6 +13,13 @@ With a dataset in the reference format (local path or gs://), a preset and any o
     python train.py --help               # the presets
     python train.py arc1 --help          # every setting, with its preset value
 
+Relaunching the same command continues from the run directory's latest checkpoint; SIGTERM
+(a spot VM's preemption notice) saves one and exits 0. Other commands:
+
+    python train.py export gs://BUCKET/runs/NAME --out gs://BUCKET/models/NAME.safetensors
+    python train.py eval --init-from gs://BUCKET/runs/NAME --data.path gs://BUCKET/data/...
+    python train.py eval arc1 --init-from reference_step_123.pt --data.path gs://BUCKET/data/arc1
+
 Presets: sudoku-mlp, sudoku-att, maze, arc1, arc2 (the paper's recipes) and demo. On a pod,
 `bash launch.sh train RUN_NAME PRESET ...` runs this on every host with PJRT_DEVICE=TPU.
 """
@@ -36,6 +43,7 @@ import torch
 import tyro
 
 import data
+from arc_eval import ArcEvaluator, write_submission
 from checkpoint import Block, CheckpointWriter, assign_owners
 from model import EMA, TRM, AdamATan2, Carry, SignSGD, TRMConfig, loss_and_metrics
 
@@ -89,6 +97,9 @@ class EvalConfig:
     max_examples: Optional[int] = None
     """Cap intermediate evaluations to a fixed seeded subset of this many test examples
     (the final evaluation uses all); None evaluates everything every time."""
+    arc: bool = False
+    """Score ARC pass@1/2/5/10 by voting over augmentations and write submission.json
+    (needs the ARC builder's identifiers.json and test_puzzles.json; on in the arc presets)."""
 
 
 @dataclass
@@ -136,7 +147,7 @@ _arc = _preset(
     data=dict(path="data/arc1concept-aug-1000"),
     model=dict(seq_len=900, vocab_size=12, mlp_t=False, pos_encodings="rope", L_cycles=4),
     optim=dict(epochs=100000, puzzle_emb_lr=1e-2, weight_decay=0.1, puzzle_emb_weight_decay=0.1),
-    eval=dict(every_epochs=10000),
+    eval=dict(every_epochs=10000, arc=True),
 )
 PRESETS: dict[str, tuple[str, Config]] = {
     "sudoku-mlp": ("Sudoku-Extreme, TRM-MLP (paper: 87.4% exact)", Config()),
@@ -312,12 +323,13 @@ class Trainer:
         return torch.stack([metrics[k] for k in TRAIN_METRICS])
 
     @torch.no_grad()
-    def eval_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One ACT step in eval mode on the persistent eval carry; metrics of rows that halted."""
+    def eval_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One ACT step in eval mode on the persistent eval carry: the metric vector of rows
+        that halted (EVAL_METRICS order), the predicted tokens and the q_halt logits."""
         carry, outputs = self.model(self.eval_carry, batch)
         _, metrics = loss_and_metrics(carry, outputs)
         self.eval_carry = self._sharded_carry(carry)
-        return torch.stack([metrics[k] for k in EVAL_METRICS])
+        return torch.stack([metrics[k] for k in EVAL_METRICS]), outputs["logits"].argmax(-1), outputs["q_halt_logits"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,9 +432,11 @@ class RunLog:
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         self.evals.append(dict(result, step=step))
+        arc = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("pass@"))
         self.say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  "
                  f"accuracy {result['accuracy']:.4f}  q_halt_accuracy {result['q_halt_accuracy']:.4f}  "
-                 f"steps {result['steps']:.2f}  on {result['num_examples']} examples in {seconds:.0f}s")
+                 f"steps {result['steps']:.2f}  {arc + '  ' if arc else ''}"
+                 f"on {result['num_examples']} examples in {seconds:.0f}s")
         if self.tb:
             for k, v in result.items():
                 self._in_order(self.tb.add_scalar, f"eval/{k}", v, step)
@@ -478,50 +492,85 @@ def load_initial_weights(url: str, model_config: TRMConfig) -> dict[str, torch.T
     return {f"model/{k}": v for k, v in model.state_dict().items()}
 
 
-def evaluate(trainer: Trainer, batches: data.EvalBatches, sync) -> dict[str, float]:
+def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None):
     """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
-    metrics over real (non-padding) examples."""
+    metrics over real (non-padding) examples, plus ARC pass@k when `arc` (an ArcEvaluator)
+    is given. Returns (metrics, ARC submission or None)."""
     sharding, o = trainer.sharding, trainer.config.optim
     sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
+    started, report_every = time.time(), max(1, len(batches) // 10)
+    if arc is not None:
+        arc.begin()
     with trainer.ema.swapped_into(trainer.model):
         trainer.model.eval()
         for index in range(len(batches)):
-            batch = sharding.host_batch_to_global(batches.batch(index), trainer.mesh)
+            host_batch = batches.batch(index)
+            batch = sharding.host_batch_to_global(host_batch, trainer.mesh)
             for _ in range(trainer.config.model.halt_max_steps):
-                sums = sums + trainer.eval_step(batch)
+                # preds and q_halt stay referenced across the sync, so every ACT step is the
+                # same graph whether or not this batch's predictions are read.
+                metrics, preds, q_halt = trainer.eval_step(batch)
+                sums = sums + metrics
                 sync()
+            if arc is not None:  # this host's rows only: votes are summarised before crossing hosts
+                arc.update(host_batch, sharding.local_rows(preds)[1].numpy(),
+                           sharding.local_rows(q_halt)[1].float().numpy(), batches.valid(index))
+            done = index + 1
+            if done % report_every == 0 and done < len(batches):
+                elapsed = time.time() - started
+                say(f"  eval batch {done}/{len(batches)} ({100 * done / len(batches):.0f}%), "
+                    f"ETA {format_duration(elapsed / done * (len(batches) - done))}")
         trainer.model.train()
     result = summarize(EVAL_METRICS, sums.cpu().numpy(), 1, o.global_batch_size)
     result["num_examples"] = batches.num_examples
-    return result
+    submission = None
+    if arc is not None:
+        merged = arc.merge(sharding.all_gather_object(arc.summary()))
+        result.update(arc.result(merged))
+        submission = arc.submission(merged)
+    return result, submission
+
+
+def start(config: Config, weights_rows: int | None = None):
+    """Everything that can be checked without a device, then the runtime and the host group.
+    Returns (config with the dataset's identifier count, train set, test set, the sharding
+    module, "TPU" or "CPU"). `weights_rows`: rows of a given puzzle-embedding table, which
+    must match the dataset's identifiers."""
+    try:
+        train_set, test_set = data.open_train_test(config.data.path, cache_dir=config.data.cache_dir)
+        config = check_against_dataset(config, train_set.metadata)
+        if weights_rows is not None and weights_rows != train_set.metadata.num_puzzle_identifiers:
+            raise ConfigError(f"the weights' puzzle embedding has {weights_rows} identifiers but the dataset at "
+                              f"{config.data.path} has num_puzzle_identifiers="
+                              f"{train_set.metadata.num_puzzle_identifiers}: evaluate on the dataset the model "
+                              "was trained on")
+    except (data.DatasetError, ConfigError) as e:
+        raise SystemExit(f"error: {e}")
+
+    import sharding
+
+    device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices)
+    num_devices, _ = sharding.device_counts()
+    try:
+        check_batch_layout(config.optim.global_batch_size, num_devices, sharding.process_count())
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
+    sharding.init_host_group()
+    sharding.check_same_config(config_fingerprint(config))
+    return config, train_set, test_set, sharding, device_kind
 
 
 def main(config: Config) -> dict:
     """Train (and evaluate) as configured, resuming from the run directory's latest
     checkpoint; returns the logged history, the evaluations and the XLA counters."""
-    # 1. Everything that can be checked without a device, checked first.
-    try:
-        train_set, test_set = data.open_train_test(config.data.path, cache_dir=config.data.cache_dir)
-        config = check_against_dataset(config, train_set.metadata)
-    except (data.DatasetError, ConfigError) as e:
-        raise SystemExit(f"error: {e}")
-
-    # 2. The runtime, the mesh and the hosts.
+    # 1-2. Checks, then the runtime, the mesh and the hosts.
+    config, train_set, test_set, sharding, device_kind = start(config)
     import torch_xla
 
     import checkpoint
-    import sharding
 
-    device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices)
     num_devices, local_devices = sharding.device_counts()
     num_hosts, host = sharding.process_count(), sharding.process_index()
-    try:
-        check_batch_layout(config.optim.global_batch_size, num_devices, num_hosts)
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}")
-    sharding.init_host_group()
-    sharding.check_same_config(config_fingerprint(config))
-
     o = config.optim
     total_steps = data.total_train_steps(train_set.metadata, o.epochs, o.global_batch_size)
     steps_per_epoch = total_steps / o.epochs
@@ -571,11 +620,16 @@ def main(config: Config) -> dict:
         checkpoint_transfers.append(xla_counters()["transfers"] - before)
         writer.save(step, blocks, {"step": step, "config": dataclasses.asdict(config)})
 
+    arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+
     def run_eval(step: int, final: bool) -> None:
         started = time.time()
         batches = data.EvalBatches(test_set, o.global_batch_size, process_index=host, process_count=num_hosts,
                                    max_examples=None if final else config.eval.max_examples, seed=config.run.seed)
-        log.evaluation(evaluate(trainer, batches, torch_xla.sync), step, time.time() - started)
+        result, submission = evaluate(trainer, batches, torch_xla.sync, arc, log.say)
+        log.evaluation(result, step, time.time() - started)
+        if submission is not None and sharding.is_main_process():
+            log.say(f"ARC submission: {write_submission(_join(config.run.dir, 'eval', f'step_{step}'), submission)}")
 
     stop_requested = []
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
@@ -663,9 +717,80 @@ def export(source: tyro.conf.Positional[str], out: str) -> None:
     print(f"exported the EMA weights of {url} to {out}", flush=True)
 
 
+def config_from_dict(saved: dict) -> Config:
+    return Config(data=DataConfig(**saved["data"]), model=TRMConfig(**saved["model"]),
+                  optim=OptimConfig(**saved["optim"]), eval=EvalConfig(**saved["eval"]), run=RunConfig(**saved["run"]))
+
+
+def load_weights_for_eval(source: str, base: Config) -> tuple[Config, dict[str, torch.Tensor], int]:
+    """(config, `model/*` weights, step) from a run directory or checkpoint (EMA weights and the
+    run's config), an exported model.safetensors (its model config) or a reference checkpoint
+    (the preset's model config)."""
+    import checkpoint
+
+    if source.endswith(".safetensors"):
+        weights, model_config = checkpoint.read_exported(source)
+        return dataclasses.replace(base, model=TRMConfig(**model_config)), {f"model/{k}": v for k, v in weights.items()}, 0
+    url = source if checkpoint.exists(_join(source, checkpoint.COMMIT_MARKER)) else None
+    if url is None and checkpoint.list_checkpoints(source):
+        url = checkpoint.list_checkpoints(source)[0][1]
+    if url is not None:
+        tensors, state = checkpoint.read_checkpoint(url, names=lambda n: n.startswith(("model/", "ema/")))
+        weights = {k: tensors.get(f"ema/{k.removeprefix('model/')}", v) for k, v in tensors.items() if k.startswith("model/")}
+        return config_from_dict(state["config"]), weights, state["step"]
+    return base, load_initial_weights(source, base.model), 0
+
+
+def evaluate_command(argv: list[str]) -> dict:
+    """`python train.py eval [PRESET] --init-from URL --data.path URL [overrides]`: evaluate a
+    run directory / checkpoint, an exported model.safetensors or a reference checkpoint on a
+    dataset's test split; prints and saves the metrics (and ARC scores) under
+    {run.dir}/eval/step_N/."""
+    import torch_xla
+
+    args = list(argv)
+    if "--init-from" not in args:
+        raise SystemExit("error: eval needs --init-from URL (a run directory, checkpoint, exported "
+                         "model.safetensors or reference checkpoint)")
+    at = args.index("--init-from")
+    source = args[at + 1]
+    del args[at:at + 2]
+    preset = args.pop(0) if args and args[0] in PRESETS else "sudoku-mlp"
+    config, weights, step = load_weights_for_eval(source, PRESETS[preset][1])
+    config = tyro.cli(Config, default=config, args=args)
+    table = weights.get("model/puzzle_embedding.weight")
+    config, _, test_set, sharding, device_kind = start(config, None if table is None else table.shape[0])
+    host, num_hosts = sharding.process_index(), sharding.process_count()
+    say = print if sharding.is_main_process() else (lambda *a, **k: None)
+    mesh = sharding.data_mesh()
+    trainer = Trainer(config, sharding, mesh, weights)
+    batches = data.EvalBatches(test_set, config.optim.global_batch_size, process_index=host, process_count=num_hosts,
+                               max_examples=config.eval.max_examples, seed=config.run.seed)
+    trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
+    torch_xla.sync()
+    say(f"evaluating {source} (step {step}) on {batches.num_examples} examples of {config.data.path} "
+        f"on {device_kind} ({len(batches)} batches)", flush=True)
+    started = time.time()
+    arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+    result, submission = evaluate(trainer, batches, torch_xla.sync, arc, lambda *a: say(*a, flush=True))
+    out = _join(config.run.dir, "eval", f"step_{step}")
+    if sharding.is_main_process():
+        import checkpoint
+
+        checkpoint.write_bytes(_join(out, "metrics.json"), json.dumps(dict(result, source=source), indent=2).encode())
+        if submission is not None:
+            write_submission(out, submission)
+    scores = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in ("count", "num_examples"))
+    say(f"eval of {source}: {scores}  ({time.time() - started:.0f}s); saved to {out}", flush=True)
+    return result
+
+
 def command_line(argv: list[str]) -> int:
     if argv[:1] == ["export"]:
         tyro.cli(export, args=argv[1:])
+        return 0
+    if argv[:1] == ["eval"]:
+        evaluate_command(argv[1:])
         return 0
     result = main(cli(argv))
     return 0 if result["final"] is not None or result["preempted"] else 1

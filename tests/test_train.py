@@ -30,15 +30,26 @@ def tiny_args(demo_path, tmp_path, *extra):
             "--optim.global-batch-size", "32", *extra]
 
 
-def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
-    import torch_xla.debug.metrics as met
+def run_in_fresh_process(args, cpu_devices=8):
+    """train.main in a new process (its own XLA graph cache, so every compile shows); the
+    result's JSON-able parts."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {PROJECT_DIR!r})
+        import train
+        result = train.main(train.cli({args!r}))
+        print("RESULT" + json.dumps({{k: result[k] for k in ("history", "evals", "final", "xla",
+                                                               "checkpoint_transfers")}}))
+    """)
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(cpu_devices))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT")[1]), proc.stdout
 
-    met.clear_all()
-    # expansion 3 gives shapes no other test uses: the process-wide graph cache cannot hide a compile.
-    config = train.cli(tiny_args(demo_path, tmp_path, "--optim.max-steps", "150", "--run.log-every", "50",
-                                 "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "5",
-                                 "--model.expansion", "3.0"))
-    result = train.main(config)
+
+def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
+    result, _ = run_in_fresh_process(tiny_args(demo_path, tmp_path, "--optim.max-steps", "150", "--run.log-every",
+                                               "50", "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "5"))
     xla = result["xla"]
     # One graph to materialise the initial state, one training step, one evaluation step:
     # anything more is a recompile.
@@ -61,18 +72,9 @@ def test_sharded_over_8_devices_equals_1_device(demo_path, tmp_path):
     args = tiny_args(demo_path, tmp_path / "one", "--optim.max-steps", "5", "--run.log-every", "1",
                      "--eval.every-epochs", "1000")
 
-    script = textwrap.dedent(f"""
-        import json, sys
-        sys.path.insert(0, {PROJECT_DIR!r})
-        import train
-        result = train.main(train.cli({args!r} + ["--run.cpu-devices", "1"]))
-        print("RESULT" + json.dumps([h["loss"] for h in result["history"]]))
-    """)
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "TRM on CPU: 1 devices on 1 host(s)" in proc.stdout
-    one_device = json.loads(proc.stdout.split("RESULT")[1])
+    one_device, stdout = run_in_fresh_process(args + ["--run.cpu-devices", "1"], cpu_devices=1)
+    assert "TRM on CPU: 1 devices on 1 host(s)" in stdout
+    one_device = [h["loss"] for h in one_device["history"]]
     assert len(one_device) == 5
     for a, b in zip([h["loss"] for h in sharded["history"]], one_device):
         assert a == pytest.approx(b, rel=1e-5)

@@ -1,0 +1,98 @@
+"""Standalone evaluation (`python train.py eval`) and the ARC evaluator inside training."""
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.torch import save_file
+
+import data
+import model
+import train
+from tests.data_fixtures import arc_files
+
+
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("demo"))
+    data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
+    return path
+
+
+def small(run_dir, cache_dir, *extra):
+    return ["--data.cache-dir", str(cache_dir), "--run.dir", str(run_dir), "--model.hidden-size", "32",
+            "--model.puzzle-emb-ndim", "32", "--optim.global-batch-size", "32", "--eval.every-epochs", "1000",
+            "--run.log-every", "5", *extra]
+
+
+def test_standalone_eval_matches_the_runs_final_evaluation(demo_path, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    trained = train.main(train.cli(["demo", "--data.path", demo_path,
+                                    *small(run_dir, tmp_path / "cache", "--optim.max-steps", "40")]))
+    capsys.readouterr()
+    assert train.command_line(["eval", "--init-from", str(run_dir), "--data.path", demo_path,
+                               "--data.cache-dir", str(tmp_path / "cache")]) == 0
+    out = capsys.readouterr().out
+    assert f"evaluating {run_dir} (step 40) on 40 examples" in out
+    assert f"exact_accuracy {trained['final']['exact_accuracy']:.4f}" in out
+    assert f"accuracy {trained['final']['accuracy']:.4f}" in out
+    with open(run_dir / "eval" / "step_40" / "metrics.json") as f:
+        saved = json.load(f)
+    assert saved["exact_accuracy"] == pytest.approx(trained["final"]["exact_accuracy"])
+
+    # The exported file evaluates the same.
+    exported = str(tmp_path / "model.safetensors")
+    train.command_line(["export", str(run_dir), "--out", exported])
+    result = train.evaluate_command(["--init-from", exported, "--data.path", demo_path,
+                                     *small(tmp_path / "elsewhere", tmp_path / "cache")])
+    assert result["accuracy"] == pytest.approx(trained["final"]["accuracy"])
+
+
+def test_eval_refuses_a_dataset_the_checkpoint_does_not_fit(demo_path, tmp_path):
+    run_dir = tmp_path / "run"
+    train.main(train.cli(["demo", "--data.path", demo_path, *small(run_dir, tmp_path / "cache", "--optim.max-steps", "1")]))
+    # Same arrays, but the metadata claims more puzzle identifiers.
+    other = tmp_path / "other"
+    shutil.copytree(demo_path, other)
+    for split in ("train", "test"):
+        meta_path = other / split / "dataset.json"
+        meta = json.loads(meta_path.read_text())
+        meta["num_puzzle_identifiers"] = 7
+        meta_path.write_text(json.dumps(meta))
+    with pytest.raises(SystemExit, match="puzzle embedding has 1 identifiers but the dataset at .* has "
+                                         "num_puzzle_identifiers=7"):
+        train.evaluate_command(["--init-from", str(run_dir), "--data.path", str(other)])
+    # A model exported for 9x9 Sudoku (seq_len 81) on the 4x4 demo data.
+    config = model.TRMConfig(seq_len=81, vocab_size=11, hidden_size=32, puzzle_emb_ndim=32, num_heads=2)
+    sudoku_file = str(tmp_path / "sudoku.safetensors")
+    save_file(model.TRM(config).state_dict(), sudoku_file,
+              metadata={"trm_config": json.dumps(dataclasses.asdict(config))})
+    with pytest.raises(SystemExit, match="model.seq_len=81 but the dataset at .* has seq_len=16"):
+        train.evaluate_command(["--init-from", sudoku_file, "--data.path", demo_path])
+
+
+def test_arc_scores_and_submission_during_training_and_standalone(tmp_path, capsys):
+    arc_path = str(tmp_path / "arc")
+    data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+                   test_sets=("evaluation",), num_aug=3, seed=0)
+    tiny_arc = ["--model.hidden-size", "32", "--model.num-heads", "2", "--model.puzzle-emb-ndim", "32",
+                "--model.H-cycles", "1", "--model.L-cycles", "1", "--model.L-layers", "1",
+                "--model.halt-max-steps", "2", "--model.forward-dtype", "float32"]
+    run_dir = tmp_path / "run"
+    trained = train.main(train.cli(["arc1", "--data.path", arc_path, "--optim.global-batch-size", "16",
+                                    *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2"), *tiny_arc]))
+    final = trained["final"]
+    assert set(final) >= {"pass@1", "pass@2", "pass@5", "pass@10"}
+    assert 0 <= final["pass@1"] <= final["pass@2"] <= final["pass@5"] <= final["pass@10"] <= 1
+    out = capsys.readouterr().out
+    assert "pass@2" in out and "ARC submission:" in out
+    with open(run_dir / "eval" / "step_2" / "submission.json") as f:
+        submission = json.load(f)
+    assert list(submission) == ["task_e"] and len(submission["task_e"]) == 2
+    assert set(submission["task_e"][0]) == {"attempt_1", "attempt_2"}
+
+    result = train.evaluate_command(["--init-from", str(run_dir), "--data.path", arc_path,
+                                     "--data.cache-dir", str(tmp_path / "cache")])
+    assert result["pass@2"] == final["pass@2"] and result["exact_accuracy"] == final["exact_accuracy"]
+    assert os.path.exists(run_dir / "eval" / "step_2" / "metrics.json")
