@@ -27,11 +27,12 @@ class NoTPUError(RuntimeError):
     pass
 
 
-def start_runtime(device: str, cpu_devices: int = 8) -> str:
+def start_runtime(device: str, cpu_devices: int = 8, compile_cache_dir: str | None = None) -> str:
     """Choose the PJRT device before the runtime starts; return "TPU" or "CPU".
 
     device: "tpu" (fail loudly when this VM has no TPU), "cpu" (a virtual mesh of
     `cpu_devices` CPU devices), or "auto" (PJRT_DEVICE if set, else TPU when one is attached).
+    compile_cache_dir: persistent compilation cache on TPU (the CPU client cannot reload it).
     """
     from torch_xla._internal import tpu
 
@@ -45,6 +46,8 @@ def start_runtime(device: str, cpu_devices: int = 8) -> str:
                 f"has no TPU chips (libtpu found: {bool(torch_xla._found_libtpu)}). Run on a TPU VM, "
                 "or pass --run.device cpu to train on a virtual CPU mesh.")
         xr.set_device_type("TPU")
+        if compile_cache_dir and not _spmd_on:
+            xr.initialize_cache(os.path.expanduser(compile_cache_dir), readonly=False)
     elif device == "cpu":
         os.environ.setdefault("CPU_NUM_DEVICES", str(cpu_devices))
         xr.set_device_type("CPU")

@@ -125,6 +125,11 @@ class RunConfig:
     """Resume even though the run directory was created with a different configuration."""
     preempt_check_every: int = 10
     """On several hosts, agree every this many steps whether any host got SIGTERM."""
+    compile_cache_dir: str = "~/.cache/trm-xla"
+    """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
+    profile_steps: int = 0
+    """Capture an XLA profile of this many steps (from the 10th step of this launch) into
+    {run.dir}/tb/plugins/profile for TensorBoard's profile tab; 0 = off."""
 
 
 @dataclass
@@ -549,7 +554,7 @@ def start(config: Config, weights_rows: int | None = None):
 
     import sharding
 
-    device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices)
+    device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices, config.run.compile_cache_dir)
     num_devices, _ = sharding.device_counts()
     try:
         check_batch_layout(config.optim.global_batch_size, num_devices, sharding.process_count())
@@ -632,8 +637,9 @@ def main(config: Config) -> dict:
             log.say(f"ARC submission: {write_submission(_join(config.run.dir, 'eval', f'step_{step}'), submission)}")
 
     stop_requested = []
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
     check_stop_every = 1 if num_hosts == 1 else config.run.preempt_check_every
+    profile = Profile(config, start_step + 10) if config.run.profile_steps and sharding.is_main_process() else None
 
     # 4. The loop. Nothing in it reads a device value: metric sums are read by a background
     # thread every log_every steps, while the host traces the following steps.
@@ -646,9 +652,13 @@ def main(config: Config) -> dict:
         batch = sharding.host_batch_to_global(train_batches.batch(step - 1), mesh)
         lr = lr_at(step, o.lr, o, total_steps)
         trainer.set_lrs(lr, lr_at(step, o.puzzle_emb_lr, o, total_steps))
+        if profile:
+            profile.before_step(step)
         window_sums = window_sums + trainer.train_step(batch)
         torch_xla.sync()
         window_steps += 1
+        if profile:
+            profile.after_step(step, log.say)
         if step % config.run.log_every == 0 or step == total_steps:
             log.train_window(window_sums, step, window_steps, time.time() - window_start, lr)
             window_sums = torch.zeros(len(TRAIN_METRICS)).to(trainer.device)
@@ -673,6 +683,7 @@ def main(config: Config) -> dict:
         log.say(f"done: {total_steps} steps in {format_duration(time.time() - loop_start)}; final exact accuracy "
                 f"{100 * log.evals[-1]['exact_accuracy']:.2f}% on held-out puzzles")
     log.close()
+    signal.signal(signal.SIGTERM, previous_sigterm)
     xla = xla_counters()
     log.say(f"XLA: {xla['compiles']} graphs compiled ({xla['compile_seconds']:.1f}s), "
             f"{sum(xla['fallbacks'].values())} aten:: CPU fallbacks{' ' + str(xla['fallbacks']) if xla['fallbacks'] else ''}, "
@@ -680,6 +691,38 @@ def main(config: Config) -> dict:
     return {"history": log.history, "evals": log.evals, "final": log.evals[-1] if log.evals else None,
             "xla": xla, "checkpoint_transfers": sum(checkpoint_transfers), "preempted": preempted,
             "start_step": start_step}
+
+
+class Profile:
+    """An XLA profile of run.profile_steps steps, written locally then copied to
+    {run_dir}/tb/plugins/profile (object stores cannot take the profiler's writes)."""
+
+    def __init__(self, config: Config, first_step: int):
+        self.first, self.last = first_step, first_step + config.run.profile_steps - 1
+        self.remote = _join(config.run.dir, "tb")
+        self.local = tempfile.mkdtemp(prefix="trm-profile-")
+
+    def before_step(self, step: int) -> None:
+        if step == self.first:
+            import torch_xla.debug.profiler as xp
+
+            xp.start_trace(self.local)
+
+    def after_step(self, step: int, say) -> None:
+        if step == self.last:
+            import torch_xla.core.xla_model as xm
+            import torch_xla.debug.profiler as xp
+
+            import checkpoint
+
+            xm.wait_device_ops()
+            xp.stop_trace()
+            for root, _, files in os.walk(self.local):
+                for name in files:
+                    relative = os.path.relpath(os.path.join(root, name), self.local)
+                    with open(os.path.join(root, name), "rb") as f:
+                        checkpoint.write_bytes(_join(self.remote, *relative.split(os.sep)), f.read())
+            say(f"XLA profile of steps {self.first}-{self.last} written to {self.remote}/plugins/profile")
 
 
 def _raise_in_main_thread(future) -> None:

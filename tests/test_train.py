@@ -161,3 +161,11 @@ def test_hosts_with_different_configs_all_stop_naming_the_odd_host():
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 3, err[-2000:]
         assert "MISMATCH host(s) [2] run a configuration whose hash differs from process 0's" in out
+
+
+def test_profile_of_a_few_steps_lands_in_the_tensorboard_dir(demo_path, tmp_path):
+    train.main(train.cli(tiny_args(demo_path, tmp_path, "--optim.max-steps", "12", "--run.profile-steps", "2",
+                                   "--eval.every-epochs", "1000")))
+    profiles = [os.path.join(root, name) for root, _, names in os.walk(tmp_path / "run" / "tb" / "plugins" / "profile")
+                for name in names if name.endswith(".xplane.pb")]
+    assert profiles and os.path.getsize(profiles[0]) > 0
