@@ -1,0 +1,482 @@
+"""Cost of one TRM training step: model FLOPs, the device time a TPU slice needs for them at
+full speed, and what this machine measures for the real step (host time, device time, compiles,
+CPU fallbacks, device-to-host transfers, data rate).
+
+    python bench.py                                   # every preset at its real size, slice v4-64
+    python bench.py --presets sudoku-mlp arc1 --batch 8 --steps 10 --slice v4-64 --json bench.json
+    python bench.py --flops-only --slice v6e-64       # the FLOP columns only, no device needed
+    python bench.py --tiny --presets sudoku-mlp       # a tiny model (hidden 32) of each preset, for tests
+
+Without a TPU it runs on a virtual CPU mesh of 8 devices (like `train.py --run.device cpu`); on
+a TPU VM it measures the TPU (`--device tpu`). Each preset is measured on a synthetic dataset of
+its shape (random tokens, the preset's seq_len and vocabulary) written to a temporary directory,
+with the real `train.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then
+`--steps` timed steps, each started on an idle device. Times are medians over the timed steps.
+
+Columns (the JSON file has these and more, with units in the names; see `bench_preset`):
+  params         trainable parameters (the puzzle-embedding table, a SignSGD buffer, not counted)
+  GF/ex train    model GFLOP per example of one training step (one ACT segment, forward and
+                 backward; formula in `model_flops`); GF/ex eval: of one evaluation ACT step
+  dev@peak ms    device time of one training step of the preset's global batch (768) on the
+                 chosen slice at 100% of its bf16 peak (`slice_spec`)
+  host ms        wall time of the host's work for one step: TrainBatches.batch,
+                 host_batch_to_global, set_lrs, train_step (tracing) and torch_xla.sync(), which
+                 only dispatches; every step starts on an idle device (*)
+  cpu ms         CPU time of the Python thread over the same span: unlike host ms it does not
+                 grow when other processes compete for the cores (compare the two)
+  data ms        the part of host ms in TrainBatches.batch + host_batch_to_global
+  trace ms       the part in set_lrs + train_step; sync ms: the part in torch_xla.sync()
+  dev ms         device execution time per step measured here (XLA metric ExecuteReplicatedTime)
+  compiles       graphs compiled for this preset (seconds); none may happen after the warmup
+                 (`compiles_in_timed_steps` in the JSON)
+  fallbacks      aten:: CPU fallbacks per timed step; D2H: device-to-host transfers per step
+  rows/s/host    rows per second one host gets from TrainBatches alone, for the preset's global
+                 batch split over the slice's hosts
+  host/peak      host ms / dev@peak ms (cpu/peak: cpu ms / dev@peak ms): above 1 the host, not
+                 the TPU, limits the step rate
+
+(*) On the CPU backend sync() sometimes returns only after the device has run the step, its
+thread asleep meanwhile (TPUs dispatch asynchronously). Such a sync counts with its own CPU time
+instead of its wall time; `sync_waited_for_device_steps` in the JSON says how often.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import numpy as np
+import tyro
+
+import data
+import train
+from model import TRM, TRMConfig, swiglu_width
+
+PresetName = Literal["sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2"]
+PRESET_NAMES: tuple[PresetName, ...] = ("sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2")
+
+
+@dataclass
+class BenchConfig:
+    presets: tuple[PresetName, ...] = PRESET_NAMES
+    """Presets to measure, each at its real model size."""
+    slice: str = "v4-64"
+    """TPU slice of the projection: v4-N (N TensorCores, N/2 chips), v5e-N or v6e-N (N chips)."""
+    batch: Optional[int] = None
+    """Global batch of the measured steps (default: one row per device, 8 on the CPU mesh)."""
+    steps: int = 5
+    """Timed training steps per preset (medians are reported)."""
+    warmup: int = 2
+    """Untimed steps before them (the first compiles)."""
+    json: Optional[str] = None
+    """Also write the records to this JSON file."""
+    flops_only: bool = False
+    """Print the FLOP and projection columns only; start no runtime, measure nothing."""
+    tiny: bool = False
+    """Replace each preset's model by a tiny one (hidden 32, 2+2 cycles) for a quick check."""
+    forward_dtype: Optional[Literal["bfloat16", "float32", "float16"]] = None
+    """Override the activation dtype of the measured model (the presets use bfloat16)."""
+    data_batches: int = 50
+    """Global batches of 768 read to measure the data rate (repeated 3 times)."""
+    device: Literal["auto", "tpu", "cpu"] = "auto"
+    """auto (TPU if attached or PJRT_DEVICE says so), tpu (fail without one), cpu (virtual mesh)."""
+    cpu_devices: int = 8
+    """Virtual devices of the CPU mesh (device cpu)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Model FLOPs
+
+
+def block_flops(c: TRMConfig) -> int:
+    """Forward FLOPs of one block for one example (2·m·n·k per matmul, nothing else counted).
+
+    With T = seq_len + prefix positions, h = hidden_size, I = swiglu_width(h), I_T = swiglu_width(T):
+      SwiGLU over channels:      gate_up 2·T·h·2I + down 2·T·I·h              = 6·T·h·I
+      attention (not mlp_t):     qkv 2·T·h·3h + scores 2·T·T·h + values 2·T·T·h + out 2·T·h·h
+                                                                              = 8·T·h² + 4·T²·h
+      token-mixing SwiGLU (mlp_t, over positions for each of the h channels) = 6·h·T·I_T
+    """
+    T, h = c.total_len, c.hidden_size
+    channel_mlp = 6 * T * h * swiglu_width(h, c.expansion)
+    if c.mlp_t:
+        mixing = 6 * h * T * swiglu_width(T, c.expansion)
+    else:
+        mixing = 8 * T * h * h + 4 * T * T * h
+    return mixing + channel_mlp
+
+
+def heads_flops(c: TRMConfig) -> int:
+    """Forward FLOPs of the output heads for one example: lm_head over all T positions
+    (the prefix is dropped after the matmul) 2·T·h·vocab, and q_head on position 0, 2·h·2."""
+    return 2 * c.total_len * c.hidden_size * c.vocab_size + 2 * c.hidden_size * 2
+
+
+def model_flops(c: TRMConfig) -> dict[str, int]:
+    """Model FLOPs per example of one training step and of one evaluation ACT step.
+
+    net = L_layers · block_flops (the one shared network); one ACT step applies it
+    A = H_cycles · (L_cycles + 1) times (each cycle: L_cycles updates of z_L, one of z_H), then
+    the heads once. Only the last cycle (L_cycles + 1 applications) and the heads run backward,
+    which costs twice their forward (gradients of inputs and of weights):
+
+      eval  = A · net + heads
+      train = A · net + heads + 2 · ((L_cycles + 1) · net + heads)
+              (+ A · net + heads without gradient when no_ACT_continue is False: the Q target)
+
+    Embedding lookups, norms, RoPE, activations, the loss and the optimizers are not counted
+    (elementwise; SignSGD's [B, B] id-matching matmul adds 2·B·puzzle_emb_ndim per example,
+    under 0.01% here). For sudoku-mlp: 21 forward applications, 7 of them with backward,
+    about 43 GFLOP per example.
+    """
+    net = c.L_layers * block_flops(c)
+    heads = heads_flops(c)
+    applications = c.H_cycles * (c.L_cycles + 1)
+    forward = applications * net + heads
+    train_flops = forward + 2 * ((c.L_cycles + 1) * net + heads)
+    if not c.no_ACT_continue:
+        train_flops += forward
+    return {"train": train_flops, "eval": forward}
+
+
+# ----------------------------------------------------------------------------------------------
+# TPU slices
+
+
+PEAK_TFLOPS_PER_CHIP = {"v4": 275.0, "v5e": 197.0, "v6e": 918.0}  # bf16 dense, Google's figures
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    name: str
+    generation: str
+    chips: int
+    hosts: int
+    peak_tflops_per_chip: float
+
+    @property
+    def peak_tflops(self) -> float:
+        return self.chips * self.peak_tflops_per_chip
+
+
+def slice_spec(name: str) -> SliceSpec:
+    """Chips and hosts of a slice from its name, as Cloud TPU names them.
+
+    v4-N counts TensorCores (2 per chip): N/2 chips, 4 chips per host (v4-8: 1 host, v4-64: 32
+    chips on 8 hosts). v5e-N and v6e-N count chips: a slice of up to 8 chips is one host, larger
+    ones have 4 chips per host. Peak per chip (bf16): v4 275, v5e 197, v6e 918 TFLOP/s.
+    """
+    match = re.fullmatch(r"(v4|v5e|v6e)-(\d+)", name.strip().lower())
+    if not match:
+        raise ValueError(f"unknown TPU slice {name!r}: use v4-N, v5e-N or v6e-N (e.g. v4-64, v5e-16, v6e-8)")
+    generation, n = match.group(1), int(match.group(2))
+    if generation == "v4":
+        if n < 8 or n % 8:
+            raise ValueError(f"{name}: a v4 slice counts TensorCores, a multiple of 8 (v4-8, v4-16, ..., v4-64)")
+        chips = n // 2
+        hosts = chips // 4
+    else:
+        if n < 1:
+            raise ValueError(f"{name}: a slice has at least one chip")
+        chips = n
+        hosts = 1 if n <= 8 else -(-n // 4)
+    return SliceSpec(name.strip().lower(), generation, chips, hosts, PEAK_TFLOPS_PER_CHIP[generation])
+
+
+def projected_ms(flops_per_example: int, global_batch: int, spec: SliceSpec) -> float:
+    """Milliseconds for `global_batch` examples at 100% of the slice's peak."""
+    return flops_per_example * global_batch / (spec.peak_tflops * 1e12) * 1e3
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations and synthetic data
+
+
+def tiny_model(model: TRMConfig) -> TRMConfig:
+    """The preset's architecture (mixer, positions, seq_len, vocabulary) at a tiny size."""
+    return dataclasses.replace(model, hidden_size=32, num_heads=2, expansion=2.0, H_cycles=2, L_cycles=2,
+                               puzzle_emb_ndim=32, puzzle_emb_len=2, halt_max_steps=4, forward_dtype="float32")
+
+
+def bench_config(preset: str, args: BenchConfig) -> train.Config:
+    config = train.PRESETS[preset][1]
+    model = tiny_model(config.model) if args.tiny else config.model
+    if args.forward_dtype:
+        model = dataclasses.replace(model, forward_dtype=args.forward_dtype)
+    return dataclasses.replace(config, model=model,
+                               run=dataclasses.replace(config.run, device=args.device, cpu_devices=args.cpu_devices))
+
+
+def write_synthetic_dataset(root: str, preset: str, model: TRMConfig, seed: int = 0) -> data.Metadata:
+    """A train split shaped like the preset's data: random tokens, its seq_len and vocabulary.
+
+    Sudoku and maze: 1000 groups of 16 one-example puzzles, all with identifier 0 (the real sets
+    have 1 identifier; Sudoku groups hold 1001 augmentations). ARC: 1000 groups of 8 puzzles of
+    2 to 6 examples, one identifier per puzzle (the real ARC sets have about 1M identifiers and
+    1001 puzzles per group; the table is kept small so that 8 virtual devices fit in memory).
+    """
+    rng = np.random.default_rng(seed)
+    arc_like = preset.startswith("arc")
+    groups, per_group = 1000, 8 if arc_like else 16
+    puzzles = groups * per_group
+    sizes = rng.integers(2, 7, size=puzzles) if arc_like else np.ones(puzzles, dtype=np.int64)
+    examples = int(sizes.sum())
+    inputs = rng.integers(1, model.vocab_size, size=(examples, model.seq_len), dtype=np.uint8)
+    labels = rng.integers(0, model.vocab_size, size=(examples, model.seq_len), dtype=np.uint8)
+    identifiers = np.arange(1, puzzles + 1) if arc_like else np.zeros(puzzles, dtype=np.int64)
+    metadata = data.Metadata(
+        pad_id=0, ignore_label_id=0, blank_identifier_id=0, vocab_size=model.vocab_size, seq_len=model.seq_len,
+        num_puzzle_identifiers=puzzles + 1 if arc_like else 1, total_groups=groups,
+        mean_puzzle_examples=examples / puzzles, total_puzzles=puzzles, sets=("all",))
+    data.write_split(root, "train", metadata, {
+        "inputs": inputs, "labels": labels, "puzzle_identifiers": identifiers,
+        "puzzle_indices": np.concatenate(([0], np.cumsum(sizes))),
+        "group_indices": np.arange(0, puzzles + 1, per_group)})
+    return metadata
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements
+
+
+def data_rows_per_s(dataset: data.Dataset, global_batch: int, hosts: int, batches: int) -> float:
+    """Rows per second host 0 of `hosts` gets from TrainBatches (median of 3 runs)."""
+    reader = data.TrainBatches(dataset, global_batch, seed=0, process_index=0, process_count=hosts)
+    reader.batch(0)
+    rows = global_batch // hosts
+    rates, step = [], 1
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(batches):
+            reader.batch(step)
+            step += 1
+        rates.append(batches * rows / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def _device_time_ns() -> tuple[int, int]:
+    """(executions, total ns) of compiled graphs so far (SPMD: ExecuteReplicatedTime)."""
+    import torch_xla.debug.metrics as met
+
+    for name in ("ExecuteReplicatedTime", "ExecuteTime"):
+        found = met.metric_data(name)
+        if found:
+            return found[0], int(found[1])
+    return 0, 0
+
+
+def measure_training(config: train.Config, dataset: data.Dataset, sharding, batch: int, warmup: int,
+                     steps: int) -> dict:
+    """Run warmup + timed training steps as train.main drives them; per-step times and counters."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    mesh = sharding.data_mesh()
+    counters_start = train.xla_counters()
+    trainer = train.Trainer(config, sharding, mesh)
+    batches = data.TrainBatches(dataset, batch, seed=0, process_index=sharding.process_index(),
+                                process_count=sharding.process_count())
+    trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
+    torch_xla.sync()
+    window_sums = torch.zeros(len(train.TRAIN_METRICS)).to(trainer.device)
+    samples = []
+    for step in range(1, warmup + steps + 1):
+        xm.wait_device_ops()  # the step starts on an idle device: no device work in its host time
+        before, device_before = train.xla_counters(), _device_time_ns()
+        c0, t0 = time.thread_time(), time.perf_counter()
+        host_batch = batches.batch(step - 1)
+        t1 = time.perf_counter()
+        global_batch = sharding.host_batch_to_global(host_batch, mesh)
+        t2 = time.perf_counter()
+        trainer.set_lrs(1e-4, 1e-4)
+        window_sums = window_sums + trainer.train_step(global_batch)
+        c3, t3 = time.thread_time(), time.perf_counter()
+        torch_xla.sync()
+        c4, t4 = time.thread_time(), time.perf_counter()
+        xm.wait_device_ops()
+        t5 = time.perf_counter()
+        after, device_after = train.xla_counters(), _device_time_ns()
+        device_ms = (device_after[1] - device_before[1]) / 1e6
+        # On the CPU backend sync() sometimes returns only once the device has finished (the
+        # main thread sleeps meanwhile); then its own CPU time is its host work. TPUs dispatch
+        # asynchronously.
+        sync_waited = (t5 - t4) < 1e-3 and device_ms > 1.0
+        sync_host_ms = ((c4 - c3) if sync_waited else (t4 - t3)) * 1e3
+        samples.append({
+            "host_ms": (t3 - t0) * 1e3 + sync_host_ms, "host_cpu_ms": (c4 - c0) * 1e3,
+            "batch_ms": (t1 - t0) * 1e3, "upload_ms": (t2 - t1) * 1e3, "trace_ms": (t3 - t2) * 1e3,
+            "sync_ms": sync_host_ms, "sync_wall_ms": (t4 - t3) * 1e3, "sync_waited": sync_waited,
+            "device_ms": device_ms, "executions": device_after[0] - device_before[0],
+            "compiles": after["compiles"] - before["compiles"],
+            "transfers": after["transfers"] - before["transfers"],
+            "fallbacks": sum(after["fallbacks"].values()) - sum(before["fallbacks"].values()),
+        })
+    counters_end = train.xla_counters()
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    del trainer, window_sums
+    timed = samples[warmup:]
+
+    def median(key):
+        return statistics.median(s[key] for s in timed)
+
+    fallbacks = {k: v - counters_start["fallbacks"].get(k, 0) for k, v in counters_end["fallbacks"].items()
+                 if v != counters_start["fallbacks"].get(k, 0)}
+    return {
+        "parameters": parameters,
+        "host_ms_per_step": median("host_ms"),
+        "host_ms_per_step_samples": [round(s["host_ms"], 3) for s in timed],
+        "host_cpu_ms_per_step": median("host_cpu_ms"),
+        "data_ms_per_step": median("batch_ms") + median("upload_ms"),
+        "batch_read_ms_per_step": median("batch_ms"),
+        "upload_ms_per_step": median("upload_ms"),
+        "trace_ms_per_step": median("trace_ms"),
+        "sync_ms_per_step": median("sync_ms"),
+        "sync_wall_ms_per_step": median("sync_wall_ms"),
+        "sync_waited_for_device_steps": sum(s["sync_waited"] for s in timed),
+        "device_ms_per_step": median("device_ms"),
+        "device_ms_per_step_samples": [round(s["device_ms"], 3) for s in timed],
+        "executions_per_step": median("executions"),
+        "compiles": counters_end["compiles"] - counters_start["compiles"],
+        "compile_s": counters_end["compile_seconds"] - counters_start["compile_seconds"],
+        "compiles_in_timed_steps": sum(s["compiles"] for s in timed),
+        "aten_fallbacks": fallbacks,
+        "aten_fallbacks_per_step": sum(s["fallbacks"] for s in timed) / len(timed),
+        "transfers_from_device_per_step": sum(s["transfers"] for s in timed) / len(timed),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Records and the table
+
+
+def flop_record(preset: str, config: train.Config, spec: SliceSpec) -> dict:
+    flops = model_flops(config.model)
+    global_batch = config.optim.global_batch_size
+    return {
+        "preset": preset,
+        "model": dataclasses.asdict(config.model),
+        "global_batch_size": global_batch,
+        "train_gflop_per_example": flops["train"] / 1e9,
+        "eval_gflop_per_example": flops["eval"] / 1e9,
+        "train_tflop_per_global_step": flops["train"] * global_batch / 1e12,
+        "slice": spec.name,
+        "slice_chips": spec.chips,
+        "slice_hosts": spec.hosts,
+        "peak_tflops_per_chip": spec.peak_tflops_per_chip,
+        "projected_device_ms_per_train_step": projected_ms(flops["train"], global_batch, spec),
+        "projected_device_ms_per_eval_step": projected_ms(flops["eval"], global_batch, spec),
+    }
+
+
+def bench_preset(preset: str, args: BenchConfig, spec: SliceSpec, sharding, device_kind: str) -> dict:
+    config = bench_config(preset, args)
+    num_devices, _ = sharding.device_counts()
+    batch = args.batch or num_devices
+    train.check_batch_layout(batch, num_devices, sharding.process_count())
+    with tempfile.TemporaryDirectory(prefix=f"trm-bench-{preset}-") as root:
+        write_synthetic_dataset(root, preset, config.model)
+        dataset = data.open_dataset(root, "train")
+        config = train.check_against_dataset(config, dataset.metadata)
+        record = flop_record(preset, config, spec)
+        measured = dataclasses.replace(config, optim=dataclasses.replace(config.optim, global_batch_size=batch))
+        record.update({"device_kind": device_kind, "devices": num_devices, "measured_batch": batch,
+                       "warmup_steps": args.warmup, "timed_steps": args.steps,
+                       "puzzle_embedding_rows": config.model.num_puzzle_identifiers})
+        record.update(measure_training(measured, dataset, sharding, batch, args.warmup, args.steps))
+        rate = data_rows_per_s(dataset, config.optim.global_batch_size, spec.hosts, args.data_batches)
+        del dataset
+    record["data_rows_per_s_per_host"] = rate
+    record["data_ms_per_global_step_per_host"] = config.optim.global_batch_size / spec.hosts / rate * 1e3
+    projected = record["projected_device_ms_per_train_step"]
+    record["host_to_projected_device_ratio"] = record["host_ms_per_step"] / projected
+    record["host_cpu_to_projected_device_ratio"] = record["host_cpu_ms_per_step"] / projected
+    return record
+
+
+COLUMNS = [  # (header, format of a record)
+    ("preset", lambda r: r["preset"]),
+    ("params", lambda r: f"{r['parameters']:,}"),
+    ("GF/ex train", lambda r: f"{r['train_gflop_per_example']:.2f}"),
+    ("GF/ex eval", lambda r: f"{r['eval_gflop_per_example']:.2f}"),
+    ("dev@peak ms", lambda r: f"{r['projected_device_ms_per_train_step']:.2f}"),
+    ("host ms", lambda r: f"{r['host_ms_per_step']:.1f}"),
+    ("cpu ms", lambda r: f"{r['host_cpu_ms_per_step']:.1f}"),
+    ("data ms", lambda r: f"{r['data_ms_per_step']:.1f}"),
+    ("trace ms", lambda r: f"{r['trace_ms_per_step']:.1f}"),
+    ("sync ms", lambda r: f"{r['sync_ms_per_step']:.1f}"),
+    ("dev ms", lambda r: f"{r['device_ms_per_step']:.0f}"),
+    ("compiles", lambda r: f"{r['compiles']} ({r['compile_s']:.0f}s)"),
+    ("fallbacks", lambda r: f"{r['aten_fallbacks_per_step']:g}"),
+    ("D2H", lambda r: f"{r['transfers_from_device_per_step']:g}"),
+    ("rows/s/host", lambda r: f"{r['data_rows_per_s_per_host']:,.0f}"),
+    ("host/peak", lambda r: f"{r['host_to_projected_device_ratio']:.1f}"),
+    ("cpu/peak", lambda r: f"{r['host_cpu_to_projected_device_ratio']:.1f}"),
+]
+
+
+def format_table(records: list[dict]) -> str:
+    def cell(column, record):
+        try:
+            return column[1](record)
+        except KeyError:
+            return None
+
+    columns = [c for c in COLUMNS if any(cell(c, r) is not None for r in records)]
+    rows = [[c[0] for c in columns]] + [[cell(c, r) or "-" for c in columns] for r in records]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+def run(args: BenchConfig) -> dict:
+    """Measure (or only count, with flops_only) every preset; returns the JSON document."""
+    spec = slice_spec(args.slice)
+    if args.steps < 1 or args.warmup < 1:
+        raise ValueError("--steps and --warmup must be at least 1 (the first step compiles)")
+    say = print
+    if args.flops_only:
+        records, device_kind, num_devices = [], None, None
+        for preset in args.presets:
+            config = bench_config(preset, args)
+            record = flop_record(preset, config, spec)
+            record["parameters"] = sum(p.numel() for p in TRM(config.model).parameters())
+            records.append(record)
+    else:
+        import sharding
+
+        device_kind = sharding.start_runtime(args.device, args.cpu_devices)
+        num_devices, _ = sharding.device_counts()
+        if not sharding.is_main_process():
+            say = lambda *a, **k: None  # noqa: E731
+        say(f"measuring on {num_devices} {device_kind} device(s); projecting to {spec.name} "
+            f"({spec.chips} chips x {spec.peak_tflops_per_chip:g} TFLOP/s)", flush=True)
+        records = []
+        for preset in args.presets:
+            started = time.time()
+            records.append(bench_preset(preset, args, spec, sharding, device_kind))
+            say(f"  {preset}: {time.time() - started:.0f}s", flush=True)
+    result = {"slice": spec.name, "slice_chips": spec.chips, "slice_hosts": spec.hosts,
+              "peak_tflops_per_chip": spec.peak_tflops_per_chip, "peak_tflops": spec.peak_tflops,
+              "device_kind": device_kind, "devices": num_devices, "tiny": args.tiny, "records": records}
+    say(f"\nslice {spec.name}: {spec.chips} chips, peak {spec.peak_tflops:,.0f} TFLOP/s bf16; "
+        f"measured on {num_devices or 0} {device_kind or 'no'} device(s)")
+    say(format_table(records))
+    if args.json and say is print:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        say(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    run(tyro.cli(BenchConfig, description=__doc__.split("\n\n")[0]))
+    sys.exit(0)
