@@ -22,8 +22,9 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   host ms        wall time of the host's work for one step: TrainBatches.batch,
                  host_batch_to_global, set_lrs, train_step (tracing) and torch_xla.sync(), which
                  only dispatches; every step starts on an idle device (*)
-  cpu ms         CPU time of the Python thread over the same span: unlike host ms it does not
-                 grow when other processes compete for the cores (compare the two)
+  cpu ms         CPU time over the same span of the threads doing that work (the Python thread
+                 and the autograd thread that traces backward): unlike host ms it does not grow
+                 when other processes compete for the cores; a gap between the two means they did
   data ms        the part of host ms in TrainBatches.batch + host_batch_to_global
   trace ms       the part in set_lrs + train_step; sync ms: the part in torch_xla.sync()
   dev ms         device execution time per step measured here (XLA metric ExecuteReplicatedTime)
@@ -43,10 +44,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -261,6 +260,41 @@ def data_rows_per_s(dataset: data.Dataset, global_batch: int, hosts: int, batche
     return statistics.median(rates)
 
 
+class StepThreadsClock:
+    """CPU time of the threads that do a step's host work: the Python thread that calls it and
+    the autograd engine's device threads (`pt_autograd_*`), where backward is traced while the
+    caller waits. Read from /proc/self/task/*/schedstat (ns) on Linux; elsewhere only the
+    calling thread is counted."""
+
+    def __init__(self):
+        self.threads: list[int] = []
+
+    def refresh(self) -> None:
+        import os
+        import threading
+
+        self.threads = [threading.get_native_id()]
+        try:
+            for tid in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().startswith("pt_autograd"):
+                        self.threads.append(int(tid))
+        except OSError:
+            self.threads = []
+
+    def ns(self) -> int:
+        if not self.threads:
+            return time.thread_time_ns()
+        total = 0
+        for tid in self.threads:
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:  # a thread that ended
+                pass
+        return total
+
+
 def _device_time_ns() -> tuple[int, int]:
     """(executions, total ns) of compiled graphs so far (SPMD: ExecuteReplicatedTime)."""
     import torch_xla.debug.metrics as met
@@ -287,11 +321,12 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
     trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
     torch_xla.sync()
     window_sums = torch.zeros(len(train.TRAIN_METRICS)).to(trainer.device)
-    samples = []
+    samples, clock = [], StepThreadsClock()
     for step in range(1, warmup + steps + 1):
         xm.wait_device_ops()  # the step starts on an idle device: no device work in its host time
         before, device_before = train.xla_counters(), _device_time_ns()
-        c0, t0 = time.thread_time(), time.perf_counter()
+        clock.refresh()
+        h0, p0, t0 = clock.ns(), time.process_time(), time.perf_counter()
         host_batch = batches.batch(step - 1)
         t1 = time.perf_counter()
         global_batch = sharding.host_batch_to_global(host_batch, mesh)
@@ -301,6 +336,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         c3, t3 = time.thread_time(), time.perf_counter()
         torch_xla.sync()
         c4, t4 = time.thread_time(), time.perf_counter()
+        h4, p4 = clock.ns(), time.process_time()
         xm.wait_device_ops()
         t5 = time.perf_counter()
         after, device_after = train.xla_counters(), _device_time_ns()
@@ -311,7 +347,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         sync_waited = (t5 - t4) < 1e-3 and device_ms > 1.0
         sync_host_ms = ((c4 - c3) if sync_waited else (t4 - t3)) * 1e3
         samples.append({
-            "host_ms": (t3 - t0) * 1e3 + sync_host_ms, "host_cpu_ms": (c4 - c0) * 1e3,
+            "host_ms": (t3 - t0) * 1e3 + sync_host_ms, "host_cpu_ms": (h4 - h0) / 1e6,
+            "process_cpu_ms": (p4 - p0) * 1e3,
             "batch_ms": (t1 - t0) * 1e3, "upload_ms": (t2 - t1) * 1e3, "trace_ms": (t3 - t2) * 1e3,
             "sync_ms": sync_host_ms, "sync_wall_ms": (t4 - t3) * 1e3, "sync_waited": sync_waited,
             "device_ms": device_ms, "executions": device_after[0] - device_before[0],
@@ -334,6 +371,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         "host_ms_per_step": median("host_ms"),
         "host_ms_per_step_samples": [round(s["host_ms"], 3) for s in timed],
         "host_cpu_ms_per_step": median("host_cpu_ms"),
+        "process_cpu_ms_per_step": median("process_cpu_ms"),
         "data_ms_per_step": median("batch_ms") + median("upload_ms"),
         "batch_read_ms_per_step": median("batch_ms"),
         "upload_ms_per_step": median("upload_ms"),
@@ -437,11 +475,18 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
 
 
-def run(args: BenchConfig) -> dict:
-    """Measure (or only count, with flops_only) every preset; returns the JSON document."""
-    spec = slice_spec(args.slice)
+def check_args(args: BenchConfig) -> SliceSpec:
+    """The slice of the projection; ValueError for flags that cannot work."""
     if args.steps < 1 or args.warmup < 1:
         raise ValueError("--steps and --warmup must be at least 1 (the first step compiles)")
+    if args.batch is not None and args.batch < 1:
+        raise ValueError(f"--batch must be positive, got {args.batch}")
+    return slice_spec(args.slice)
+
+
+def run(args: BenchConfig) -> dict:
+    """Measure (or only count, with flops_only) every preset; returns the JSON document."""
+    spec = check_args(args)
     say = print
     if args.flops_only:
         records, device_kind, num_devices = [], None, None
@@ -478,5 +523,12 @@ def run(args: BenchConfig) -> dict:
 
 
 if __name__ == "__main__":
-    run(tyro.cli(BenchConfig, description=__doc__.split("\n\n")[0]))
-    sys.exit(0)
+    bench_args = tyro.cli(BenchConfig, description=__doc__.split("\n\n")[0])
+    try:
+        check_args(bench_args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    try:
+        run(bench_args)
+    except train.ConfigError as e:  # e.g. a --batch that does not divide over the devices
+        raise SystemExit(f"error: {e}")

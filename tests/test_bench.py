@@ -23,7 +23,7 @@ PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_FIELDS = [
     "preset", "parameters", "train_gflop_per_example", "eval_gflop_per_example", "global_batch_size",
     "slice", "slice_chips", "peak_tflops_per_chip", "projected_device_ms_per_train_step",
-    "projected_device_ms_per_eval_step", "host_ms_per_step", "host_cpu_ms_per_step", "data_ms_per_step",
+    "projected_device_ms_per_eval_step", "host_ms_per_step", "host_cpu_ms_per_step", "process_cpu_ms_per_step", "data_ms_per_step",
     "trace_ms_per_step", "sync_ms_per_step", "device_ms_per_step", "compiles", "compile_s",
     "compiles_in_timed_steps", "aten_fallbacks", "aten_fallbacks_per_step", "transfers_from_device_per_step",
     "data_rows_per_s_per_host", "host_to_projected_device_ratio", "host_cpu_to_projected_device_ratio",
