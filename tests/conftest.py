@@ -86,3 +86,13 @@ def gcs_server():
 def gcs_url(gcs_server):
     """A fresh gs:// prefix inside the emulator's bucket, unique per test."""
     return f"gs://{gcs_server}/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def demo_path(tmp_path_factory):
+    """A small 4x4-Sudoku demo dataset (100 groups of 8 puzzles, 40 held-out puzzles), built once."""
+    import data
+
+    path = str(tmp_path_factory.mktemp("demo"))
+    data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
+    return path

@@ -19,13 +19,6 @@ from checkpoint import Block, CheckpointWriter
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("demo"))
-    data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
-    return path
-
-
 def run_args(demo_path, run_dir, cache_dir, *extra):
     return ["demo", "--data.path", demo_path, "--data.cache-dir", str(cache_dir), "--run.dir", str(run_dir),
             "--model.hidden-size", "32", "--model.puzzle-emb-ndim", "32", "--optim.global-batch-size", "32",

@@ -13,13 +13,6 @@ import train
 from tests.data_fixtures import arc_files
 
 
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("demo"))
-    data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
-    return path
-
-
 def small(run_dir, cache_dir, *extra):
     return ["--data.cache-dir", str(cache_dir), "--run.dir", str(run_dir), "--model.hidden-size", "32",
             "--model.puzzle-emb-ndim", "32", "--optim.global-batch-size", "32", "--eval.every-epochs", "1000",

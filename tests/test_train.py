@@ -10,17 +10,9 @@ import textwrap
 
 import pytest
 
-import data
 import train
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def demo_path(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("demo"))
-    data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
-    return path
 
 
 def tiny_args(demo_path, tmp_path, *extra):
