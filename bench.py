@@ -36,9 +36,12 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   host/peak      host ms / dev@peak ms (cpu/peak: cpu ms / dev@peak ms): above 1 the host, not
                  the TPU, limits the step rate
 
-(*) On the CPU backend sync() sometimes returns only after the device has run the step, its
-thread asleep meanwhile (TPUs dispatch asynchronously). Such a sync counts with its own CPU time
-instead of its wall time; `sync_waited_for_device_steps` in the JSON says how often.
+(*) After each step the script reads an output of the step (not counted as a transfer), so the
+next step starts on an idle device. On the CPU backend sync() sometimes returns only after the
+device has run the step, its thread asleep meanwhile (TPUs dispatch asynchronously): such a
+sync counts with its own CPU time instead of its wall time (`sync_waited_for_device_steps`).
+The JSON keeps every step's numbers under `steps`. A preset whose step graph equals one
+compiled earlier in the same run (arc2 after arc1) compiles nothing.
 """
 from __future__ import annotations
 
@@ -323,7 +326,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
     window_sums = torch.zeros(len(train.TRAIN_METRICS)).to(trainer.device)
     samples, clock = [], StepThreadsClock()
     for step in range(1, warmup + steps + 1):
-        xm.wait_device_ops()  # the step starts on an idle device: no device work in its host time
+        xm.wait_device_ops()  # every step starts on an idle device (see the barrier below)
         before, device_before = train.xla_counters(), _device_time_ns()
         clock.refresh()
         h0, p0, t0 = clock.ns(), time.process_time(), time.perf_counter()
@@ -337,20 +340,25 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         torch_xla.sync()
         c4, t4 = time.thread_time(), time.perf_counter()
         h4, p4 = clock.ns(), time.process_time()
+        executions_at_return = _device_time_ns()[0]
+        after = train.xla_counters()
+        b0 = time.perf_counter()
+        window_sums.cpu()  # an output of the step: ready once the step has run on the device
         xm.wait_device_ops()
-        t5 = time.perf_counter()
-        after, device_after = train.xla_counters(), _device_time_ns()
+        barrier_ms = (time.perf_counter() - b0) * 1e3
+        device_after = _device_time_ns()
         device_ms = (device_after[1] - device_before[1]) / 1e6
-        # On the CPU backend sync() sometimes returns only once the device has finished (the
-        # main thread sleeps meanwhile); then its own CPU time is its host work. TPUs dispatch
-        # asynchronously.
-        sync_waited = (t5 - t4) < 1e-3 and device_ms > 1.0
+        # On the CPU backend sync() sometimes returns only once the device has run the step (its
+        # thread asleep meanwhile); then the sync's own CPU time stands for its host work. TPUs
+        # dispatch asynchronously.
+        sync_waited = executions_at_return > device_before[0] or barrier_ms < 0.05 * device_ms
         sync_host_ms = ((c4 - c3) if sync_waited else (t4 - t3)) * 1e3
         samples.append({
             "host_ms": (t3 - t0) * 1e3 + sync_host_ms, "host_cpu_ms": (h4 - h0) / 1e6,
             "process_cpu_ms": (p4 - p0) * 1e3,
             "batch_ms": (t1 - t0) * 1e3, "upload_ms": (t2 - t1) * 1e3, "trace_ms": (t3 - t2) * 1e3,
-            "sync_ms": sync_host_ms, "sync_wall_ms": (t4 - t3) * 1e3, "sync_waited": sync_waited,
+            "sync_ms": sync_host_ms, "sync_wall_ms": (t4 - t3) * 1e3, "sync_cpu_ms": (c4 - c3) * 1e3,
+            "sync_waited": sync_waited, "barrier_ms": barrier_ms,
             "device_ms": device_ms, "executions": device_after[0] - device_before[0],
             "compiles": after["compiles"] - before["compiles"],
             "transfers": after["transfers"] - before["transfers"],
@@ -388,6 +396,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         "aten_fallbacks": fallbacks,
         "aten_fallbacks_per_step": sum(s["fallbacks"] for s in timed) / len(timed),
         "transfers_from_device_per_step": sum(s["transfers"] for s in timed) / len(timed),
+        "steps": [dict({k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()}, warmup=i < warmup)
+                  for i, s in enumerate(samples)],
     }
 
 
