@@ -127,6 +127,9 @@ class RunConfig:
     """On several hosts, agree every this many steps whether any host got SIGTERM."""
     compile_cache_dir: str = "~/.cache/trm-xla"
     """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
+    capture_step: bool = True
+    """Trace the training step once and replay it as one XLA computation (a few ms of host time
+    per step instead of re-tracing ~50-150 ms of Python); False re-traces every step."""
     profile_steps: int = 0
     """Capture an XLA profile of this many steps (from the 10th step of this launch) into
     {run.dir}/tb/plugins/profile for TensorBoard's profile tab; 0 = off."""
@@ -256,6 +259,7 @@ class Trainer:
         self.ema = EMA(self.model, rate=o.ema_rate)
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
+        self.captured = None
         for name, tensor in self.named_state().items():
             if name in restore and not name.startswith("model/"):
                 tensor.data = restore[name].to(self.device)
@@ -304,13 +308,24 @@ class Trainer:
     def _sharded_carry(self, carry: Carry) -> Carry:
         return Carry.from_tensors({k: self.sharding.shard_batch_dim(v, self.mesh) for k, v in carry.tensors().items()})
 
-    def set_lrs(self, lr: float, puzzle_emb_lr: float) -> None:
+    def step(self, batch: dict[str, torch.Tensor], lr: float, puzzle_emb_lr: float) -> torch.Tensor:
+        """One training step at these learning rates; returns the metric vector (lazy)."""
         # Uploaded as graph inputs (device data), so a new value does not change the graph.
         lrs = torch.tensor([lr, puzzle_emb_lr], dtype=torch.float32).to(self.device)
+        if self.config.run.capture_step:
+            if self.captured is None:
+                from capture import CapturedTrainStep  # imports torch_xla: not at module import
+
+                self.captured = CapturedTrainStep(self)
+            return self.captured(batch, lrs)
+        self.set_lrs(lrs[0], lrs[1])
+        return self.train_step(batch)
+
+    def set_lrs(self, lr: torch.Tensor, puzzle_emb_lr: torch.Tensor) -> None:
         for group in self.adam.param_groups:
-            group["lr"] = lrs[0]
+            group["lr"] = lr
         if self.sign_sgd is not None:
-            self.sign_sgd.lr = lrs[1]
+            self.sign_sgd.lr = puzzle_emb_lr
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One ACT segment, backward, both optimizers and the EMA; returns the metric vector
@@ -651,10 +666,9 @@ def main(config: Config) -> dict:
     for step in range(start_step + 1, total_steps + 1):
         batch = sharding.host_batch_to_global(train_batches.batch(step - 1), mesh)
         lr = lr_at(step, o.lr, o, total_steps)
-        trainer.set_lrs(lr, lr_at(step, o.puzzle_emb_lr, o, total_steps))
         if profile:
             profile.before_step(step)
-        window_sums = window_sums + trainer.train_step(batch)
+        window_sums = window_sums + trainer.step(batch, lr, lr_at(step, o.puzzle_emb_lr, o, total_steps))
         torch_xla.sync()
         window_steps += 1
         if profile:

@@ -161,3 +161,12 @@ def test_profile_of_a_few_steps_lands_in_the_tensorboard_dir(demo_path, tmp_path
     profiles = [os.path.join(root, name) for root, _, names in os.walk(tmp_path / "run" / "tb" / "plugins" / "profile")
                 for name in names if name.endswith(".xplane.pb")]
     assert profiles and os.path.getsize(profiles[0]) > 0
+
+
+def test_captured_step_equals_the_retraced_step(demo_path, tmp_path):
+    """The step traced once and replayed gives the same numbers as re-tracing it every step."""
+    args = ("--optim.max-steps", "8", "--run.log-every", "1", "--eval.every-epochs", "1000")
+    replayed = train.main(train.cli(tiny_args(demo_path, tmp_path / "a", *args)))
+    retraced = train.main(train.cli(tiny_args(demo_path, tmp_path / "b", *args, "--run.no-capture-step")))
+    assert [h["loss"] for h in replayed["history"]] == [h["loss"] for h in retraced["history"]]
+    assert replayed["final"] == retraced["final"]
