@@ -21,14 +21,14 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   dev@peak ms    device time of one training step of the preset's global batch (768) on the
                  chosen slice at 100% of its bf16 peak (`slice_spec`)
   host ms        wall time of the host's work for one step: TrainBatches.batch,
-                 host_batch_to_global, set_lrs, train_step (tracing) and torch_xla.sync(), which
+                 host_batch_to_global, Trainer.step (tracing, or replaying the captured step) and torch_xla.sync(), which
                  only dispatches; every step starts on an idle device (*)
   cpu ms         CPU time over the same span of the threads doing that work (the Python thread
                  and the autograd thread that traces backward): unlike host ms it does not grow
                  when other threads (other processes, or XLA's own) compete for the cores, so a
                  host with idle cores (a TPU VM) should see host ms close to it
   data ms        the part of host ms in TrainBatches.batch + host_batch_to_global
-  trace ms       the part in set_lrs + train_step; sync ms: the part in torch_xla.sync()
+  trace ms       the part in Trainer.step; sync ms: the part in torch_xla.sync()
   dev ms         device execution time per step measured here (XLA metric ExecuteReplicatedTime)
   compiles       graphs compiled for this preset (seconds); none may happen after the warmup
                  (`compiles_in_timed_steps` in the JSON)
@@ -337,8 +337,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         t1 = time.perf_counter()
         global_batch = sharding.host_batch_to_global(host_batch, mesh)
         t2 = time.perf_counter()
-        trainer.set_lrs(1e-4, 1e-4)
-        window_sums = window_sums + trainer.train_step(global_batch)
+        window_sums = window_sums + trainer.step(global_batch, 1e-4, 1e-4)
         c3, t3 = time.thread_time(), time.perf_counter()
         torch_xla.sync()
         c4, t4 = time.thread_time(), time.perf_counter()
