@@ -119,7 +119,7 @@ class ArcEvaluator:
     def from_dataset(cls, url: str, **kwargs) -> "ArcEvaluator":
         """The evaluator of the ARC dataset at ``url`` (local path or fsspec URL)."""
         identifiers = data.read_identifiers(url)
-        puzzles_url = data._join(url, "test_puzzles.json")
+        puzzles_url = data.join_url(url, "test_puzzles.json")
         try:
             test_puzzles = data._read_json(puzzles_url, "ARC test puzzles")
         except FileNotFoundError:
@@ -264,6 +264,6 @@ def write_submission(url: str, submission: dict) -> str:
     """Write ``submission`` as JSON to ``url`` (local or fsspec); a URL not ending in ".json" is
     a directory that gets "submission.json". Returns the file's URL."""
     if not url.endswith(".json"):
-        url = data._join(url, SUBMISSION_FILE)
+        url = data.join_url(url, SUBMISSION_FILE)
     data._write_bytes(url, json.dumps(submission).encode())
     return url

@@ -11,7 +11,7 @@ A checkpoint is a directory `{run_dir}/checkpoints/step_{N:08d}/`:
 
 Hosts write in parallel from a background thread; nothing crosses hosts but files, so a
 host that dies before finishing leaves no COMMITTED marker, and discovery skips the
-directory. This file imports torch, safetensors and fsspec, never torch_xla: exported
+directory. This file imports torch, safetensors and data.py (fsspec), never torch_xla: exported
 models load anywhere.
 """
 from __future__ import annotations
@@ -25,10 +25,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import fsspec
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
+
+from data import filesystem, join_url
 
 COMMIT_MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"step_(\d{8})$")
@@ -36,16 +37,6 @@ STEP_DIR = re.compile(r"step_(\d{8})$")
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def _fs(url: str):
-    options = {"token": "anon"} if url.startswith("gs://") and os.environ.get("STORAGE_EMULATOR_HOST") else {}
-    fs, path = fsspec.core.url_to_fs(url, **options)
-    return fs, path
-
-
-def _join(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])
 
 
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)
@@ -72,7 +63,7 @@ def with_retries(what: str, url: str, fn: Callable, attempts: int = 6, first_del
 
 def write_bytes(url: str, payload: bytes) -> None:
     def write():
-        fs, path = _fs(url)
+        fs, path = filesystem(url)
         if "file" in fs.protocol:  # object stores have no directories to create
             fs.makedirs(fs._parent(path), exist_ok=True)
         with fs.open(path, "wb") as f:
@@ -82,19 +73,19 @@ def write_bytes(url: str, payload: bytes) -> None:
 
 def read_bytes(url: str) -> bytes:
     def read():
-        fs, path = _fs(url)
+        fs, path = filesystem(url)
         with fs.open(path, "rb") as f:
             return f.read()
     return with_retries("reading", url, read)
 
 
 def exists(url: str) -> bool:
-    fs, path = _fs(url)
+    fs, path = filesystem(url)
     return with_retries("checking", url, lambda: fs.exists(path))
 
 
 def step_dir(run_dir: str, step: int) -> str:
-    return _join(run_dir, "checkpoints", f"step_{step:08d}")
+    return join_url(run_dir, "checkpoints", f"step_{step:08d}")
 
 
 def host_file(p: int) -> str:
@@ -177,16 +168,16 @@ class CheckpointWriter:
                        "rows": None if block.row_start is None else block.tensor.shape[0]}
                  for key, block in blocks.items()}
         fault = os.environ.get("TRM_FAULT_KILL_BEFORE_COMMIT")  # fault injection for the crash test
-        write_bytes(_join(directory, f"{name}.safetensors"), safetensors_bytes(tensors) if tensors else b"")
+        write_bytes(join_url(directory, f"{name}.safetensors"), safetensors_bytes(tensors) if tensors else b"")
         if fault is not None and int(fault) == step:
             os.kill(os.getpid(), 9)
-        write_bytes(_join(directory, f"{name}.json"), json.dumps(index).encode())
+        write_bytes(join_url(directory, f"{name}.json"), json.dumps(index).encode())
 
     def _commit(self, step: int, state: dict) -> None:
         directory = step_dir(self.run_dir, step)
         expected = {f"{host_file(p)}.json" for p in range(self.process_count)}
         deadline = time.time() + self.commit_timeout_s
-        fs, path = _fs(directory)
+        fs, path = filesystem(directory)
         while True:
             fs.invalidate_cache(path)
             present = {os.path.basename(p) for p in with_retries("listing", directory, lambda: fs.ls(path, detail=False))}
@@ -197,8 +188,8 @@ class CheckpointWriter:
                 raise CheckpointError(f"checkpoint {directory} not committed: no index from {missing} "
                                       f"after {self.commit_timeout_s:.0f}s (a host died or cannot write)")
             time.sleep(0.2)
-        write_bytes(_join(directory, "state.json"), json.dumps(dict(state, hosts=self.process_count)).encode())
-        write_bytes(_join(directory, COMMIT_MARKER), json.dumps({"step": step, "time": time.time()}).encode())
+        write_bytes(join_url(directory, "state.json"), json.dumps(dict(state, hosts=self.process_count)).encode())
+        write_bytes(join_url(directory, COMMIT_MARKER), json.dumps({"step": step, "time": time.time()}).encode())
         self.last_committed = step
 
     def _delete_old(self, newest: int) -> None:
@@ -208,7 +199,7 @@ class CheckpointWriter:
         doomed += [s for s, _ in list_checkpoints(self.run_dir, committed_only=False)
                    if s < newest and s not in committed]
         for s in doomed:
-            fs, path = _fs(step_dir(self.run_dir, s))
+            fs, path = filesystem(step_dir(self.run_dir, s))
             try:
                 fs.rm(path, recursive=True)
             except Exception as e:  # a leftover directory costs storage, not correctness
@@ -220,8 +211,8 @@ class CheckpointWriter:
 
 def list_checkpoints(run_dir: str, committed_only: bool = True) -> list[tuple[int, str]]:
     """(step, url) of the checkpoints under run_dir, newest first."""
-    root = _join(run_dir, "checkpoints")
-    fs, path = _fs(root)
+    root = join_url(run_dir, "checkpoints")
+    fs, path = filesystem(root)
     if not with_retries("checking", root, lambda: fs.exists(path)):
         return []
     fs.invalidate_cache(path)
@@ -230,7 +221,7 @@ def list_checkpoints(run_dir: str, committed_only: bool = True) -> list[tuple[in
         match = STEP_DIR.search(entry.rstrip("/"))
         if match:
             url = step_dir(run_dir, int(match.group(1)))
-            if not committed_only or exists(_join(url, COMMIT_MARKER)):
+            if not committed_only or exists(join_url(url, COMMIT_MARKER)):
                 found.append((int(match.group(1)), url))
     return sorted(found, reverse=True)
 
@@ -243,12 +234,12 @@ def read_checkpoint(url: str, row_range: Callable[[tuple], tuple[int, int]] | No
     the rows this host needs (default: all), assembled from whichever hosts wrote them, so a
     run can resume on a different number of hosts. `names` filters the tensors to read.
     """
-    if not exists(_join(url, COMMIT_MARKER)):
+    if not exists(join_url(url, COMMIT_MARKER)):
         raise CheckpointError(f"{url} has no {COMMIT_MARKER} marker (an interrupted save)")
-    state = json.loads(read_bytes(_join(url, "state.json")))
+    state = json.loads(read_bytes(join_url(url, "state.json")))
     index = {}
     for p in range(state["hosts"]):
-        for key, entry in json.loads(read_bytes(_join(url, f"{host_file(p)}.json"))).items():
+        for key, entry in json.loads(read_bytes(join_url(url, f"{host_file(p)}.json"))).items():
             index.setdefault(key, []).append(entry)
     needed_files = sorted({e["file"] for key, entries in index.items() if names(key) for e in entries})
     tensors: dict[str, torch.Tensor] = {}
@@ -257,14 +248,14 @@ def read_checkpoint(url: str, row_range: Callable[[tuple], tuple[int, int]] | No
         for file in needed_files:
             local[file] = os.path.join(tmp, file)
             with open(local[file], "wb") as f:
-                f.write(read_bytes(_join(url, file)))
+                f.write(read_bytes(join_url(url, file)))
         handles = {}
         try:
             for file, path in local.items():
                 try:
                     handles[file] = safe_open(path, framework="pt")
                 except Exception as e:
-                    raise CheckpointError(f"{_join(url, file)} is not a readable safetensors file: {e}") from e
+                    raise CheckpointError(f"{join_url(url, file)} is not a readable safetensors file: {e}") from e
             for key, entries in index.items():
                 if not names(key):
                     continue

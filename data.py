@@ -76,7 +76,7 @@ class DatasetError(ValueError):
 # Storage: fsspec file systems, credentials, error messages
 # --------------------------------------------------------------------------------------------
 
-def _filesystem(url: str):
+def filesystem(url: str):
     """(fsspec file system, path inside it) for a URL or local path."""
     options = {}
     protocol = url.split("://", 1)[0] if "://" in url else "file"
@@ -91,7 +91,7 @@ def _is_local(fs) -> bool:
     return "file" in protocol or "local" in protocol
 
 
-def _join(url: str, *parts: str) -> str:
+def join_url(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *parts])
 
 
@@ -133,7 +133,7 @@ def _storage_errors(url: str) -> Iterator[None]:
 
 def _read_json(url: str, what: str):
     """Parsed JSON of the file at ``url``; FileNotFoundError if absent."""
-    fs, path = _filesystem(url)
+    fs, path = filesystem(url)
     with _storage_errors(url):
         with fs.open(path, "rb") as f:
             text = f.read()
@@ -145,7 +145,7 @@ def _read_json(url: str, what: str):
 
 
 def _write_bytes(url: str, data: bytes) -> None:
-    fs, path = _filesystem(url)
+    fs, path = filesystem(url)
     with _storage_errors(url):
         if _is_local(fs):
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -319,16 +319,16 @@ def _load_npy(local_path: str, url: str, memory_map: bool) -> np.ndarray:
 
 def _missing_split_error(url: str, split: str, json_url: str) -> DatasetError:
     """The most useful explanation for a missing dataset.json."""
-    fs, root_path = _filesystem(url)
+    fs, root_path = filesystem(url)
     with _storage_errors(url):
         root_exists = fs.exists(root_path)
-        split_exists = root_exists and fs.exists(_join(root_path, split))
+        split_exists = root_exists and fs.exists(join_url(root_path, split))
     if not root_exists:
         return DatasetError(f"Dataset root {url} does not exist. Check the URL, or build a "
                             "dataset there with `python data.py build-demo --out URL` "
                             "(or build-sudoku, build-maze, build-arc).")
     if not split_exists:
-        return DatasetError(f"Dataset split {_join(url, split)} is missing: a dataset root "
+        return DatasetError(f"Dataset split {join_url(url, split)} is missing: a dataset root "
                             f"needs train/ and test/. Check that {url} is the root (the folder "
                             "that contains train/ and test/), or rebuild the dataset.")
     return DatasetError(f"{json_url} is missing: every split needs its dataset.json. The "
@@ -343,8 +343,8 @@ def open_dataset(url: str, split: str, cache_dir: Optional[str] = None) -> Datas
     """
     if split not in SPLITS:
         raise DatasetError(f"Unknown split {split!r} for {url}; use one of {SPLITS}.")
-    split_url = _join(url, split)
-    json_url = _join(split_url, "dataset.json")
+    split_url = join_url(url, split)
+    json_url = join_url(split_url, "dataset.json")
     try:
         metadata = Metadata.from_dict(_read_json(json_url, "dataset"), json_url)
     except FileNotFoundError:
@@ -353,14 +353,14 @@ def open_dataset(url: str, split: str, cache_dir: Optional[str] = None) -> Datas
         raise DatasetError(f"{json_url} lists the sets {list(metadata.sets)}; only datasets "
                            "with one set per split are supported. Rebuild with one set.")
 
-    fs, split_path = _filesystem(split_url)
+    fs, split_path = filesystem(split_url)
     local = _is_local(fs)
     cache_split_dir = os.path.join(cache_dir or _default_cache_dir(url), split)
     arrays, downloaded = {}, 0
     for name in ARRAY_NAMES:
         file_name = f"{metadata.sets[0]}__{name}.npy"
-        array_url = _join(split_url, file_name)
-        array_path = _join(split_path, file_name)
+        array_url = join_url(split_url, file_name)
+        array_path = join_url(split_path, file_name)
         try:
             if local:
                 if not os.path.isfile(array_path):
@@ -390,7 +390,7 @@ def open_dataset(url: str, split: str, cache_dir: Optional[str] = None) -> Datas
 def _check_arrays(arrays: dict, metadata: Metadata, split_url: str) -> None:
     """Raise DatasetError unless the arrays have the shapes dataset.json and each other imply."""
     def fail(name, problem):
-        raise DatasetError(f"{_join(split_url, f'{metadata.sets[0]}__{name}.npy')} {problem}. "
+        raise DatasetError(f"{join_url(split_url, f'{metadata.sets[0]}__{name}.npy')} {problem}. "
                            "The dataset is inconsistent: rebuild or re-upload it.")
 
     inputs, labels = arrays["inputs"], arrays["labels"]
@@ -444,7 +444,7 @@ def open_train_test(url: str, cache_dir: Optional[str] = None) -> tuple[Dataset,
 
 def read_identifiers(url: str) -> list:
     """identifiers.json of the dataset at ``url``: the name of each puzzle identifier."""
-    json_url = _join(url, "identifiers.json")
+    json_url = join_url(url, "identifiers.json")
     try:
         names = _read_json(json_url, "identifiers list")
     except FileNotFoundError:
@@ -681,25 +681,25 @@ def write_split(url: str, split: str, metadata: Metadata, arrays: dict) -> None:
     ``arrays`` maps each of ARRAY_NAMES to an array (a memmap is fine: it is streamed).
     dataset.json is written last, so a reader never finds a split with missing arrays.
     """
-    split_url = _join(url, split)
+    split_url = join_url(url, split)
     arrays = {name: np.asarray(arrays[name]) if name not in ("inputs", "labels") else arrays[name]
               for name in ARRAY_NAMES}
     for name in ("puzzle_identifiers", "puzzle_indices", "group_indices"):
         arrays[name] = arrays[name].astype(np.int32)
     _check_arrays(arrays, metadata, split_url)
-    fs, split_path = _filesystem(split_url)
+    fs, split_path = filesystem(split_url)
     with _storage_errors(split_url):
         if _is_local(fs):
             os.makedirs(split_path, exist_ok=True)
         for name in ARRAY_NAMES:
-            with fs.open(_join(split_path, f"{metadata.sets[0]}__{name}.npy"), "wb") as f:
+            with fs.open(join_url(split_path, f"{metadata.sets[0]}__{name}.npy"), "wb") as f:
                 np.save(f, arrays[name])
-    _write_bytes(_join(split_url, "dataset.json"), json.dumps(metadata.to_dict()).encode())
+    _write_bytes(join_url(split_url, "dataset.json"), json.dumps(metadata.to_dict()).encode())
 
 
 def write_identifiers(url: str, names: Sequence[str]) -> None:
     """Write identifiers.json (identifier -> name; entry 0 is "<blank>") at the root ``url``."""
-    _write_bytes(_join(url, "identifiers.json"), json.dumps(list(names)).encode())
+    _write_bytes(join_url(url, "identifiers.json"), json.dumps(list(names)).encode())
 
 
 class _SplitAccumulator:
@@ -766,7 +766,7 @@ MAZE_CHARSET = "# SGo"  # wall, open, start, goal, path -> tokens 1..5 (0 is pad
 def read_puzzle_csv(url: str, min_difficulty: Optional[int] = None) -> tuple[list, list]:
     """(questions, answers) strings of a CSV with the columns source,question,answer,rating,
     keeping rows rated at least ``min_difficulty``."""
-    fs, path = _filesystem(url)
+    fs, path = filesystem(url)
     questions, answers = [], []
     try:
         with _storage_errors(url), fs.open(path, "rt", newline="") as f:
@@ -1113,7 +1113,7 @@ def build_arc(out: str, input_prefix: str,
             accumulators[split].write(out, split, vocab_size=ARC_FIRST_COLOUR + 10,
                                       num_puzzle_identifiers=len(identifier_ids))
     write_identifiers(out, list(identifier_ids))
-    _write_bytes(_join(out, "test_puzzles.json"), json.dumps(test_tasks).encode())
+    _write_bytes(join_url(out, "test_puzzles.json"), json.dumps(test_tasks).encode())
 
 
 def _add_arc_group(accumulator: _SplitAccumulator, puzzles: list, ids: list, shift: bool,
@@ -1249,16 +1249,16 @@ def info(url: str) -> None:
     except DatasetError as exc:
         print(f"identifiers.json: unavailable ({exc})")
     for split in SPLITS:
-        json_url = _join(url, split, "dataset.json")
+        json_url = join_url(url, split, "dataset.json")
         try:
             metadata = Metadata.from_dict(_read_json(json_url, "dataset"), json_url)
         except FileNotFoundError:
             raise _missing_split_error(url, split, json_url) from None
         print(f"\n[{split}] {json.dumps(metadata.to_dict())}")
-        fs, split_path = _filesystem(_join(url, split))
+        fs, split_path = filesystem(join_url(url, split))
         headers = {}
         for name in ARRAY_NAMES:
-            path = _join(split_path, f"{metadata.sets[0]}__{name}.npy")
+            path = join_url(split_path, f"{metadata.sets[0]}__{name}.npy")
             with _storage_errors(url):
                 if not fs.exists(path):
                     print(f"  {name:20s} MISSING")
@@ -1271,7 +1271,7 @@ def info(url: str) -> None:
             print("  example 0, input:")
             for name in ("inputs", "labels"):
                 shape, dtype, offset = headers[name]
-                with fs.open(_join(split_path, f"{metadata.sets[0]}__{name}.npy"), "rb") as f:
+                with fs.open(join_url(split_path, f"{metadata.sets[0]}__{name}.npy"), "rb") as f:
                     f.seek(offset)
                     row = np.frombuffer(f.read(shape[1] * dtype.itemsize), dtype=dtype)
                 if name == "labels":

@@ -405,7 +405,7 @@ class RunLog:
 
             # Event files grow by appending, which object stores cannot do (gcsfs silently
             # overwrites): write them locally and upload whole copies after each write.
-            self.tb_remote = _join(config.run.dir, "tb")
+            self.tb_remote = data.join_url(config.run.dir, "tb")
             self.tb_local = self.tb_remote if "://" not in config.run.dir else tempfile.mkdtemp(prefix="trm-tb-")
             self.tb = SummaryWriter(self.tb_local)
 
@@ -448,7 +448,7 @@ class RunLog:
 
             for name in os.listdir(self.tb_local):
                 with open(os.path.join(self.tb_local, name), "rb") as f:
-                    checkpoint.write_bytes(_join(self.tb_remote, name), f.read())
+                    checkpoint.write_bytes(data.join_url(self.tb_remote, name), f.read())
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         self.evals.append(dict(result, step=step))
@@ -471,10 +471,6 @@ class RunLog:
         if self.tb:
             self._upload_tb()
             self.tb.close()
-
-
-def _join(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])
 
 
 OPERATIONAL_FIELDS = {"data.cache_dir", "run.log_every", "run.device", "run.cpu_devices", "run.ckpt_every",
@@ -619,7 +615,7 @@ def main(config: Config) -> dict:
         restore = load_initial_weights(config.run.init_from, config.model)
         log.say(f"initial weights from {config.run.init_from}")
     if sharding.is_main_process() and not found:
-        checkpoint.write_bytes(_join(config.run.dir, "config.json"),
+        checkpoint.write_bytes(data.join_url(config.run.dir, "config.json"),
                                json.dumps(dataclasses.asdict(config), indent=2).encode())
     log.config_text(config)
 
@@ -649,7 +645,7 @@ def main(config: Config) -> dict:
         result, submission = evaluate(trainer, batches, torch_xla.sync, arc, log.say)
         log.evaluation(result, step, time.time() - started)
         if submission is not None and sharding.is_main_process():
-            log.say(f"ARC submission: {write_submission(_join(config.run.dir, 'eval', f'step_{step}'), submission)}")
+            log.say(f"ARC submission: {write_submission(data.join_url(config.run.dir, 'eval', f'step_{step}'), submission)}")
 
     stop_requested = []
     previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
@@ -713,7 +709,7 @@ class Profile:
 
     def __init__(self, config: Config, first_step: int):
         self.first, self.last = first_step, first_step + config.run.profile_steps - 1
-        self.remote = _join(config.run.dir, "tb")
+        self.remote = data.join_url(config.run.dir, "tb")
         self.local = tempfile.mkdtemp(prefix="trm-profile-")
 
     def before_step(self, step: int) -> None:
@@ -735,7 +731,7 @@ class Profile:
                 for name in files:
                     relative = os.path.relpath(os.path.join(root, name), self.local)
                     with open(os.path.join(root, name), "rb") as f:
-                        checkpoint.write_bytes(_join(self.remote, *relative.split(os.sep)), f.read())
+                        checkpoint.write_bytes(data.join_url(self.remote, *relative.split(os.sep)), f.read())
             say(f"XLA profile of steps {self.first}-{self.last} written to {self.remote}/plugins/profile")
 
 
@@ -763,12 +759,12 @@ def export(source: tyro.conf.Positional[str], out: str) -> None:
     """
     import checkpoint
 
-    if checkpoint.exists(_join(source, checkpoint.COMMIT_MARKER)):
+    if checkpoint.exists(data.join_url(source, checkpoint.COMMIT_MARKER)):
         url = source
     else:
         found = checkpoint.list_checkpoints(source)
         if not found:
-            raise SystemExit(f"error: no committed checkpoint in {source} (looked in {_join(source, 'checkpoints')})")
+            raise SystemExit(f"error: no committed checkpoint in {source} (looked in {data.join_url(source, 'checkpoints')})")
         url = found[0][1]
     checkpoint.export_model(url, out)
     print(f"exported the EMA weights of {url} to {out}", flush=True)
@@ -788,7 +784,7 @@ def load_weights_for_eval(source: str, base: Config) -> tuple[Config, dict[str, 
     if source.endswith(".safetensors"):
         weights, model_config = checkpoint.read_exported(source)
         return dataclasses.replace(base, model=TRMConfig(**model_config)), {f"model/{k}": v for k, v in weights.items()}, 0
-    url = source if checkpoint.exists(_join(source, checkpoint.COMMIT_MARKER)) else None
+    url = source if checkpoint.exists(data.join_url(source, checkpoint.COMMIT_MARKER)) else None
     if url is None and checkpoint.list_checkpoints(source):
         url = checkpoint.list_checkpoints(source)[0][1]
     if url is not None:
@@ -830,11 +826,11 @@ def evaluate_command(argv: list[str]) -> dict:
     started = time.time()
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
     result, submission = evaluate(trainer, batches, torch_xla.sync, arc, lambda *a: say(*a, flush=True))
-    out = _join(config.run.dir, "eval", f"step_{step}")
+    out = data.join_url(config.run.dir, "eval", f"step_{step}")
     if sharding.is_main_process():
         import checkpoint
 
-        checkpoint.write_bytes(_join(out, "metrics.json"), json.dumps(dict(result, source=source), indent=2).encode())
+        checkpoint.write_bytes(data.join_url(out, "metrics.json"), json.dumps(dict(result, source=source), indent=2).encode())
         if submission is not None:
             write_submission(out, submission)
     scores = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in ("count", "num_examples"))

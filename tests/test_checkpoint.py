@@ -77,7 +77,7 @@ def test_round_trip_on_gcs_by_two_hosts(gcs_url):
     rows, _ = checkpoint.read_checkpoint(checkpoint.step_dir(gcs_url, 10), row_range=lambda shape: (4, 8))
     assert torch.equal(rows["carry/steps"], state["carry/steps"][4:])
     # Every file is a plain safetensors file.
-    fs, path = checkpoint._fs(checkpoint.step_dir(gcs_url, 10))
+    fs, path = data.filesystem(checkpoint.step_dir(gcs_url, 10))
     for name in ("host_000.safetensors", "host_001.safetensors"):
         local = f"/tmp/{os.getpid()}-{name}"
         fs.get(f"{path}/{name}", local)
@@ -248,7 +248,7 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     assert json.loads(checkpoint.read_bytes(f"{run_dir}/config.json"))["model"]["hidden_size"] == 32
 
     # TensorBoard scalars, read back by tensorboard's own reader from a local copy of {run_dir}/tb.
-    fs, path = checkpoint._fs(f"{run_dir}/tb")
+    fs, path = data.filesystem(f"{run_dir}/tb")
     fs.get(path, str(tmp_path / "tb"), recursive=True)
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
