@@ -56,12 +56,6 @@ class CapturedTrainStep:
         # Let XLA reuse the buffers we mark as donated (the old state) for the new state.
         torch_xla._XLAC._xla_set_enable_alias_with_buffer_donor_config(True)
 
-    def _set_lrs(self, lr, emb_lr):
-        for group in self.tr.adam.param_groups:
-            group["lr"] = lr
-        if self.tr.sign_sgd is not None:
-            self.tr.sign_sgd.lr = emb_lr
-
     def _trace(self, flat):
         tr = self.tr
         fakes = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in flat]
@@ -74,7 +68,7 @@ class CapturedTrainStep:
                 set_(v)
             tr.carry = Carry.from_tensors(dict(zip(self.carry_keys, work[n_state:n_state + n_carry])))
             lrs = work[-1]
-            self._set_lrs(lrs[0], lrs[1])
+            tr.set_lrs(lrs[0], lrs[1])
             batch = dict(zip(self.batch_keys, work[n_state + n_carry:-1]))
             metrics = tr.train_step(batch)
             new_carry = tr.carry.tensors()
