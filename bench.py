@@ -21,8 +21,9 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   dev@peak ms    device time of one training step of the preset's global batch (768) on the
                  chosen slice at 100% of its bf16 peak (`slice_spec`)
   host ms        wall time of the host's work for one step: TrainBatches.batch,
-                 host_batch_to_global, Trainer.step (tracing, or replaying the captured step) and torch_xla.sync(), which
-                 only dispatches; every step starts on an idle device (*)
+                 host_batch_to_global, Trainer.step (replaying the captured step, or re-tracing
+                 it with --no-capture-step) and torch_xla.sync(), which only dispatches; every
+                 step starts on an idle device (*)
   cpu ms         CPU time over the same span of the threads doing that work (the Python thread
                  and the autograd thread that traces backward): unlike host ms it does not grow
                  when other threads (other processes, or XLA's own) compete for the cores, so a
@@ -38,8 +39,9 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   host/peak      host ms / dev@peak ms (cpu/peak: cpu ms / dev@peak ms): above 1 the host, not
                  the TPU, limits the step rate
 
-(*) After each step the script reads an output of the step (not counted as a transfer), so the
-next step starts on an idle device. A CPU device shares the host's cores, and its sync()
+(*) After each step the script reads an output of the step (not counted as a transfer) and
+waits until the process's other threads are idle (`settle`), so the next step starts on an idle
+device. A CPU device shares the host's cores, and its sync()
 sometimes returns only after the device has run part or all of the step, its thread asleep
 meanwhile: on CPU such a sync counts with its own CPU time instead of its wall time
 (`sync_overlapped_device_steps`); on TPU the wall time always counts.
@@ -94,6 +96,9 @@ class BenchConfig:
     """auto (TPU if attached or PJRT_DEVICE says so), tpu (fail without one), cpu (virtual mesh)."""
     cpu_devices: int = 8
     """Virtual devices of the CPU mesh (device cpu)."""
+    capture_step: bool = True
+    """Time the captured step (run.capture_step, the training loop's default); with
+    --no-capture-step, the step re-traced in Python every time."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,7 +221,8 @@ def bench_config(preset: str, args: BenchConfig) -> train.Config:
     if args.forward_dtype:
         model = dataclasses.replace(model, forward_dtype=args.forward_dtype)
     return dataclasses.replace(config, model=model,
-                               run=dataclasses.replace(config.run, device=args.device, cpu_devices=args.cpu_devices))
+                               run=dataclasses.replace(config.run, device=args.device, cpu_devices=args.cpu_devices,
+                                                       capture_step=args.capture_step))
 
 
 def write_synthetic_dataset(root: str, preset: str, model: TRMConfig, seed: int = 0) -> data.Metadata:
@@ -301,6 +307,19 @@ class StepThreadsClock:
         return total
 
 
+def settle(limit_s: float = 1.0, window_s: float = 0.02) -> float:
+    """Wait (at most limit_s) until this process's other threads are idle; returns the seconds
+    waited. A CPU device keeps its threads busy for a while after a step's outputs are ready
+    (freeing its buffers), and that work would otherwise land in the next step's host time."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        p0, c0 = time.process_time(), time.thread_time()
+        time.sleep(window_s)
+        if (time.process_time() - p0) - (time.thread_time() - c0) < 0.1 * window_s:
+            break
+    return time.perf_counter() - start
+
+
 def _device_time_ns() -> tuple[int, int]:
     """(executions, total ns) of compiled graphs so far (SPMD: ExecuteReplicatedTime)."""
     import torch_xla.debug.metrics as met
@@ -330,6 +349,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
     samples, clock = [], StepThreadsClock()
     for step in range(1, warmup + steps + 1):
         xm.wait_device_ops()  # every step starts on an idle device (see the barrier below)
+        settle_ms = settle() * 1e3
         before, device_before = train.xla_counters(), _device_time_ns()
         clock.refresh()
         h0, p0, t0 = clock.ns(), time.process_time(), time.perf_counter()
@@ -362,7 +382,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
             "process_cpu_ms": (p4 - p0) * 1e3,
             "batch_ms": (t1 - t0) * 1e3, "upload_ms": (t2 - t1) * 1e3, "trace_ms": (t3 - t2) * 1e3,
             "sync_ms": sync_host_ms, "sync_wall_ms": (t4 - t3) * 1e3, "sync_cpu_ms": (c4 - c3) * 1e3,
-            "sync_overlapped_device": sync_overlapped, "barrier_ms": barrier_ms,
+            "sync_overlapped_device": sync_overlapped, "barrier_ms": barrier_ms, "settle_ms": settle_ms,
             "device_ms": device_ms, "executions": device_after[0] - device_before[0],
             "compiles": after["compiles"] - before["compiles"],
             "transfers": after["transfers"] - before["transfers"],
@@ -526,9 +546,11 @@ def run(args: BenchConfig) -> dict:
             say(f"  {preset}: {time.time() - started:.0f}s", flush=True)
     result = {"slice": spec.name, "slice_chips": spec.chips, "slice_hosts": spec.hosts,
               "peak_tflops_per_chip": spec.peak_tflops_per_chip, "peak_tflops": spec.peak_tflops,
-              "device_kind": device_kind, "devices": num_devices, "tiny": args.tiny, "records": records}
+              "device_kind": device_kind, "devices": num_devices, "tiny": args.tiny,
+              "capture_step": args.capture_step, "records": records}
     say(f"\nslice {spec.name}: {spec.chips} chips, peak {spec.peak_tflops:,.0f} TFLOP/s bf16; "
-        f"measured on {num_devices or 0} {device_kind or 'no'} device(s)")
+        f"measured on {num_devices or 0} {device_kind or 'no'} device(s)"
+        + ("" if args.flops_only else f", {'captured' if args.capture_step else 're-traced'} step"))
     say(format_table(records))
     if args.json and say is print:
         with open(args.json, "w") as f:

@@ -122,3 +122,14 @@ def test_bench_runs_tiny_presets_on_the_cpu_mesh(tmp_path):
         assert record["aten_fallbacks_per_step"] == 0 and record["transfers_from_device_per_step"] == 0
         assert record["executions_per_step"] == 1
     assert "host/peak" in proc.stdout and "sudoku-att" in proc.stdout
+
+
+def test_bench_times_the_retraced_step_too(tmp_path):
+    """--no-capture-step: the lazy step traced in Python every time, in this process."""
+    result = bench.run(bench.BenchConfig(presets=("sudoku-mlp",), tiny=True, capture_step=False, steps=1,
+                                         warmup=1, data_batches=2, json=str(tmp_path / "bench.json")))
+    record = result["records"][0]
+    assert result["capture_step"] is False
+    assert record["host_ms_per_step"] > 0 and record["trace_ms_per_step"] > 0
+    assert record["compiles_in_timed_steps"] == 0 and record["transfers_from_device_per_step"] == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["records"][0]["preset"] == "sudoku-mlp"
