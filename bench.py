@@ -20,15 +20,20 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
                  (an evaluation batch runs halt_max_steps = 16 of them)
   dev@peak ms    device time of one training step of the preset's global batch (768) on the
                  chosen slice at 100% of its bf16 peak (`slice_spec`)
-  host ms        wall time of the host's work for one step: TrainBatches.batch,
-                 host_batch_to_global, Trainer.step (replaying the captured step, or re-tracing
-                 it with --no-capture-step) and torch_xla.sync(), which only dispatches; every
-                 step starts on an idle device (*)
+  host ms        wall time of the host's work for one step in the training loop's thread:
+                 waiting for the step's batch (train.PrefetchedBatches reads and uploads it on
+                 a background thread during the step before), Trainer.step (replaying the
+                 captured step, or re-tracing it with --no-capture-step) and torch_xla.sync(),
+                 which only dispatches; every step starts on an idle device (*)
   cpu ms         CPU time over the same span of the threads doing that work (the Python thread
                  and the autograd thread that traces backward): unlike host ms it does not grow
                  when other threads (other processes, or XLA's own) compete for the cores, so a
                  host with idle cores (a TPU VM) should see host ms close to it
-  data ms        the part of host ms in TrainBatches.batch + host_batch_to_global
+  data ms        the part of host ms spent waiting for the batch
+  bg data ms     wall time of the background thread's TrainBatches.batch + host_batch_to_global
+                 for one step (it runs while the loop's thread works on the step before, so
+                 both compete for the cores and the GIL; hidden as long as it is shorter than
+                 a step)
   trace ms       the part in Trainer.step; sync ms: the part in torch_xla.sync()
   dev ms         device execution time per step measured here (XLA metric ExecuteReplicatedTime)
   compiles       graphs compiled for this preset (seconds); none may happen after the warmup
@@ -344,6 +349,15 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
                                 process_count=sharding.process_count())
     trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
     torch_xla.sync()
+    background = {}  # step -> (wall ms, CPU ms) of reading and uploading its batch
+
+    def load(step):
+        c0, t0 = time.thread_time(), time.perf_counter()
+        batch = sharding.host_batch_to_global(batches.batch(step - 1), mesh)
+        background[step] = ((time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3)
+        return batch
+
+    prefetched = train.PrefetchedBatches(load, 1, warmup + steps)  # as train.main reads batches
     window_sums = torch.zeros(len(train.TRAIN_METRICS)).to(trainer.device)
     samples, clock = [], StepThreadsClock()
     for step in range(1, warmup + steps + 1):
@@ -352,9 +366,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         before, device_before = train.xla_counters(), _device_time_ns()
         clock.refresh()
         h0, p0, t0 = clock.ns(), time.process_time(), time.perf_counter()
-        host_batch = batches.batch(step - 1)
-        t1 = time.perf_counter()
-        global_batch = sharding.host_batch_to_global(host_batch, mesh)
+        global_batch = prefetched.get(step)
         t2 = time.perf_counter()
         window_sums = window_sums + trainer.step(global_batch, 1e-4, 1e-4)
         c3, t3 = time.thread_time(), time.perf_counter()
@@ -378,7 +390,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         samples.append({
             "host_ms": (t3 - t0) * 1e3 + sync_host_ms, "host_cpu_ms": (h4 - h0) / 1e6,
             "process_cpu_ms": (p4 - p0) * 1e3,
-            "batch_ms": (t1 - t0) * 1e3, "upload_ms": (t2 - t1) * 1e3, "trace_ms": (t3 - t2) * 1e3,
+            "data_wait_ms": (t2 - t0) * 1e3, "data_background_ms": background[step][0],
+            "data_background_cpu_ms": background[step][1], "trace_ms": (t3 - t2) * 1e3,
             "sync_ms": sync_host_ms, "sync_wall_ms": (t4 - t3) * 1e3, "sync_cpu_ms": (c4 - c3) * 1e3,
             "sync_overlapped_device": sync_overlapped, "barrier_ms": barrier_ms, "settle_ms": settle_ms,
             "device_ms": device_ms, "executions": device_after[0] - device_before[0],
@@ -386,6 +399,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
             "transfers": after["transfers"] - before["transfers"],
             "fallbacks": sum(after["fallbacks"].values()) - sum(before["fallbacks"].values()),
         })
+    prefetched.close()
     counters_end = train.xla_counters()
     parameters = sum(p.numel() for p in trainer.model.parameters())
     del trainer, window_sums
@@ -402,9 +416,9 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         "host_ms_per_step_samples": [round(s["host_ms"], 3) for s in timed],
         "host_cpu_ms_per_step": median("host_cpu_ms"),
         "process_cpu_ms_per_step": median("process_cpu_ms"),
-        "data_ms_per_step": median("batch_ms") + median("upload_ms"),
-        "batch_read_ms_per_step": median("batch_ms"),
-        "upload_ms_per_step": median("upload_ms"),
+        "data_ms_per_step": median("data_wait_ms"),
+        "data_background_ms_per_step": median("data_background_ms"),
+        "data_background_cpu_ms_per_step": median("data_background_cpu_ms"),
         "trace_ms_per_step": median("trace_ms"),
         "sync_ms_per_step": median("sync_ms"),
         "sync_wall_ms_per_step": median("sync_wall_ms"),
@@ -481,6 +495,7 @@ COLUMNS = [  # (header, format of a record)
     ("host ms", lambda r: f"{r['host_ms_per_step']:.1f}"),
     ("cpu ms", lambda r: f"{r['host_cpu_ms_per_step']:.1f}"),
     ("data ms", lambda r: f"{r['data_ms_per_step']:.1f}"),
+    ("bg data ms", lambda r: f"{r['data_background_ms_per_step']:.1f}"),
     ("trace ms", lambda r: f"{r['trace_ms_per_step']:.1f}"),
     ("sync ms", lambda r: f"{r['sync_ms_per_step']:.1f}"),
     ("dev ms", lambda r: f"{r['device_ms_per_step']:.0f}"),

@@ -352,6 +352,27 @@ class Trainer:
         return torch.stack([metrics[k] for k in EVAL_METRICS]), outputs["logits"].argmax(-1), outputs["q_halt_logits"]
 
 
+class PrefetchedBatches:
+    """The global batch of each training step, read and uploaded to the devices on a background
+    thread while the step before it runs (as torch_xla's MpDeviceLoader does), so the loop only
+    waits for data when reading is slower than a step. Batches depend only on the step, so
+    prefetching changes no result."""
+
+    def __init__(self, load, first_step: int, last_step: int):
+        self.load, self.last_step = load, last_step
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trm-batches")
+        self.pending = {first_step: self.thread.submit(load, first_step)} if first_step <= last_step else {}
+
+    def get(self, step: int) -> dict[str, torch.Tensor]:
+        batch = self.pending.pop(step, None) or self.thread.submit(self.load, step)
+        if step < self.last_step:
+            self.pending[step + 1] = self.thread.submit(self.load, step + 1)
+        return batch.result()  # raises here if reading or uploading failed
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=True, cancel_futures=True)
+
+
 # ----------------------------------------------------------------------------------------------
 # Reporting
 
@@ -659,8 +680,10 @@ def main(config: Config) -> dict:
     window_sums = torch.zeros(len(TRAIN_METRICS)).to(trainer.device)
     window_start, window_steps, loop_start = time.time(), 0, time.time()
     preempted = False
+    batches = PrefetchedBatches(lambda step: sharding.host_batch_to_global(train_batches.batch(step - 1), mesh),
+                                start_step + 1, total_steps)
     for step in range(start_step + 1, total_steps + 1):
-        batch = sharding.host_batch_to_global(train_batches.batch(step - 1), mesh)
+        batch = batches.get(step)
         lr = lr_at(step, o.lr, o, total_steps)
         if profile:
             profile.before_step(step)
@@ -684,6 +707,7 @@ def main(config: Config) -> dict:
             save(step)
         if step % eval_every == 0 and step != total_steps:
             run_eval(step, final=False)
+    batches.close()
 
     if not preempted:
         if total_steps > start_step or not found:

@@ -170,3 +170,41 @@ def test_captured_step_equals_the_retraced_step(demo_path, tmp_path):
     retraced = train.main(train.cli(tiny_args(demo_path, tmp_path / "b", *args, "--run.no-capture-step")))
     assert [h["loss"] for h in replayed["history"]] == [h["loss"] for h in retraced["history"]]
     assert replayed["final"] == retraced["final"]
+
+
+def test_host_batch_lands_split_over_the_devices_by_rows():
+    """Every key, whatever its rank, is split on dim 0 over the 8 devices (a spec of the wrong
+    rank would leave it replicated) and holds the host's values."""
+    import numpy as np
+    import torch_xla
+
+    import sharding
+
+    host = {"inputs": np.arange(8 * 5, dtype=np.int32).reshape(8, 5),
+            "puzzle_identifiers": np.arange(100, 108, dtype=np.int32)}
+    batch = sharding.host_batch_to_global(host, sharding.data_mesh())
+    tiles = {"inputs": "[8,1]", "puzzle_identifiers": "[8]"}
+    for key, array in host.items():
+        assert torch_xla._XLAC._get_xla_sharding_spec(batch[key]).startswith("{devices=" + tiles[key])
+        assert np.array_equal(batch[key].cpu().numpy(), array)
+
+
+def test_prefetched_batches_come_in_step_order_from_a_background_thread():
+    import threading
+
+    loaded = []
+
+    def load(step):
+        loaded.append((step, threading.current_thread().name))
+        if step == 4:
+            raise OSError("bucket went away")
+        return {"step": step}
+
+    batches = train.PrefetchedBatches(load, first_step=2, last_step=5)
+    assert [batches.get(step)["step"] for step in (2, 3)] == [2, 3]
+    with pytest.raises(OSError, match="bucket went away"):
+        batches.get(4)  # the loader's error reaches the training loop at the step that needs it
+    assert batches.get(5)["step"] == 5
+    batches.close()
+    assert [step for step, _ in loaded] == [2, 3, 4, 5]  # each step once, none past the last
+    assert all(name.startswith("trm-batches") for _, name in loaded)
