@@ -364,10 +364,11 @@ class PrefetchedBatches:
         self.pending = {first_step: self.thread.submit(load, first_step)} if first_step <= last_step else {}
 
     def get(self, step: int) -> dict[str, torch.Tensor]:
-        batch = self.pending.pop(step, None) or self.thread.submit(self.load, step)
+        future = self.pending.pop(step, None) or self.thread.submit(self.load, step)
+        batch = future.result()  # raises here if reading or uploading failed
         if step < self.last_step:
             self.pending[step + 1] = self.thread.submit(self.load, step + 1)
-        return batch.result()  # raises here if reading or uploading failed
+        return batch
 
     def close(self) -> None:
         self.thread.shutdown(wait=True, cancel_futures=True)
