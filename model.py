@@ -423,10 +423,17 @@ class TRM(nn.Module):
 
 
 def stablemax_log_probs(logits: torch.Tensor) -> torch.Tensor:
-    """log of stablemax: s(x) = 1/(1-x) for x < 0, x + 1 otherwise, normalised over the last dim."""
+    """log of stablemax: s(x) = 1/(1-x) for x < 0, x + 1 otherwise, normalised over the last dim.
+
+    The reference evaluates both branches of its `where` on every logit, in float64. In float32
+    the unused branch 1/(1-x) overflows its derivative at x = 1 (which bf16 logits hit often),
+    and the where's zero gradient times inf is NaN. So each branch gets only the logits it is
+    used for (clamped), log s is computed directly (log1p), and the normaliser is a logsumexp of
+    log s: finite values and gradients for every finite logit, equal to log(s / sum s).
+    """
     x = logits.float()
-    s = torch.where(x < 0, 1 / (1 - x + 1e-30), x + 1)
-    return torch.log(s) - torch.log(s.sum(-1, keepdim=True))
+    log_s = torch.where(x < 0, -torch.log1p(-x.clamp(max=0.0)), torch.log1p(x.clamp(min=0.0)))
+    return log_s - torch.logsumexp(log_s, dim=-1, keepdim=True)
 
 
 def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -480,10 +487,14 @@ def loss_and_metrics(carry: Carry, outputs: dict[str, torch.Tensor]) -> tuple[to
 
 
 class AdamATan2(torch.optim.Optimizer):
-    """Adam with atan2 in place of m / (sqrt(v) + eps) (no epsilon), decoupled weight decay.
+    """Adam with atan2 in place of m / (sqrt(v) + eps) (no epsilon), decoupled weight decay:
+    the rule of the `adam-atan2` 0.0.3 CUDA kernel the reference trains with.
 
         θ ← θ(1 - ηλ);  m ← lerp(m, g, 1-β1);  v ← lerp(v, g², 1-β2)
-        θ ← θ - η · atan2(m / (1-β1^t), sqrt(v / (1-β2^t)))
+        θ ← θ - (η / (1-β1^t)) · atan2(m, sqrt(v) / sqrt(1-β2^t))
+
+    The first bias correction scales the step outside atan2 (moving it inside would change
+    the first update by up to 27%).
 
     `lr` may be a 0-d tensor on the parameters' device: set it with `set_lr(value)` each step
     and the traced graph stays the same. The step count t is a device tensor for the same reason.
@@ -523,17 +534,19 @@ class AdamATan2(torch.optim.Optimizer):
                 p.mul_(1 - lr * decay)
                 m.lerp_(p.grad, 1 - beta1)
                 v.lerp_(p.grad.square(), 1 - beta2)
-                update = torch.atan2(m / (1 - beta1 ** t), (v / (1 - beta2 ** t)).sqrt())
-                p.sub_(lr * update)
+                step_size = lr / (1 - beta1 ** t)
+                p.sub_(step_size * torch.atan2(m, v.sqrt() / (1 - beta2 ** t).sqrt()))
 
 
 class SignSGD:
     """The reference's optimizer for the sparse puzzle embedding, with static shapes.
 
     For every id in the (global) batch: row ← row(1 - ηλ) - η·sign(Σ of that id's gradients over
-    the batch). Duplicate ids are summed with an id-equality matrix [B, B] instead of `unique`
-    (whose output size depends on the data), and every duplicate writes the same new row. No
-    state; rows not in the batch are untouched.
+    the batch). Instead of `unique` (whose output size depends on the data), every row finds the
+    first row of the batch with its id (an id-equality matrix [B, B]), the gradients are added
+    into that row's slot (index_add: exact float32 sums, where a matmul would run at the
+    backend's default precision, bf16 inputs on a TPU, and spread one NaN row to every row),
+    and every duplicate writes the same new row. No state; rows not in the batch are untouched.
     """
 
     def __init__(self, embedding: SparseEmbedding, lr: float | torch.Tensor = 0.0, weight_decay: float = 0.0):
@@ -548,8 +561,10 @@ class SignSGD:
         rows, ids = self.embedding.batch_rows, self.embedding.batch_ids
         if rows is None or rows.grad is None:
             return
-        same_id = (ids.unsqueeze(0) == ids.unsqueeze(1)).to(rows.grad.dtype)
-        grad_sum = same_id @ rows.grad
+        positions = torch.arange(ids.shape[0], device=ids.device)
+        same_id = ids.unsqueeze(0) == ids.unsqueeze(1)
+        first = torch.where(same_id, positions, ids.shape[0]).amin(dim=1)
+        grad_sum = torch.zeros_like(rows.grad).index_add_(0, first, rows.grad).index_select(0, first)
         new_rows = rows * (1 - self.lr * self.weight_decay) - self.lr * torch.sign(grad_sum)
         self.embedding.weight.index_copy_(0, ids.long(), new_rows)
 

@@ -41,6 +41,52 @@ def test_stablemax_cross_entropy_matches_closed_form():
     assert ignored[1] == 0 and torch.isclose(ignored[0], expected[0])
 
 
+def reference_stablemax_cross_entropy_float64(logits, labels):
+    """The reference's formula (models/losses.py), evaluated in float64 as it does."""
+    x = logits.double()
+    s = torch.where(x < 0, 1 / (1 - x + 1e-30), x + 1)
+    log_probs = torch.log(s / s.sum(-1, keepdim=True))
+    valid = labels != model.IGNORE_LABEL_ID
+    picked = log_probs.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    return -torch.where(valid, picked, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stablemax_loss_and_gradient_are_finite_and_equal_the_float64_reference(dtype):
+    # Exactly 1.0 is where the unused 1/(1-x) branch's derivative overflows float32 (bf16 logits
+    # land on it often); 0.0, -0.0 and huge values of both signs are the other edges.
+    big = torch.finfo(dtype).max
+    rows = [[1.0, 0.0, -0.0, 2.0], [1.0, 1.0, 1.0, 1.0], [-big, big, 1.0, 0.5],
+            [big, big, -1.0, -0.0], [-big, -big, -3.0, 1e-3], [-0.5, 7.0, -120.0, 1.0]]
+    logits = torch.tensor(rows, dtype=dtype)
+    labels = torch.tensor([0, 3, 1, 0, 2, model.IGNORE_LABEL_ID])
+    ours = logits.clone().requires_grad_(True)
+    loss = model.stablemax_cross_entropy(ours, labels)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(ours.grad).all(), (loss, ours.grad)
+
+    theirs = logits.double().requires_grad_(True)
+    expected = reference_stablemax_cross_entropy_float64(theirs, labels)
+    expected.sum().backward()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ours.grad.double(), theirs.grad, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6,
+                               atol=1e-6)
+
+
+def test_bf16_training_step_has_finite_gradients():
+    # The presets' dtype at initialisation: a few of the bf16 logits are exactly 1.0.
+    torch.manual_seed(0)
+    config = tiny_config(forward_dtype="bfloat16")
+    m = TRM(config).train()
+    batch = random_batch(config, 32, seed=1)
+    carry, outputs = m(m.initial_carry(batch), batch)
+    assert (outputs["logits"] == 1.0).any()
+    loss, _ = loss_and_metrics(carry, outputs)
+    loss.backward()
+    grads = [p.grad for p in m.parameters() if p.grad is not None] + [m.puzzle_embedding.batch_rows.grad]
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+
+
 def test_loss_and_metrics_by_hand():
     # Two rows of three tokens, vocab 2. Row 0 halted and fully correct; row 1 halted, one of two
     # valid tokens wrong; a third row not halted is left out of the metrics but not of the loss.
@@ -97,8 +143,20 @@ def test_adam_atan2_matches_hand_computed_steps():
                 theta *= 1 - lr * decay
                 m = m + (g - m) * (1 - b1)
                 v = v + (g * g - v) * (1 - b2)
-                theta -= lr * math.atan2(m / (1 - b1 ** t), math.sqrt(v / (1 - b2 ** t)))
+                # The adam-atan2 kernel: bias correction 1 scales the step, outside atan2.
+                theta -= lr / (1 - b1 ** t) * math.atan2(m, math.sqrt(v) / math.sqrt(1 - b2 ** t))
             assert params[i].flatten()[index].item() == pytest.approx(theta, abs=1e-6)
+
+
+def test_adam_atan2_first_step_is_the_kernels_not_the_bias_corrected_atan2():
+    # Step 1 from zero state: the kernel moves lr/(1-b1)·atan(1-b1) ≈ 0.997·lr; putting the
+    # correction inside atan2 would move atan2(g, |g|) = π/4·lr, 27% less.
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = AdamATan2([p], lr=torch.tensor(0.01), betas=(0.9, 0.95))
+    p.grad = torch.tensor([2.0, -0.5, 1e-3])
+    opt.step()
+    expected = -0.01 / 0.1 * math.atan(0.1)
+    torch.testing.assert_close(p.detach(), torch.tensor([expected, -expected, expected]), rtol=1e-6, atol=0)
 
 
 def test_signsgd_with_duplicate_ids_matches_per_id_loop():
@@ -121,6 +179,24 @@ def test_signsgd_with_duplicate_ids_matches_per_id_loop():
     torch.testing.assert_close(emb.weight, expected)
     untouched = [i for i in range(20) if i not in set(ids.tolist())]
     assert torch.equal(emb.weight[untouched], table[untouched])
+
+
+def test_signsgd_sums_exactly_and_keeps_a_nan_row_to_its_own_id():
+    # Per id the float32 sum decides the sign: 1 + (-1 + 2^-12) > 0 survives only without the
+    # bf16 rounding a default-precision matmul applies on a TPU. A NaN gradient of id 5 must not
+    # touch the rows of other ids (an equality-matrix matmul spreads it to every row).
+    emb = model.SparseEmbedding(8, 2)
+    emb.train()
+    ids = torch.tensor([3, 5, 3, 1, 5])
+    emb(ids)
+    emb.batch_rows.grad = torch.tensor([[1.0, -2.0], [float("nan"), 0.0], [-1.0 + 2 ** -12, 2.0 - 2 ** -11],
+                                        [0.0, -1.0], [1.0, 1.0]])
+    SignSGD(emb, lr=0.5, weight_decay=0.0).step()
+    assert emb.weight[3].tolist() == [-0.5, 0.5]  # signs of (2^-12, -2^-11)
+    assert emb.weight[1].tolist() == [0.0, 0.5]
+    assert emb.weight[5, 1].item() == -0.5  # (its NaN column gets whatever sign(NaN) gives)
+    untouched = [0, 2, 4, 6, 7]
+    assert torch.equal(emb.weight[untouched], torch.zeros(5, 2))
 
 
 def test_ema_is_the_closed_form_average_and_skips_the_puzzle_table():
