@@ -306,13 +306,16 @@ def export_model(checkpoint_url: str, out_url: str) -> dict:
             name = key.removeprefix("model/")
             weights[name] = tensors.get(f"ema/{name}", value)
     model_config = state["config"]["model"]
-    payload = safetensors_bytes(weights, metadata={"trm_config": json.dumps(model_config), "step": str(state["step"])})
-    write_bytes(out_url, payload)
+    metadata = {"trm_config": json.dumps(model_config), "step": str(state["step"])}
+    if state.get("dataset_identifiers"):
+        metadata["dataset_identifiers"] = state["dataset_identifiers"]
+    write_bytes(out_url, safetensors_bytes(weights, metadata=metadata))
     return model_config
 
 
-def read_exported(url: str) -> tuple[dict[str, torch.Tensor], dict]:
-    """(state_dict in our names, model config dict) of an exported model.safetensors."""
+def read_exported(url: str) -> tuple[dict[str, torch.Tensor], dict, str | None]:
+    """(state_dict in our names, model config dict, fingerprint of the dataset identifiers it
+    was trained on or None) of an exported model.safetensors."""
     with tempfile.TemporaryDirectory(prefix="trm-model-") as tmp:
         path = os.path.join(tmp, "model.safetensors")
         with open(path, "wb") as f:
@@ -321,4 +324,5 @@ def read_exported(url: str) -> tuple[dict[str, torch.Tensor], dict]:
             metadata = handle.metadata() or {}
             if "trm_config" not in metadata:
                 raise CheckpointError(f"{url} has no trm_config metadata: not a model exported by train.py export")
-            return {k: handle.get_tensor(k) for k in handle.keys()}, json.loads(metadata["trm_config"])
+            return ({k: handle.get_tensor(k) for k in handle.keys()}, json.loads(metadata["trm_config"]),
+                    metadata.get("dataset_identifiers"))

@@ -335,16 +335,11 @@ def _missing_split_error(url: str, split: str, json_url: str) -> DatasetError:
                         "upload may be incomplete; copy it again or rebuild the dataset.")
 
 
-def open_dataset(url: str, split: str, cache_dir: Optional[str] = None) -> Dataset:
-    """Open one split ("train" or "test") of the dataset rooted at ``url``.
-
-    A remote split's arrays are copied to ``cache_dir/<split>/`` once (default
-    ``~/.cache/trm-data/<hash of url>``) and memory-mapped; a local root is read in place.
-    """
+def read_metadata(url: str, split: str) -> Metadata:
+    """The dataset.json of one split ("train" or "test") of the dataset rooted at ``url``."""
     if split not in SPLITS:
         raise DatasetError(f"Unknown split {split!r} for {url}; use one of {SPLITS}.")
-    split_url = join_url(url, split)
-    json_url = join_url(split_url, "dataset.json")
+    json_url = join_url(url, split, "dataset.json")
     try:
         metadata = Metadata.from_dict(_read_json(json_url, "dataset"), json_url)
     except FileNotFoundError:
@@ -352,7 +347,17 @@ def open_dataset(url: str, split: str, cache_dir: Optional[str] = None) -> Datas
     if len(metadata.sets) != 1:
         raise DatasetError(f"{json_url} lists the sets {list(metadata.sets)}; only datasets "
                            "with one set per split are supported. Rebuild with one set.")
+    return metadata
 
+
+def open_dataset(url: str, split: str, cache_dir: Optional[str] = None) -> Dataset:
+    """Open one split ("train" or "test") of the dataset rooted at ``url``.
+
+    A remote split's arrays are copied to ``cache_dir/<split>/`` once (default
+    ``~/.cache/trm-data/<hash of url>``) and memory-mapped; a local root is read in place.
+    """
+    metadata = read_metadata(url, split)
+    split_url = join_url(url, split)
     fs, split_path = filesystem(split_url)
     local = _is_local(fs)
     cache_split_dir = os.path.join(cache_dir or _default_cache_dir(url), split)
@@ -452,6 +457,17 @@ def read_identifiers(url: str) -> list:
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise DatasetError(f"{json_url} must hold a list of names; rebuild the dataset.")
     return names
+
+
+def identifiers_fingerprint(url: str) -> Optional[str]:
+    """A short hash of the dataset's identifier names in order (identifiers.json), or None when
+    it has none. Row i of a trained puzzle-embedding table belongs to identifier i: a model may
+    only be evaluated or fine-tuned with its table on a dataset with the same fingerprint."""
+    try:
+        names = _read_json(join_url(url, "identifiers.json"), "identifiers list")
+    except FileNotFoundError:
+        return None
+    return hashlib.sha256(json.dumps(names, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def total_train_steps(metadata: Metadata, epochs: float, global_batch_size: int) -> int:

@@ -496,13 +496,16 @@ class AdamATan2(torch.optim.Optimizer):
     The first bias correction scales the step outside atan2 (moving it inside would change
     the first update by up to 27%).
 
-    `lr` may be a 0-d tensor on the parameters' device: set it with `set_lr(value)` each step
-    and the traced graph stays the same. The step count t is a device tensor for the same reason.
+    `lr` may be a 0-d tensor on the parameters' device: write a new value into each param
+    group's "lr" every step and the traced graph stays the same. The step count t is a device tensor for the same reason.
     """
 
     def __init__(self, params, lr: float | torch.Tensor = 0.0, betas=(0.9, 0.95), weight_decay: float = 0.0):
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"AdamATan2 betas must be in [0, 1), got {betas}")
+        # The bias corrections 1 - beta^t are float32 device values: a beta that rounds to 1.0
+        # in float32 would divide by zero.
+        if not all(0.0 <= b and float(torch.tensor(b, dtype=torch.float32)) < 1.0 for b in betas):
+            raise ValueError(f"AdamATan2 betas must be in [0, 1) and below 1 in float32 "
+                             f"(at most 0.99999994), got {betas}")
         if weight_decay < 0:
             raise ValueError(f"AdamATan2 weight_decay must be >= 0, got {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
@@ -646,17 +649,61 @@ def reference_state_dict(model: TRM) -> dict[str, torch.Tensor]:
     return {f"model.inner.{theirs}": ours[name] for name, theirs in _reference_names(model.config).items()}
 
 
-def load_reference_state_dict(model: TRM, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load a reference checkpoint (keys `model.inner.*`, optionally prefixed `_orig_mod.`).
-
-    A puzzle-embedding table with another number of identifiers is replaced by its mean row
-    repeated, as the reference does when fine-tuning on a different dataset.
-    """
+def _reference_inner(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The `model.inner.*` tensors of a reference checkpoint (optionally `_orig_mod.`-prefixed,
+    as torch.compile saves them), without that prefix."""
     inner = {}
     for key, value in state_dict.items():
         key = key.removeprefix("_orig_mod.")
         if key.startswith("model.inner."):
             inner[key.removeprefix("model.inner.")] = value
+    return inner
+
+
+def reference_config(state_dict: dict[str, torch.Tensor], base: TRMConfig) -> TRMConfig:
+    """`base` with every size that a reference checkpoint's tensor shapes determine: hidden_size,
+    vocab_size, L_layers, expansion, mlp_t, learned positions, puzzle_emb_ndim and the number of
+    puzzle identifiers. The rest (cycles, heads, seq_len, halting) is not in the weights and
+    stays as `base` says."""
+    inner = _reference_inner(state_dict)
+    if "embed_tokens.embedding_weight" not in inner:
+        raise ValueError("not a reference TRM checkpoint: no model.inner.embed_tokens.embedding_weight "
+                         f"among its {len(state_dict)} tensors")
+    vocab_size, hidden_size = inner["embed_tokens.embedding_weight"].shape
+    layers = {int(k.split(".")[2]) for k in inner if k.startswith("L_level.layers.")}
+    mlp_t = any(".mlp_t." in k for k in inner)
+    fields = dict(vocab_size=vocab_size, hidden_size=hidden_size, L_layers=len(layers), mlp_t=mlp_t)
+    if "puzzle_emb.weights" in inner:
+        fields["num_puzzle_identifiers"], fields["puzzle_emb_ndim"] = inner["puzzle_emb.weights"].shape
+    else:
+        fields["puzzle_emb_ndim"] = 0
+    if "embed_pos.embedding_weight" in inner:
+        fields["pos_encodings"] = "learned"
+    elif base.pos_encodings == "learned":
+        fields["pos_encodings"] = "rope"
+    # The inner SwiGLU width fixes the expansion only up to the rounding to 256: keep the base's
+    # when it gives the same widths.
+    widths = {hidden_size: inner["L_level.layers.0.mlp.gate_up_proj.weight"].shape[0] // 2}
+    if mlp_t:
+        seq_gate_up = inner["L_level.layers.0.mlp_t.gate_up_proj.weight"]
+        widths[seq_gate_up.shape[1]] = seq_gate_up.shape[0] // 2
+    candidates = [base.expansion, widths[hidden_size] * 3 / (2 * hidden_size)]
+    fitting = [e for e in candidates if all(swiglu_width(w, e) == inner_w for w, inner_w in widths.items())]
+    if not fitting:
+        raise ValueError(f"no SwiGLU expansion gives the checkpoint's inner widths {widths} "
+                         "(model width → inner width); pass --model.expansion")
+    return dataclasses.replace(base, expansion=fitting[0], **fields)
+
+
+def load_reference_state_dict(model: TRM, state_dict: dict[str, torch.Tensor],
+                              resize_puzzle_table: bool = True) -> None:
+    """Load a reference checkpoint (keys `model.inner.*`, optionally prefixed `_orig_mod.`).
+
+    A puzzle-embedding table with another number of identifiers is replaced by its mean row
+    repeated, as the reference does when fine-tuning on a different dataset; with
+    `resize_puzzle_table=False` (evaluation) it is an error instead.
+    """
+    inner = _reference_inner(state_dict)
     names = _reference_names(model.config)
     missing = sorted(theirs for theirs in names.values() if theirs not in inner)
     unexpected = sorted(k for k in inner if k not in set(names.values()))
@@ -670,7 +717,8 @@ def load_reference_state_dict(model: TRM, state_dict: dict[str, torch.Tensor]) -
     for name, theirs in names.items():
         value = inner[theirs]
         expected = ours[name].shape
-        if name == "puzzle_embedding.weight" and value.shape != expected and value.shape[1:] == expected[1:]:
+        if (name == "puzzle_embedding.weight" and resize_puzzle_table and value.shape != expected
+                and value.shape[1:] == expected[1:]):
             print(f"puzzle embedding has {value.shape[0]} identifiers, this dataset {expected[0]}: "
                   "resetting every row to the checkpoint's mean row")
             value = value.float().mean(0, keepdim=True).expand(expected).contiguous()

@@ -420,6 +420,7 @@ class RunLog:
         self.config, self.total_steps, self.main_host = config, total_steps, main_host
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
+        self.nonfinite: str | None = None  # the first window whose loss or metrics were NaN/inf
         self.reader = ThreadPoolExecutor(max_workers=1)
         self.tb = None
         if main_host:
@@ -453,6 +454,9 @@ class RunLog:
         m.update(step=step, lr=lr, loss=m["lm_loss"] + 0.5 * m["q_halt_loss"], steps_per_s=rate,
                  examples_per_s=rate * o.global_batch_size)
         self.history.append(m)
+        bad = sorted((k for k, v in m.items() if not math.isfinite(v)), key=lambda k: k != "loss")
+        if bad and self.nonfinite is None:
+            self.nonfinite = f"steps {step - steps + 1}-{step}: " + ", ".join(f"{k} {m[k]}" for k in bad)
         self.say(f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.1f}%)  loss {m['loss']:.4f}  "
                  f"exact {m['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
                  f"{m['examples_per_s']:.0f} ex/s  ETA {format_duration((self.total_steps - step) / rate)}")
@@ -513,21 +517,43 @@ def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str
     return out
 
 
-def load_initial_weights(url: str, model_config: TRMConfig) -> dict[str, torch.Tensor]:
-    """`model/*` tensors from an exported model.safetensors or a reference checkpoint."""
+def read_reference_checkpoint(url: str) -> dict[str, torch.Tensor]:
+    """The state dict of a reference-implementation checkpoint (a torch.save file)."""
     import io
 
+    import checkpoint
+
+    return torch.load(io.BytesIO(checkpoint.read_bytes(url)), map_location="cpu", weights_only=True)
+
+
+def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers: str | None = None,
+                         resize_puzzle_table: bool = True) -> dict[str, torch.Tensor]:
+    """`model/*` tensors from an exported model.safetensors or a reference checkpoint.
+
+    An exported model trained on a dataset whose identifiers differ from `dataset_identifiers`
+    (data.identifiers_fingerprint) is refused: its table rows belong to other puzzles."""
     import checkpoint
     from model import load_reference_state_dict
 
     model = TRM(model_config)
     if url.endswith(".safetensors"):
-        weights, _ = checkpoint.read_exported(url)
+        weights, _, trained_on = checkpoint.read_exported(url)
+        check_same_identifiers(trained_on, dataset_identifiers, url)
         model.load_state_dict(weights)
     else:
-        state_dict = torch.load(io.BytesIO(checkpoint.read_bytes(url)), map_location="cpu", weights_only=True)
-        load_reference_state_dict(model, state_dict)
+        load_reference_state_dict(model, read_reference_checkpoint(url), resize_puzzle_table)
     return {f"model/{k}": v for k, v in model.state_dict().items()}
+
+
+def check_same_identifiers(trained_on: str | None, dataset: str | None, weights_url: str) -> None:
+    """Refuse weights whose puzzle-embedding rows were trained for other identifiers (both
+    fingerprints known and different)."""
+    if trained_on and dataset and trained_on != dataset:
+        raise ConfigError(
+            f"{weights_url} was trained on a dataset with other puzzle identifiers (fingerprint "
+            f"{trained_on}) than the one given (fingerprint {dataset}): row i of its puzzle-embedding "
+            "table belongs to another puzzle there. Use the dataset the model was trained on, or "
+            "rebuild it with the same builder, source files and seed")
 
 
 def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None):
@@ -569,14 +595,18 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
     return result, submission
 
 
-def start(config: Config, weights_rows: int | None = None):
+def start(config: Config, weights_rows: int | None = None, weights_identifiers: str | None = None,
+          weights_url: str = ""):
     """Everything that can be checked without a device, then the runtime and the host group.
     Returns (config with the dataset's identifier count, train set, test set, the sharding
-    module, "TPU" or "CPU"). `weights_rows`: rows of a given puzzle-embedding table, which
-    must match the dataset's identifiers."""
+    module, "TPU" or "CPU", the dataset's identifiers fingerprint). `weights_rows` and
+    `weights_identifiers`: the rows of given weights' puzzle-embedding table and the fingerprint
+    of the identifiers they were trained on, which must match the dataset's."""
     try:
         train_set, test_set = data.open_train_test(config.data.path, cache_dir=config.data.cache_dir)
         config = check_against_dataset(config, train_set.metadata)
+        identifiers = data.identifiers_fingerprint(config.data.path)
+        check_same_identifiers(weights_identifiers, identifiers, weights_url)
         if weights_rows is not None and weights_rows != train_set.metadata.num_puzzle_identifiers:
             raise ConfigError(f"the weights' puzzle embedding has {weights_rows} identifiers but the dataset at "
                               f"{config.data.path} has num_puzzle_identifiers="
@@ -595,14 +625,14 @@ def start(config: Config, weights_rows: int | None = None):
         raise SystemExit(f"error: {e}")
     sharding.init_host_group()
     sharding.check_same_config(config_fingerprint(config))
-    return config, train_set, test_set, sharding, device_kind
+    return config, train_set, test_set, sharding, device_kind, identifiers
 
 
 def main(config: Config) -> dict:
     """Train (and evaluate) as configured, resuming from the run directory's latest
     checkpoint; returns the logged history, the evaluations and the XLA counters."""
     # 1-2. Checks, then the runtime, the mesh and the hosts.
-    config, train_set, test_set, sharding, device_kind = start(config)
+    config, train_set, test_set, sharding, device_kind, identifiers = start(config)
     import torch_xla
 
     import checkpoint
@@ -628,13 +658,19 @@ def main(config: Config) -> dict:
     if found:
         start_step, url, (restore, saved) = found
         differences = config_differences(saved["config"], dataclasses.asdict(config))
+        if saved.get("dataset_identifiers") not in (None, identifiers):
+            differences.append(f"the dataset's puzzle identifiers: fingerprint {saved['dataset_identifiers']} "
+                               f"in the run directory, {identifiers} now")
         if differences and not config.run.allow_config_change:
             raise SystemExit(f"error: {config.run.dir} was created with another configuration:\n  "
                              + "\n  ".join(differences)
                              + "\nuse the original flags, a new --run.dir, or --run.allow-config-change")
         log.say(f"resuming from {url} (step {start_step})")
     elif config.run.init_from:
-        restore = load_initial_weights(config.run.init_from, config.model)
+        try:
+            restore = load_initial_weights(config.run.init_from, config.model, identifiers)
+        except ConfigError as e:
+            raise SystemExit(f"error: {e}")
         log.say(f"initial weights from {config.run.init_from}")
     if sharding.is_main_process() and not found:
         checkpoint.write_bytes(data.join_url(config.run.dir, "config.json"),
@@ -651,12 +687,31 @@ def main(config: Config) -> dict:
 
     checkpoint_transfers = []
 
+    def stop_if_not_finite() -> None:
+        """Every host has read the same metric windows after a drain, so all stop here together,
+        without saving: a NaN state must never replace the last good checkpoint."""
+        if log.nonfinite is None:
+            return
+        writer.wait()  # a save already under way holds checked steps: let it commit
+        committed = checkpoint.list_checkpoints(config.run.dir)
+        last = f"{committed[0][1]} (step {committed[0][0]})" if committed else "none yet"
+        raise SystemExit(
+            f"error: the training loss or metrics are not finite ({log.nonfinite}); stopped without "
+            f"saving. Last committed checkpoint: {last}; relaunching resumes from it and will likely "
+            f"diverge again. Try a lower --optim.lr (now {o.lr:g}), a longer --optim.lr-warmup-steps "
+            f"(now {o.lr_warmup_steps})"
+            + ("" if config.model.forward_dtype == "float32" else
+               f", or --model.forward-dtype float32 (now {config.model.forward_dtype})")
+            + ", with --run.allow-config-change to continue this run directory.")
+
     def save(step: int) -> None:
         log.drain()  # the copy waits for this step anyway; draining first keeps the counts apart
+        stop_if_not_finite()
         before = xla_counters()["transfers"]
         blocks = trainer.checkpoint_blocks(host, num_hosts)  # the loop pauses only for this copy
         checkpoint_transfers.append(xla_counters()["transfers"] - before)
-        writer.save(step, blocks, {"step": step, "config": dataclasses.asdict(config)})
+        writer.save(step, blocks, {"step": step, "config": dataclasses.asdict(config),
+                                   "dataset_identifiers": identifiers})
 
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
 
@@ -693,11 +748,14 @@ def main(config: Config) -> dict:
         window_steps += 1
         if profile:
             profile.after_step(step, log.say)
-        if step % config.run.log_every == 0 or step == total_steps:
+        # Hosts agree whether any of them got SIGTERM or read a non-finite window (save() stops then).
+        stop = step % check_stop_every == 0 and sharding.any_host(bool(stop_requested) or log.nonfinite is not None)
+        # A window also ends at every save, so that each saved step has had its loss checked.
+        if stop or step % config.run.log_every == 0 or step % config.run.ckpt_every == 0 or step == total_steps:
             log.train_window(window_sums, step, window_steps, time.time() - window_start, lr)
             window_sums = torch.zeros(len(TRAIN_METRICS)).to(trainer.device)
             window_start, window_steps = time.time(), 0
-        if step % check_stop_every == 0 and sharding.any_host(bool(stop_requested)):
+        if stop:
             save(step)
             writer.wait()
             log.say(f"SIGTERM: saved checkpoint {checkpoint.step_dir(config.run.dir, step)}; "
@@ -800,23 +858,46 @@ def config_from_dict(saved: dict) -> Config:
                   optim=OptimConfig(**saved["optim"]), eval=EvalConfig(**saved["eval"]), run=RunConfig(**saved["run"]))
 
 
-def load_weights_for_eval(source: str, base: Config) -> tuple[Config, dict[str, torch.Tensor], int]:
-    """(config, `model/*` weights, step) from a run directory or checkpoint (EMA weights and the
-    run's config), an exported model.safetensors (its model config) or a reference checkpoint
-    (the preset's model config)."""
+def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
+    """(config, `model/*` weights, step, fingerprint of the identifiers the weights were trained
+    on or None) from a run directory or checkpoint (EMA weights and the run's config), an
+    exported model.safetensors (its model config) or a reference checkpoint (the sizes its
+    tensors show, the rest from the preset `base`); `overrides` (command-line flags) apply on top."""
     import checkpoint
+    from model import reference_config
+
+    def with_overrides(config: Config) -> Config:
+        return tyro.cli(Config, default=config, args=overrides)
 
     if source.endswith(".safetensors"):
-        weights, model_config = checkpoint.read_exported(source)
-        return dataclasses.replace(base, model=TRMConfig(**model_config)), {f"model/{k}": v for k, v in weights.items()}, 0
+        weights, model_config, trained_on = checkpoint.read_exported(source)
+        config = with_overrides(dataclasses.replace(base, model=TRMConfig(**model_config)))
+        return config, {f"model/{k}": v for k, v in weights.items()}, 0, trained_on
     url = source if checkpoint.exists(data.join_url(source, checkpoint.COMMIT_MARKER)) else None
     if url is None and checkpoint.list_checkpoints(source):
         url = checkpoint.list_checkpoints(source)[0][1]
     if url is not None:
         tensors, state = checkpoint.read_checkpoint(url, names=lambda n: n.startswith(("model/", "ema/")))
         weights = {k: tensors.get(f"ema/{k.removeprefix('model/')}", v) for k, v in tensors.items() if k.startswith("model/")}
-        return config_from_dict(state["config"]), weights, state["step"]
-    return base, load_initial_weights(source, base.model), 0
+        return with_overrides(config_from_dict(state["config"])), weights, state["step"], state.get("dataset_identifiers")
+    # A reference checkpoint: its table must fit the dataset as it is (no resizing for evaluation).
+    from model import load_reference_state_dict
+
+    state_dict = read_reference_checkpoint(source)
+    try:
+        model_config = reference_config(state_dict, base.model)
+        # The weights do not say seq_len: take the dataset's unless a flag says otherwise.
+        data_path = with_overrides(base).data.path
+        try:
+            model_config = dataclasses.replace(model_config, seq_len=data.read_metadata(data_path, "test").seq_len)
+        except data.DatasetError:
+            pass  # reported with its fix when the dataset is opened
+        config = with_overrides(dataclasses.replace(base, model=model_config))
+        model = TRM(config.model)
+        load_reference_state_dict(model, state_dict, resize_puzzle_table=False)
+    except ValueError as e:
+        raise SystemExit(f"error: {source}: {e}")
+    return config, {f"model/{k}": v for k, v in model.state_dict().items()}, 0, None
 
 
 def evaluate_command(argv: list[str]) -> dict:
@@ -826,18 +907,22 @@ def evaluate_command(argv: list[str]) -> dict:
     {run.dir}/eval/step_N/."""
     import torch_xla
 
-    args = list(argv)
-    if "--init-from" not in args:
+    args, source = [], None
+    for i, arg in enumerate(argv):  # --init-from URL or --init-from=URL
+        if arg.startswith("--init-from="):
+            source = arg.split("=", 1)[1]
+        elif arg == "--init-from" and i + 1 < len(argv):
+            source = argv[i + 1]
+        elif not (i > 0 and argv[i - 1] == "--init-from"):
+            args.append(arg)
+    if not source:
         raise SystemExit("error: eval needs --init-from URL (a run directory, checkpoint, exported "
                          "model.safetensors or reference checkpoint)")
-    at = args.index("--init-from")
-    source = args[at + 1]
-    del args[at:at + 2]
     preset = args.pop(0) if args and args[0] in PRESETS else "sudoku-mlp"
-    config, weights, step = load_weights_for_eval(source, PRESETS[preset][1])
-    config = tyro.cli(Config, default=config, args=args)
+    config, weights, step, trained_on = load_weights_for_eval(source, PRESETS[preset][1], args)
     table = weights.get("model/puzzle_embedding.weight")
-    config, _, test_set, sharding, device_kind = start(config, None if table is None else table.shape[0])
+    config, _, test_set, sharding, device_kind, _ = start(config, None if table is None else table.shape[0],
+                                                          trained_on, source)
     host, num_hosts = sharding.process_index(), sharding.process_count()
     say = print if sharding.is_main_process() else (lambda *a, **k: None)
     mesh = sharding.data_mesh()

@@ -264,7 +264,7 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     loader = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {PROJECT_DIR!r})
         import checkpoint, model
-        weights, config = checkpoint.read_exported({exported!r})
+        weights, config, _ = checkpoint.read_exported({exported!r})
         trm = model.TRM(model.TRMConfig(**config)); trm.load_state_dict(weights)
         assert "torch_xla" not in sys.modules
         print("LOADED", sum(p.numel() for p in trm.parameters()))
@@ -295,3 +295,20 @@ def test_init_from_a_reference_checkpoint(demo_path, tmp_path):
         assert torch.equal(weights[f"model/{name}"], value), name
     result = train.main(train.cli(base + ["--run.init-from", str(reference_file)]))
     assert result["final"]["count"] == 40
+
+
+def test_a_nan_stops_every_step_without_saving_over_the_last_good_checkpoint(demo_path, tmp_path):
+    run_dir = tmp_path / "run"
+    train.main(train.cli(run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "4",
+                                  "--run.ckpt-every", "2")))
+    # Continue with a learning rate that overflows the weights within a step or two.
+    args = run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "12", "--optim.lr", "1e30",
+                    "--run.allow-config-change", "--run.ckpt-every", "4", "--run.log-every", "4")
+    proc = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), *args], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "error: the training loss or metrics are not finite (steps 5-8: loss nan" in proc.stderr, proc.stderr[-2000:]
+    assert f"Last committed checkpoint: {checkpoint.step_dir(str(run_dir), 4)} (step 4)" in proc.stderr
+    assert "Try a lower --optim.lr (now 1e+30)" in proc.stderr and "Traceback" not in proc.stderr
+    assert [step for step, _ in checkpoint.list_checkpoints(str(run_dir))] == [4, 2]
+    assert not os.path.exists(checkpoint.step_dir(str(run_dir), 8))

@@ -89,3 +89,74 @@ def test_arc_scores_and_submission_during_training_and_standalone(tmp_path, caps
                                      "--data.cache-dir", str(tmp_path / "cache")])
     assert result["pass@2"] == final["pass@2"] and result["exact_accuracy"] == final["exact_accuracy"]
     assert os.path.exists(run_dir / "eval" / "step_2" / "metrics.json")
+
+
+def reference_weights_with_other_sizes(config_base, num_ids, seed=0):
+    """A model whose sizes no preset has (hidden 48, 3 layers, expansion 2, a table of `num_ids`
+    random rows) and its weights written as the reference saves them (torch.compile prefix)."""
+    import torch
+
+    config = dataclasses.replace(config_base, seq_len=8, vocab_size=256, num_puzzle_identifiers=num_ids,
+                                 hidden_size=48, expansion=2.0, L_layers=3, puzzle_emb_ndim=48)
+    torch.manual_seed(seed)
+    trm = model.TRM(config)
+    with torch.no_grad():
+        trm.puzzle_embedding.weight.normal_()
+    return config, trm, {"_orig_mod." + k: v for k, v in model.reference_state_dict(trm).items()}
+
+
+def test_eval_of_a_reference_checkpoint_with_other_sizes_equals_the_same_weights_loaded_directly(tmp_path):
+    import torch
+
+    from tests.data_fixtures import write_synthetic
+
+    dataset = str(tmp_path / "synthetic")
+    write_synthetic(dataset, num_groups=4, puzzles_per_group=3, seq_len=8)  # 13 identifiers
+    config, trm, reference = reference_weights_with_other_sizes(train.PRESETS["sudoku-att"][1].model, 13)
+    reference_file = str(tmp_path / "reference_step_500.pt")
+    torch.save(reference, reference_file)
+    ours_file = str(tmp_path / "ours.safetensors")
+    save_file(trm.state_dict(), ours_file, metadata={"trm_config": json.dumps(dataclasses.asdict(config))})
+
+    def evaluate(*init_from, out):
+        # Fewer cycles and ACT steps than the preset keep it quick: flags apply to both the same.
+        return train.evaluate_command(["sudoku-att", *init_from, "--data.path", dataset, "--data.cache-dir",
+                                       str(tmp_path / "cache"), "--optim.global-batch-size", "16",
+                                       "--eval.max-examples", "16", "--model.H-cycles", "2", "--model.L-cycles",
+                                       "2", "--model.halt-max-steps", "3", "--run.dir", str(tmp_path / out)])
+
+    direct = evaluate("--init-from", ours_file, out="direct")
+    from_reference = evaluate(f"--init-from={reference_file}", out="reference")
+    spaced = evaluate("--init-from", reference_file, out="spaced")
+    assert direct["count"] > 0
+    assert from_reference == direct and spaced == direct
+
+    # Evaluation never resizes a table: on a dataset with other identifiers it is an error.
+    other = str(tmp_path / "other")
+    write_synthetic(other, num_groups=5, puzzles_per_group=3, seq_len=8)  # 16 identifiers
+    with pytest.raises(SystemExit, match="puzzle embedding has 13 identifiers but the dataset at .* has "
+                                         "num_puzzle_identifiers=16"):
+        train.evaluate_command(["sudoku-att", "--init-from", reference_file, "--data.path", other])
+
+
+def test_weights_trained_on_other_identifiers_are_refused(demo_path, tmp_path):
+    # Same shapes, other identifier names: the demo's table rows would belong to other puzzles.
+    run_dir = tmp_path / "run"
+    train.main(train.cli(["demo", "--data.path", demo_path, *small(run_dir, tmp_path / "cache", "--optim.max-steps", "1")]))
+    renamed = tmp_path / "renamed"
+    shutil.copytree(demo_path, renamed)
+    (renamed / "identifiers.json").write_text(json.dumps(["<another blank>"]))
+    exported = str(tmp_path / "model.safetensors")
+    train.command_line(["export", str(run_dir), "--out", exported])
+    for source in (str(run_dir), exported):
+        with pytest.raises(SystemExit, match="trained on a dataset with other puzzle identifiers"):
+            train.evaluate_command(["--init-from", source, "--data.path", str(renamed),
+                                    "--data.cache-dir", str(tmp_path / "cache2")])
+    with pytest.raises(SystemExit, match="trained on a dataset with other puzzle identifiers"):
+        train.main(train.cli(["demo", "--data.path", str(renamed),
+                              *small(tmp_path / "finetune", tmp_path / "cache2", "--optim.max-steps", "1",
+                                     "--run.init-from", exported)]))
+    # Resuming the run on the renamed dataset is a configuration change.
+    with pytest.raises(SystemExit, match="puzzle identifiers: fingerprint"):
+        train.main(train.cli(["demo", "--data.path", str(renamed),
+                              *small(run_dir, tmp_path / "cache2", "--optim.max-steps", "2")]))
