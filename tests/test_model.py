@@ -159,6 +159,13 @@ def test_adam_atan2_first_step_is_the_kernels_not_the_bias_corrected_atan2():
     torch.testing.assert_close(p.detach(), torch.tensor([expected, -expected, expected]), rtol=1e-6, atol=0)
 
 
+def test_adam_atan2_refuses_betas_that_round_to_one_in_float32():
+    p = torch.nn.Parameter(torch.zeros(2))
+    AdamATan2([p], betas=(0.9, 0.99999994))  # the largest float32 below 1 is fine
+    with pytest.raises(ValueError, match=r"betas must be .* below 1 in float32 .* got \(0.9, 0.99999999\)"):
+        AdamATan2([p], betas=(0.9, 0.99999999))
+
+
 def test_signsgd_with_duplicate_ids_matches_per_id_loop():
     torch.manual_seed(0)
     table = torch.randn(20, 8)
