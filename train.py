@@ -45,7 +45,8 @@ import tyro
 import data
 from arc_eval import ArcEvaluator, write_submission
 from checkpoint import Block, CheckpointWriter, assign_owners
-from model import EMA, TRM, AdamATan2, Carry, SignSGD, TRMConfig, loss_and_metrics
+from model import TRM, Carry, TRMConfig, loss_and_metrics
+from optim import EMA, AdamATan2, SignSGD
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 
