@@ -278,7 +278,7 @@ class Carry:
         return out
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "Carry":
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> Carry:
         data = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("current_data.")}
         return cls(current_data=data, **{k: v for k, v in tensors.items() if "." not in k})
 
@@ -401,8 +401,9 @@ class TRM(nn.Module):
                 halted = halted | (q_halt > 0 if c.no_ACT_continue else q_halt > q_continue)
                 # Exploration: some rows must run a random minimum of 2..halt_max_steps steps.
                 rows = torch.arange(steps.shape[0], device=steps.device)
-                explore = hashed_uniform(self.exploration_seed, carry.rng_counter, rows, 0) < c.halt_exploration_prob
-                draw = hashed_uniform(self.exploration_seed, carry.rng_counter, rows, 1)
+                seed, counter = self.exploration_seed, carry.rng_counter
+                explore = hashed_uniform(seed, counter, rows, 0) < c.halt_exploration_prob
+                draw = hashed_uniform(seed, counter, rows, 1)
                 min_steps = 2 + (draw * (c.halt_max_steps - 1)).to(torch.int32)
                 halted = halted & (steps >= torch.where(explore, min_steps, 0))
                 if not c.no_ACT_continue:
@@ -443,7 +444,8 @@ def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
     return torch.where(valid, -picked, 0.0)
 
 
-def loss_and_metrics(carry: Carry, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_metrics(carry: Carry,
+                     outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The reference's ACT loss (sum over the batch) and its metrics summed over halted rows.
 
     Divide the loss by the global batch size before backward. Metrics are float32 device

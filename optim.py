@@ -14,6 +14,7 @@ from torch import nn
 
 from model import SparseEmbedding
 
+
 class AdamATan2(torch.optim.Optimizer):
     """Adam with atan2 in place of m / (sqrt(v) + eps) (no epsilon), decoupled weight decay:
     the rule of the `adam-atan2` 0.0.3 CUDA kernel the reference trains with.

@@ -115,7 +115,7 @@ def replicate(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
     return tensor
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _input_spec(mesh: xs.Mesh, ndim: int) -> xs.ShardingSpec:
     """Built once per rank, not once per step and key."""
     return xs.ShardingSpec(mesh, _batch_spec(ndim), minibatch=True)
@@ -157,7 +157,8 @@ def local_rows(tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
     start = blocks[0][0]
     rows = torch.cat([b for _, b in blocks])
     if [b[0] for b in blocks] != [start + sum(len(x) for _, x in blocks[:i]) for i in range(len(blocks))]:
-        raise RuntimeError("this host's rows are not contiguous; the data mesh must list devices in host order")
+        raise RuntimeError("this host's rows are not contiguous; "
+                           "the data mesh must list devices in host order")
     return start, rows
 
 
