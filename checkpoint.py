@@ -108,7 +108,7 @@ def assign_owners(sizes: dict[str, int], process_count: int) -> dict[str, int]:
 
 
 @dataclass
-class Block:
+class Shard:
     """A tensor, or rows [row_start, row_start + len) of a batch-sharded tensor, held by one host."""
 
     tensor: torch.Tensor  # on the CPU
@@ -134,11 +134,10 @@ class CheckpointWriter:
         self.keep, self.commit_timeout_s = keep, commit_timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_committed: int | None = None
 
-    def save(self, step: int, blocks: dict[str, Block], state: dict) -> None:
+    def save(self, step: int, shards: dict[str, Shard], state: dict) -> None:
         self.wait()
-        self._thread = threading.Thread(target=self._write, args=(step, blocks, state), daemon=True,
+        self._thread = threading.Thread(target=self._write, args=(step, shards, state), daemon=True,
                                         name=f"checkpoint-{step}")
         self._thread.start()
 
@@ -150,27 +149,24 @@ class CheckpointWriter:
             error, self._error = self._error, None
             raise error
 
-    def _write(self, step: int, blocks: dict[str, Block], state: dict) -> None:
+    def _write(self, step: int, shards: dict[str, Shard], state: dict) -> None:
         try:
-            self._write_host_part(step, blocks)
+            self._write_host_part(step, shards)
             if self.process_index == 0:
                 self._commit(step, state)
                 self._delete_old(step)
         except BaseException as e:  # reported to the training loop by wait()
             self._error = e
 
-    def _write_host_part(self, step: int, blocks: dict[str, Block]) -> None:
+    def _write_host_part(self, step: int, shards: dict[str, Shard]) -> None:
         directory = step_dir(self.run_dir, step)
         name = host_file(self.process_index)
-        tensors = {key: block.tensor.contiguous() for key, block in blocks.items()}
-        index = {key: {"file": f"{name}.safetensors", "dtype": str(block.tensor.dtype).removeprefix("torch."),
-                       "global_shape": list(block.global_shape), "row_start": block.row_start,
-                       "rows": None if block.row_start is None else block.tensor.shape[0]}
-                 for key, block in blocks.items()}
-        fault = os.environ.get("TRM_FAULT_KILL_BEFORE_COMMIT")  # fault injection for the crash test
+        tensors = {key: shard.tensor.contiguous() for key, shard in shards.items()}
+        index = {key: {"file": f"{name}.safetensors", "dtype": str(shard.tensor.dtype).removeprefix("torch."),
+                       "global_shape": list(shard.global_shape), "row_start": shard.row_start,
+                       "rows": None if shard.row_start is None else shard.tensor.shape[0]}
+                 for key, shard in shards.items()}
         write_bytes(join_url(directory, f"{name}.safetensors"), safetensors_bytes(tensors) if tensors else b"")
-        if fault is not None and int(fault) == step:
-            os.kill(os.getpid(), 9)
         write_bytes(join_url(directory, f"{name}.json"), json.dumps(index).encode())
 
     def _commit(self, step: int, state: dict) -> None:
@@ -190,7 +186,6 @@ class CheckpointWriter:
             time.sleep(0.2)
         write_bytes(join_url(directory, "state.json"), json.dumps(dict(state, hosts=self.process_count)).encode())
         write_bytes(join_url(directory, COMMIT_MARKER), json.dumps({"step": step, "time": time.time()}).encode())
-        self.last_committed = step
 
     def _delete_old(self, newest: int) -> None:
         committed = [s for s, _ in list_checkpoints(self.run_dir, committed_only=True)]

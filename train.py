@@ -44,9 +44,9 @@ import tyro
 
 import data
 from arc_eval import ArcEvaluator, write_submission
-from checkpoint import Block, CheckpointWriter, assign_owners
-from model import TRM, Carry, TRMConfig, loss_and_metrics
-from optim import EMA, AdamATan2, SignSGD
+from checkpoint import CheckpointWriter
+from model import TRM, TRMConfig
+from trainer import EVAL_METRICS, TRAIN_METRICS, Trainer
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -226,131 +226,6 @@ def config_fingerprint(config: Config) -> str:
         with open(os.path.join(PROJECT_DIR, name), "rb") as f:
             sources.append(f"{name}:{hashlib.sha256(f.read()).hexdigest()}")
     return json.dumps(dataclasses.asdict(config), sort_keys=True) + "\n" + "\n".join(sources)
-
-
-# ----------------------------------------------------------------------------------------------
-# The training state and the step
-
-
-TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
-EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
-
-
-class Trainer:
-    """Model, optimizers, EMA and ACT carry on the XLA device, and the traced step.
-
-    `restore` (CPU tensors under checkpoint names, see `named_state`) replaces the fresh
-    state: a full checkpoint, or only `model/*` weights to start from.
-    """
-
-    def __init__(self, config: Config, sharding, mesh, restore: dict[str, torch.Tensor] | None = None):
-        self.config, self.sharding, self.mesh = config, sharding, mesh
-        self.device = sharding.device()
-        restore = restore or {}
-        torch.manual_seed(config.run.seed)  # identical initial weights on every host
-        model = TRM(config.model, exploration_seed=config.run.seed).train()
-        if restore:
-            model.load_state_dict({k.removeprefix("model/"): v for k, v in restore.items() if k.startswith("model/")})
-        self.model = model.to(self.device)
-        o = config.optim
-        self.adam = AdamATan2(self.model.parameters(), betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        self.sign_sgd = (SignSGD(self.model.puzzle_embedding, weight_decay=o.puzzle_emb_weight_decay)
-                         if config.model.puzzle_emb_ndim > 0 else None)
-        self.adam.init_state()
-        self.ema = EMA(self.model, rate=o.ema_rate)
-        self.carry: Carry | None = None
-        self.eval_carry: Carry | None = None
-        self.captured = None
-        for name, tensor in self.named_state().items():
-            if name in restore and not name.startswith("model/"):
-                tensor.data = restore[name].to(self.device)
-        for tensor in self.named_state().values():
-            sharding.replicate(tensor, mesh)
-        if "carry/rng_counter" in restore:
-            host_rows = {k.removeprefix("carry/"): v.numpy() for k, v in restore.items()
-                         if k.startswith("carry/") and v.ndim}
-            restored = self.sharding.host_batch_to_global(host_rows, mesh)
-            restored["rng_counter"] = sharding.replicate(restore["carry/rng_counter"].to(self.device), mesh)
-            self.restored_carry = Carry.from_tensors(restored)
-        else:
-            self.restored_carry = None
-
-    def named_state(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the training state under its checkpoint name (not the carries)."""
-        state = {f"model/{n}": t for n, t in self.model.state_dict(keep_vars=True).items()}
-        state.update({f"ema/{n}": t for n, t in self.ema.shadow.items()})
-        for name, p in self.model.named_parameters():
-            state.update({f"adam/{name}/{k}": v for k, v in self.adam.state[p].items()})
-        return state
-
-    def checkpoint_blocks(self, process_index: int, process_count: int) -> dict[str, Block]:
-        """This host's share of the state, copied to the CPU: the replicated tensors it owns
-        and its rows of the carry."""
-        state = self.named_state()
-        owners = assign_owners({n: t.numel() * t.element_size() for n, t in state.items()}, process_count)
-        blocks = {n: Block(self.sharding.local_copy(t), tuple(t.shape)) for n, t in state.items()
-                  if owners[n] == process_index}
-        for name, t in self.carry.tensors().items():
-            if t.ndim == 0:
-                if process_index == 0:
-                    blocks[f"carry/{name}"] = Block(self.sharding.local_copy(t), ())
-            else:
-                start, rows = self.sharding.local_rows(t)
-                blocks[f"carry/{name}"] = Block(rows, tuple(t.shape), start)
-        return blocks
-
-    def init_carries(self, batch: dict[str, torch.Tensor]) -> None:
-        """All-halted carries for training and evaluation, so that the first step of each
-        loads its whole batch. Created before the first step (and materialised by the caller's
-        sync) so that every step, the first included, traces the same graph."""
-        self.carry = self.restored_carry or self._sharded_carry(self.model.initial_carry(batch))
-        self.eval_carry = self._sharded_carry(self.model.initial_carry(batch))
-
-    def _sharded_carry(self, carry: Carry) -> Carry:
-        return Carry.from_tensors({k: self.sharding.shard_batch_dim(v, self.mesh) for k, v in carry.tensors().items()})
-
-    def step(self, batch: dict[str, torch.Tensor], lr: float, puzzle_emb_lr: float) -> torch.Tensor:
-        """One training step at these learning rates; returns the metric vector (lazy)."""
-        # Uploaded as graph inputs (device data), so a new value does not change the graph.
-        lrs = torch.tensor([lr, puzzle_emb_lr], dtype=torch.float32).to(self.device)
-        if self.config.run.capture_step:
-            if self.captured is None:
-                from capture import CapturedTrainStep  # imports torch_xla: not at module import
-
-                self.captured = CapturedTrainStep(self)
-            return self.captured(batch, lrs)
-        self.set_lrs(lrs[0], lrs[1])
-        return self.train_step(batch)
-
-    def set_lrs(self, lr: torch.Tensor, puzzle_emb_lr: torch.Tensor) -> None:
-        for group in self.adam.param_groups:
-            group["lr"] = lr
-        if self.sign_sgd is not None:
-            self.sign_sgd.lr = puzzle_emb_lr
-
-    def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One ACT segment, backward, both optimizers and the EMA; returns the metric vector
-        (TRAIN_METRICS order) as a lazy device tensor."""
-        carry, outputs = self.model(self.carry, batch)
-        loss, metrics = loss_and_metrics(carry, outputs)
-        (loss / self.config.optim.global_batch_size).backward()
-        self.adam.step()
-        self.adam.zero_grad(set_to_none=True)
-        if self.sign_sgd is not None:
-            self.sign_sgd.step()
-            self.sign_sgd.zero_grad()
-        self.ema.update(self.model)
-        self.carry = self._sharded_carry(carry)
-        return torch.stack([metrics[k] for k in TRAIN_METRICS])
-
-    @torch.no_grad()
-    def eval_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One ACT step in eval mode on the persistent eval carry: the metric vector of rows
-        that halted (EVAL_METRICS order), the predicted tokens and the q_halt logits."""
-        carry, outputs = self.model(self.eval_carry, batch)
-        _, metrics = loss_and_metrics(carry, outputs)
-        self.eval_carry = self._sharded_carry(carry)
-        return torch.stack([metrics[k] for k in EVAL_METRICS]), outputs["logits"].argmax(-1), outputs["q_halt_logits"]
 
 
 class PrefetchedBatches:
@@ -709,7 +584,7 @@ def main(config: Config) -> dict:
         log.drain()  # the copy waits for this step anyway; draining first keeps the counts apart
         stop_if_not_finite()
         before = xla_counters()["transfers"]
-        blocks = trainer.checkpoint_blocks(host, num_hosts)  # the loop pauses only for this copy
+        blocks = trainer.checkpoint_shards(host, num_hosts)  # the loop pauses only for this copy
         checkpoint_transfers.append(xla_counters()["transfers"] - before)
         writer.save(step, blocks, {"step": step, "config": dataclasses.asdict(config),
                                    "dataset_identifiers": identifiers})

@@ -14,7 +14,7 @@ from safetensors import safe_open
 import checkpoint
 import data
 import train
-from checkpoint import Block, CheckpointWriter
+from checkpoint import Shard, CheckpointWriter
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,23 +48,23 @@ def sample_state(seed=0):
     }
 
 
-def host_blocks(state, p, count):
+def host_shards(state, p, count):
     owners = checkpoint.assign_owners({k: v.numel() for k, v in state.items() if not k.startswith("carry/")}, count)
-    blocks = {k: Block(v, tuple(v.shape)) for k, v in state.items() if owners.get(k) == p}
+    shards = {k: Shard(v, tuple(v.shape)) for k, v in state.items() if owners.get(k) == p}
     for k, v in state.items():
         if k.startswith("carry/") and v.ndim:
             lo, hi = p * len(v) // count, (p + 1) * len(v) // count
-            blocks[k] = Block(v[lo:hi], tuple(v.shape), lo)
+            shards[k] = Shard(v[lo:hi], tuple(v.shape), lo)
         elif k == "carry/rng_counter" and p == 0:
-            blocks[k] = Block(v, ())
-    return blocks
+            shards[k] = Shard(v, ())
+    return shards
 
 
 def test_round_trip_on_gcs_by_two_hosts(gcs_url):
     state = sample_state()
     writers = [CheckpointWriter(gcs_url, p, 2) for p in (1, 0)]  # host 0 commits after host 1
     for w in writers:
-        w.save(10, host_blocks(state, w.process_index, 2), {"step": 10, "config": {"a": 1}})
+        w.save(10, host_shards(state, w.process_index, 2), {"step": 10, "config": {"a": 1}})
     for w in writers:
         w.wait()
     assert checkpoint.list_checkpoints(gcs_url) == [(10, checkpoint.step_dir(gcs_url, 10))]
@@ -90,7 +90,7 @@ def test_keeps_the_last_k_and_skips_broken_checkpoints(tmp_path, capsys):
     run = str(tmp_path)
     writer = CheckpointWriter(run, 0, 1, keep=2)
     for step in (1, 2, 3):
-        writer.save(step, host_blocks(sample_state(step), 0, 1), {"step": step, "config": {}})
+        writer.save(step, host_shards(sample_state(step), 0, 1), {"step": step, "config": {}})
         writer.wait()
     assert [s for s, _ in checkpoint.list_checkpoints(run)] == [3, 2]
     # A save that never committed (a host died) and a committed one whose file is corrupt.
@@ -122,25 +122,41 @@ def test_transient_errors_are_retried_and_permanent_ones_name_the_url():
                                 attempts=2, first_delay=0.01)
 
 
+def kill_after_writing(step, host):
+    """Code that makes the process running it SIGKILL itself right after it writes host `host`'s
+    tensors of step `step` (before that host's index): the fault injection of the crash tests."""
+    return textwrap.dedent(f"""
+        import os, checkpoint
+        _write_bytes = checkpoint.write_bytes
+        def _write_then_die(url, payload):
+            _write_bytes(url, payload)
+            if url.endswith("step_{step:08d}/host_{host:03d}.safetensors"):
+                os.kill(os.getpid(), 9)
+        checkpoint.write_bytes = _write_then_die
+    """)
+
+
 WRITER_SCRIPT = textwrap.dedent("""
     import os, sys, time, torch
     sys.path.insert(0, {project!r}); sys.path.insert(0, {tests!r})
-    from test_checkpoint import host_blocks, sample_state
+    {fault}
+    from test_checkpoint import host_shards, sample_state
     from checkpoint import CheckpointWriter
     p, count, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
     time.sleep(delay)
     writer = CheckpointWriter(sys.argv[4], p, count, commit_timeout_s=float(sys.argv[5]))
-    writer.save(7, host_blocks(sample_state(), p, count), {{"step": 7, "config": {{}}}})
+    writer.save(7, host_shards(sample_state(), p, count), {{"step": 7, "config": {{}}}})
     writer.wait()
     print("written", p, flush=True)
 """)
 
 
 def start_writers(url, delays, timeout_s, fault_host=None):
-    script = WRITER_SCRIPT.format(project=PROJECT_DIR, tests=os.path.join(PROJECT_DIR, "tests"))
     procs = []
     for p, delay in enumerate(delays):
-        env = subprocess_env(**({"TRM_FAULT_KILL_BEFORE_COMMIT": "7"} if p == fault_host else {}))
+        fault = kill_after_writing(7, p) if p == fault_host else ""
+        script = WRITER_SCRIPT.format(project=PROJECT_DIR, tests=os.path.join(PROJECT_DIR, "tests"), fault=fault)
+        env = subprocess_env()
         procs.append(subprocess.Popen([sys.executable, "-c", script, str(p), str(len(delays)), str(delay), url,
                                        str(timeout_s)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
@@ -174,9 +190,11 @@ def test_a_host_killed_before_the_commit_leaves_no_marker(gcs_url):
 # -- training runs ----------------------------------------------------------------------------------
 
 
-def run_train_subprocess(args, timeout=600, **env):
-    code = f"import sys; sys.path.insert(0, {PROJECT_DIR!r}); import train; sys.exit(train.command_line({args!r}))"
-    return subprocess.run([sys.executable, "-c", code], env=subprocess_env(**env), capture_output=True, text=True,
+def run_train_subprocess(args, timeout=600, kill_after_writing_step=None):
+    fault = "" if kill_after_writing_step is None else kill_after_writing(kill_after_writing_step, 0)
+    code = (f"import sys; sys.path.insert(0, {PROJECT_DIR!r})\n{fault}\n"
+            f"import train; sys.exit(train.command_line({args!r}))")
+    return subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -185,7 +203,7 @@ def test_killed_during_a_save_resumes_and_matches_the_uninterrupted_run(demo_pat
     uninterrupted = train.main(train.cli(run_args(demo_path, tmp_path / "straight", tmp_path / "cache", *steps)))
 
     args = run_args(demo_path, tmp_path / "crashy", tmp_path / "cache", *steps)
-    crashed = run_train_subprocess(args, TRM_FAULT_KILL_BEFORE_COMMIT="8")
+    crashed = run_train_subprocess(args, kill_after_writing_step=8)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
     assert "step 8/12" in crashed.stdout
     resumed = run_train_subprocess(args)

@@ -1,0 +1,189 @@
+"""The training state on the XLA devices and the steps that change it.
+
+`Trainer` holds the TRM, AdamATan2, SignSGD, the EMA and the ACT carries, and names every
+tensor of that state in one fixed order (`state_tensors`): checkpoints save and restore it by
+those names, and capture.py binds it as the inputs and outputs of the captured step.
+
+`Trainer.train_step` is the training step as plain PyTorch: by default (`run.capture_step`) it
+runs once, on placeholder tensors, to be traced into one XLA computation (capture.py), and the
+computation is replayed every step after; with capture off it is traced again every step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from checkpoint import Shard, assign_owners
+from model import TRM, Carry, loss_and_metrics
+from optim import EMA, AdamATan2, SignSGD
+
+
+TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
+EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of the training state, read and replaced through `get` and `set` (replacing,
+    not copying into, so a captured step can hand over its output buffers)."""
+
+    name: str  # checkpoint name: model/..., ema/..., adam/<param>/<key>; "" for tensors not saved
+    get: Callable[[], torch.Tensor]
+    set: Callable[[torch.Tensor], None]
+    written_by_step: bool  # the training step updates it (weights, table, optimizer state, EMA)
+
+
+class Trainer:
+    """Model, optimizers, EMA and ACT carries on the XLA devices, and the steps.
+
+    `config` is train.Config (read: model, optim, run.seed, run.capture_step). `restore` (CPU
+    tensors under checkpoint names, see `named_state`) replaces the fresh state: a full
+    checkpoint, or only `model/*` weights to start from.
+    """
+
+    def __init__(self, config, sharding, mesh, restore: dict[str, torch.Tensor] | None = None):
+        self.config, self.sharding, self.mesh = config, sharding, mesh
+        self.device = sharding.device()
+        restore = restore or {}
+        torch.manual_seed(config.run.seed)  # identical initial weights on every host
+        model = TRM(config.model, exploration_seed=config.run.seed).train()
+        if restore:
+            model.load_state_dict({k.removeprefix("model/"): v for k, v in restore.items() if k.startswith("model/")})
+        self.model = model.to(self.device)
+        optim = config.optim
+        self.adam = AdamATan2(self.model.parameters(), betas=(optim.beta1, optim.beta2),
+                              weight_decay=optim.weight_decay)
+        self.sign_sgd = (SignSGD(self.model.puzzle_embedding, weight_decay=optim.puzzle_emb_weight_decay)
+                         if config.model.puzzle_emb_ndim > 0 else None)
+        self.adam.init_state()
+        self.ema = EMA(self.model, rate=optim.ema_rate)
+        self.carry: Carry | None = None
+        self.eval_carry: Carry | None = None
+        self.captured = None
+        for name, tensor in self.named_state().items():
+            if name in restore and not name.startswith("model/"):
+                tensor.data = restore[name].to(self.device)
+        for tensor in self.named_state().values():
+            sharding.replicate(tensor, mesh)
+        if "carry/rng_counter" in restore:
+            host_rows = {k.removeprefix("carry/"): v.numpy() for k, v in restore.items()
+                         if k.startswith("carry/") and v.ndim}
+            restored = self.sharding.host_batch_to_global(host_rows, mesh)
+            restored["rng_counter"] = sharding.replicate(restore["carry/rng_counter"].to(self.device), mesh)
+            self.restored_carry = Carry.from_tensors(restored)
+        else:
+            self.restored_carry = None
+
+    def state_tensors(self) -> list[StateTensor]:
+        """Every tensor a training step reads or writes besides the carry, the batch and the
+        learning rates, in an order that is the same on every host and every launch:
+        parameters, buffers, AdamATan2's state, the EMA."""
+        model, state = self.model, []
+        for name, p in model.named_parameters():
+            state.append(StateTensor(f"model/{name}", lambda p=p: p.data, lambda v, p=p: setattr(p, "data", v), True))
+        saved_buffers = set(model.state_dict(keep_vars=True))
+        for module_name, module in model.named_modules():
+            for name, _ in module.named_buffers(recurse=False):
+                full = f"{module_name}.{name}" if module_name else name
+                state.append(StateTensor(
+                    f"model/{full}" if full in saved_buffers else "",
+                    lambda m=module, n=name: getattr(m, n), lambda v, m=module, n=name: setattr(m, n, v),
+                    full == "puzzle_embedding.weight"))  # SignSGD writes the table; other buffers are fixed
+        for name, p in model.named_parameters():
+            adam = self.adam.state[p]
+            for key in sorted(adam):
+                state.append(StateTensor(f"adam/{name}/{key}", lambda s=adam, k=key: s[k],
+                                         lambda v, s=adam, k=key: s.__setitem__(k, v), True))
+        shadow = self.ema.shadow
+        for name in sorted(shadow):
+            state.append(StateTensor(f"ema/{name}", lambda n=name: shadow[n],
+                                     lambda v, n=name: shadow.__setitem__(n, v), True))
+        return state
+
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """Every saved tensor of the training state under its checkpoint name (not the carries)."""
+        return {s.name: s.get() for s in self.state_tensors() if s.name}
+
+    def checkpoint_shards(self, process_index: int, process_count: int) -> dict[str, Shard]:
+        """This host's share of the state, copied to the CPU: the replicated tensors it owns
+        and its rows of the carry."""
+        state = self.named_state()
+        owners = assign_owners({n: t.numel() * t.element_size() for n, t in state.items()}, process_count)
+        shards = {n: Shard(self.sharding.local_copy(t), tuple(t.shape)) for n, t in state.items()
+                  if owners[n] == process_index}
+        for name, t in self.carry.tensors().items():
+            if t.ndim == 0:
+                if process_index == 0:
+                    shards[f"carry/{name}"] = Shard(self.sharding.local_copy(t), ())
+            else:
+                start, rows = self.sharding.local_rows(t)
+                shards[f"carry/{name}"] = Shard(rows, tuple(t.shape), start)
+        return shards
+
+    def init_carries(self, batch: dict[str, torch.Tensor]) -> None:
+        """All-halted carries for training and evaluation, so that the first step of each
+        loads its whole batch. Created before the first step (and materialised by the caller's
+        sync) so that every step, the first included, traces the same graph."""
+        self.carry = self.restored_carry or self._sharded_carry(self.model.initial_carry(batch))
+        self.eval_carry = self._sharded_carry(self.model.initial_carry(batch))
+
+    def _sharded_carry(self, carry: Carry) -> Carry:
+        return Carry.from_tensors({k: self.sharding.shard_batch_dim(v, self.mesh)
+                                   for k, v in carry.tensors().items()})
+
+    def step(self, batch: dict[str, torch.Tensor], lr: float, puzzle_emb_lr: float) -> torch.Tensor:
+        """One training step at these learning rates; returns the metric vector (lazy)."""
+        # Uploaded as graph inputs (device data), so a new value does not change the graph.
+        lrs = torch.tensor([lr, puzzle_emb_lr], dtype=torch.float32).to(self.device)
+        if self.config.run.capture_step:
+            if self.captured is None:
+                from capture import CapturedTrainStep  # imports torch_xla: not at module import
+
+                self.captured = CapturedTrainStep(self)
+            return self.captured(batch, lrs)
+        self.set_lrs(lrs[0], lrs[1])
+        return self.train_step(batch)
+
+    def set_lrs(self, lr: torch.Tensor, puzzle_emb_lr: torch.Tensor) -> None:
+        for group in self.adam.param_groups:
+            group["lr"] = lr
+        if self.sign_sgd is not None:
+            self.sign_sgd.lr = puzzle_emb_lr
+
+    def lrs(self) -> tuple:
+        """The learning rates now set (AdamATan2's, SignSGD's or None)."""
+        return self.adam.param_groups[0]["lr"], None if self.sign_sgd is None else self.sign_sgd.lr
+
+    def clear_gradients(self) -> None:
+        """Drop every gradient a step left behind (the tracing step leaves placeholders' ones)."""
+        self.adam.zero_grad(set_to_none=True)
+        if self.sign_sgd is not None:
+            self.sign_sgd.zero_grad()
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One ACT segment, backward, both optimizers and the EMA; returns the metric vector
+        (TRAIN_METRICS order) as a lazy device tensor. With run.capture_step (the default) this
+        runs once, on placeholders, and capture.py replays its traced computation after."""
+        carry, outputs = self.model(self.carry, batch)
+        loss, metrics = loss_and_metrics(carry, outputs)
+        (loss / self.config.optim.global_batch_size).backward()
+        self.adam.step()
+        self.adam.zero_grad(set_to_none=True)
+        if self.sign_sgd is not None:
+            self.sign_sgd.step()
+            self.sign_sgd.zero_grad()
+        self.ema.update(self.model)
+        self.carry = self._sharded_carry(carry)
+        return torch.stack([metrics[k] for k in TRAIN_METRICS])
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One ACT step in eval mode on the persistent eval carry: the metric vector of rows
+        that halted (EVAL_METRICS order), the predicted tokens and the q_halt logits."""
+        carry, outputs = self.model(self.eval_carry, batch)
+        _, metrics = loss_and_metrics(carry, outputs)
+        self.eval_carry = self._sharded_carry(carry)
+        predictions = outputs["logits"].argmax(-1)
+        return torch.stack([metrics[k] for k in EVAL_METRICS]), predictions, outputs["q_halt_logits"]
