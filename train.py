@@ -232,7 +232,7 @@ def config_fingerprint(config: Config) -> str:
 
 
 TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
-EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
+EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
 
 
 class Trainer:
@@ -347,7 +347,7 @@ class Trainer:
         """One ACT step in eval mode on the persistent eval carry: the metric vector of rows
         that halted (EVAL_METRICS order), the predicted tokens and the q_halt logits."""
         carry, outputs = self.model(self.eval_carry, batch)
-        _, metrics = loss_and_metrics(carry, outputs)
+        _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
         self.eval_carry = self._sharded_carry(carry)
         return torch.stack([metrics[k] for k in EVAL_METRICS]), outputs["logits"].argmax(-1), outputs["q_halt_logits"]
 
@@ -477,7 +477,8 @@ class RunLog:
         arc = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("pass@"))
         self.say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  "
                  f"accuracy {result['accuracy']:.4f}  q_halt_accuracy {result['q_halt_accuracy']:.4f}  "
-                 f"steps {result['steps']:.2f}  {arc + '  ' if arc else ''}"
+                 f"steps {result['steps']:.2f}  lm_loss {result['lm_loss']:.4f}  "
+                 f"q_halt_loss {result['q_halt_loss']:.4f}  {arc + '  ' if arc else ''}"
                  f"on {result['num_examples']} examples in {seconds:.0f}s")
         if self.tb:
             for k, v in result.items():
@@ -534,7 +535,7 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
     """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
     metrics over real (non-padding) examples, plus ARC pass@k when `arc` (an ArcEvaluator)
     is given. Returns (metrics, ARC submission or None)."""
-    sharding, o = trainer.sharding, trainer.config.optim
+    sharding = trainer.sharding
     sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
     started, report_every = time.time(), max(1, len(batches) // 10)
     if arc is not None:
@@ -559,7 +560,9 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
                 say(f"  eval batch {done}/{len(batches)} ({100 * done / len(batches):.0f}%), "
                     f"ETA {format_duration(elapsed / done * (len(batches) - done))}")
         trainer.model.train()
-    result = summarize(EVAL_METRICS, sums.cpu().numpy(), 1, o.global_batch_size)
+    # The reference's evaluate divides every sum, the losses included, by count.
+    sums = dict(zip(EVAL_METRICS, sums.cpu().numpy().tolist()))
+    result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
     result["num_examples"] = batches.num_examples
     submission = None
     if arc is not None:

@@ -5,6 +5,7 @@ import os
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import save_file
 
 import data
@@ -89,3 +90,43 @@ def test_arc_scores_and_submission_during_training_and_standalone(tmp_path, caps
                                      "--data.cache-dir", str(tmp_path / "cache")])
     assert result["pass@2"] == final["pass@2"] and result["exact_accuracy"] == final["exact_accuracy"]
     assert os.path.exists(run_dir / "eval" / "step_2" / "metrics.json")
+
+
+def test_eval_losses_are_the_last_act_step_of_real_rows_per_counted_example(demo_path, tmp_path):
+    """lm_loss and q_halt_loss of an evaluation, by hand: the reference's evaluate keeps each
+    batch's metrics of its last ACT step and divides every sum by count; padding rows (no
+    labels) must not count. One batch of 64 rows: the demo's 40 test examples and 24 pads."""
+    run_dir = tmp_path / "run"
+    trained = train.main(train.cli(["demo", "--data.path", demo_path,
+                                    *small(run_dir, tmp_path / "cache", "--optim.max-steps", "3"),
+                                    "--optim.global-batch-size", "64"]))
+    final = trained["final"]
+    config, weights, _ = train.load_weights_for_eval(str(run_dir), train.PRESETS["demo"][1])
+    trm = model.TRM(config.model).eval()
+    trm.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})  # the EMA weights
+    test_set = data.open_dataset(demo_path, "test")
+    batches = data.EvalBatches(test_set, 64)
+    assert len(batches) == 1 and batches.num_examples == 40
+    batch = {k: torch.from_numpy(v) for k, v in batches.batch(0).items()}
+    real = torch.from_numpy(batches.valid(0))
+    lm_by_step, q_by_step = [], []
+    with torch.no_grad():
+        carry = trm.initial_carry(batch)
+        for _ in range(config.model.halt_max_steps):
+            carry, outputs = trm(carry, batch)
+            labels = carry.current_data["labels"]
+            divisor = (labels != model.IGNORE_LABEL_ID).sum(-1).clamp_min(1)
+            lm_by_step.append(model.stablemax_cross_entropy(outputs["logits"], labels).sum(-1) / divisor)
+            correct = ((outputs["logits"].argmax(-1) == labels) | (labels == model.IGNORE_LABEL_ID)).all(-1)
+            q_by_step.append(torch.nn.functional.binary_cross_entropy_with_logits(
+                outputs["q_halt_logits"], correct.float(), reduction="none"))
+    count = int(real.sum())
+    assert final["count"] == count == 40
+    expected_lm = lm_by_step[-1][real].sum().item() / count
+    expected_q = q_by_step[-1][real].sum().item() / count
+    assert final["lm_loss"] == pytest.approx(expected_lm, rel=1e-4)
+    assert final["q_halt_loss"] == pytest.approx(expected_q, rel=1e-4)
+    # What it would be if padding rows counted (the reference's q_halt_loss) or every ACT step:
+    assert final["q_halt_loss"] != pytest.approx(q_by_step[-1].sum().item() / count, rel=1e-3)
+    assert final["lm_loss"] != pytest.approx(sum(x[real].sum().item() for x in lm_by_step) / count, rel=1e-3)
+
