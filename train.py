@@ -93,7 +93,8 @@ class OptimConfig:
 @dataclass
 class EvalConfig:
     every_epochs: int = 5000
-    """Evaluate every this many epochs (and always at the end)."""
+    """Evaluate every this many epochs, counted in epochs as the reference does; the final
+    evaluation at the last step takes the place of the one due at the end."""
     max_examples: Optional[int] = None
     """Cap intermediate evaluations to a fixed seeded subset of this many test examples
     (the final evaluation uses all); None evaluates everything every time."""
@@ -216,6 +217,21 @@ def lr_at(step: int, peak: float, optim: OptimConfig, total_steps: int) -> float
     progress = (step - optim.lr_warmup_steps) / max(1, total_steps - optim.lr_warmup_steps)
     floor = optim.lr_min_ratio
     return peak * (floor + max(0.0, (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))))
+
+
+def evaluation_steps(full_steps: int, epochs: int, every_epochs: int, last_step: int) -> list[int]:
+    """The steps after which a run evaluates, scheduled as the reference does: after every
+    `every_epochs` epochs (the k-th at the step nearest k·every_epochs·full_steps/epochs, counted
+    in epochs so that rounding does not drift), and at `last_step`, whose final evaluation takes
+    the place of the one due when the `epochs` end. `full_steps` trains all `epochs`; a run cut
+    short (last_step < full_steps) keeps the scheduled evaluations before its last step."""
+    if every_epochs < 1:
+        raise ConfigError(f"eval.every_epochs={every_epochs} must be at least 1 (the final evaluation "
+                          f"always runs; use --eval.every-epochs {epochs} for only that one)")
+    # Nearest step, halves up, in integers: exact for any run length.
+    scheduled = {(2 * k * every_epochs * full_steps + epochs) // (2 * epochs)
+                 for k in range(1, -(-epochs // every_epochs))}
+    return sorted(step for step in scheduled if 1 <= step < last_step) + [last_step]
 
 
 def config_fingerprint(config: Config) -> str:
@@ -613,14 +629,17 @@ def main(config: Config) -> dict:
     num_devices, local_devices = sharding.device_counts()
     num_hosts, host = sharding.process_count(), sharding.process_index()
     o = config.optim
-    total_steps = data.total_train_steps(train_set.metadata, o.epochs, o.global_batch_size)
-    steps_per_epoch = total_steps / o.epochs
-    if o.max_steps is not None:
-        total_steps = min(total_steps, o.max_steps)
-    eval_every = max(1, round(config.eval.every_epochs * steps_per_epoch))
+    full_steps = data.total_train_steps(train_set.metadata, o.epochs, o.global_batch_size)
+    total_steps = full_steps if o.max_steps is None else min(full_steps, o.max_steps)
+    try:
+        eval_steps = evaluation_steps(full_steps, o.epochs, config.eval.every_epochs, total_steps)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
     log = RunLog(config, total_steps, sharding.is_main_process())
     log.say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
-            f"global batch {o.global_batch_size}, {total_steps} steps, evaluation every {eval_every} steps")
+            f"global batch {o.global_batch_size}, {total_steps} steps, {len(eval_steps)} evaluations "
+            f"(steps {', '.join(map(str, eval_steps[:3]))}{', ...' if len(eval_steps) > 4 else ''}"
+            f"{', ' + str(eval_steps[-1]) if len(eval_steps) > 3 else ''})")
 
     # 3. Resume from the latest committed checkpoint, or start (optionally from given weights).
     def host_rows(shape):
@@ -662,6 +681,7 @@ def main(config: Config) -> dict:
         writer.save(step, blocks, {"step": step, "config": dataclasses.asdict(config)})
 
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+    scheduled_evals = set(eval_steps[:-1])  # the final one runs after the loop
 
     def run_eval(step: int, final: bool) -> None:
         started = time.time()
@@ -709,7 +729,7 @@ def main(config: Config) -> dict:
             break
         if step % config.run.ckpt_every == 0 and step != total_steps:
             save(step)
-        if step % eval_every == 0 and step != total_steps:
+        if step in scheduled_evals:
             run_eval(step, final=False)
     batches.close()
 

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import os
 import shutil
+import types
 
 import pytest
 import torch
@@ -130,3 +131,26 @@ def test_eval_losses_are_the_last_act_step_of_real_rows_per_counted_example(demo
     assert final["q_halt_loss"] != pytest.approx(q_by_step[-1].sum().item() / count, rel=1e-3)
     assert final["lm_loss"] != pytest.approx(sum(x[real].sum().item() for x in lm_by_step) / count, rel=1e-3)
 
+
+def test_evaluation_schedule_counts_epochs_and_ends_with_the_final_evaluation():
+    # Sudoku-Extreme 1k (1000 groups of one-example puzzles), batch 768, 50k epochs, every 5k:
+    # the reference evaluates 10 times; rounding eval_every to 6510 steps once put the 10th at
+    # step 65,100 and then the final one at 65,104.
+    sudoku = types.SimpleNamespace(total_groups=1000, mean_puzzle_examples=1.0)
+    full = data.total_train_steps(sudoku, 50000, 768)
+    assert full == 65104
+    steps = train.evaluation_steps(full, 50000, 5000, full)
+    assert steps == [6510, 13021, 19531, 26042, 32552, 39062, 45573, 52083, 58594, 65104]
+    # ARC: every 10k of 100k epochs, 10 evaluations whatever the step count.
+    assert len(train.evaluation_steps(123457, 100000, 10000, 123457)) == 10
+    # Cut short by optim.max_steps: the scheduled ones before the end, then the final one.
+    assert train.evaluation_steps(full, 50000, 5000, 20000) == [6510, 13021, 19531, 20000]
+    assert train.evaluation_steps(full, 50000, 5000, 19531) == [6510, 13021, 19531]
+    assert train.evaluation_steps(full, 50000, 5000, 100) == [100]
+    # Epochs not a multiple of every_epochs: the last scheduled one stays, the final one follows.
+    assert train.evaluation_steps(210, 210, 50, 210) == [50, 100, 150, 200, 210]
+    # Fewer steps than evaluations: at most one per step.
+    assert train.evaluation_steps(3, 200, 50, 3) == [1, 2, 3]
+    assert train.evaluation_steps(full, 50000, 50000, full) == [full]
+    with pytest.raises(train.ConfigError, match="eval.every_epochs=0 must be at least 1"):
+        train.evaluation_steps(full, 50000, 0, full)
