@@ -34,9 +34,15 @@ API (numpy arrays in, plain Python out; no torch)
     s = ev.summary()             # this host's votes: a small picklable dict
     merged = ArcEvaluator.merge([s0, s1, ...])   # e.g. the list from an all-gather of objects
     ev.result(merged, ks=(1, 2, 5, 10)) -> {"pass@1": float, "pass@2": ..., ...}
+                                 # REFERENCE_PASS_KS: the k the reference reports
     ev.stats(merged) -> {"voted_rows", "unmatched_rows", "candidates", "unvoted_test_inputs"}
     ev.submission(merged, attempts=2) -> {task: [{"attempt_1": grid, "attempt_2": grid}, ...]}
     write_submission(url, submission) -> url written   # a directory gets "submission.json"
+    encode_summary(merged) -> bytes; decode_summary(bytes) -> summary   # the saved votes file
+
+Votes of several evaluations (e.g. the EMA snapshots of one run) are aggregated by merging
+their summaries, as the reference votes over every evaluation of a run (aggregated_voting):
+a merge of two evaluations' summaries equals one evaluation that saw both sets of rows.
 
 A summary is {"votes": {(task, input_key): {candidate_key: [count, q_sum]}}, "voted_rows": int,
 "unmatched_rows": int}, where a key is the grid itself as bytes (rows, columns, then the
@@ -44,6 +50,13 @@ colours row by row; no hash, no collisions) and q_sum is the sum of sigmoid(q_ha
 2**-64 as a Python int, so merging is exact and independent of the order of hosts. Its size
 grows with the number of distinct candidates (at most the number of rows voted), never with the
 number of evaluations or hosts; merging is a sum. ``merge`` of one summary is a copy of it.
+
+The saved form of a summary (``encode_summary``, VOTES_FILE) is gzipped JSON, no pickle:
+    {"format": "trm-arc-votes/1", "voted_rows": int, "unmatched_rows": int,
+     "pools": [[task, input key as hex, [[candidate key as hex, count, q_sum as a decimal
+                string], ...]], ...]}
+with pools and candidates sorted by key, so equal summaries encode to equal bytes. Keys are
+hex so that any byte survives; q_sum is a string because it exceeds a double's 53 bits.
 
 Rows whose task is not in ``test_puzzles.json`` or whose de-augmented input matches none of the
 task's test inputs are counted in "unmatched_rows" and otherwise ignored (the reference stores
@@ -55,6 +68,7 @@ This module imports numpy, the standard library and data.py only.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from typing import Iterable, Optional, Sequence
 
@@ -65,6 +79,9 @@ import data
 Q_SCALE = 2 ** 64  # q_sum unit: sigmoid values are summed as integers of 2**-64
 SUBMISSION_FILE = "submission.json"
 EMPTY_ATTEMPT = [[0]]  # the attempt written for a test input without any votes
+REFERENCE_PASS_KS = (1, 2, 5, 10, 100, 1000)  # the pass@k the reference reports
+VOTES_FILE = "arc_votes.json.gz"  # an evaluation's merged summary, see encode_summary
+VOTES_FORMAT = "trm-arc-votes/1"
 
 
 def grid_key(grid: np.ndarray) -> bytes:
@@ -258,6 +275,43 @@ class ArcEvaluator:
                 entries.append({f"attempt_{i + 1}": g for i, g in enumerate(grids)})
             result[task] = entries
         return result
+
+
+def encode_summary(summary: dict) -> bytes:
+    """The exact, pickle-free bytes of a summary (see the module docstring); equal summaries
+    give equal bytes."""
+    pools = [[task, input_key.hex(),
+              [[key.hex(), count, str(q_sum)] for key, (count, q_sum) in sorted(candidates.items())]]
+             for (task, input_key), candidates in sorted(summary["votes"].items())]
+    document = {"format": VOTES_FORMAT, "voted_rows": summary["voted_rows"],
+                "unmatched_rows": summary["unmatched_rows"], "pools": pools}
+    # mtime=0: no timestamp in the header, so the bytes depend on the votes only.
+    return gzip.compress(json.dumps(document, separators=(",", ":")).encode(), compresslevel=6,
+                         mtime=0)
+
+
+def decode_summary(payload: bytes, source: str = "ARC votes") -> dict:
+    """Inverse of encode_summary; ValueError naming ``source`` if the bytes are not a votes
+    file of this format."""
+    try:
+        document = json.loads(gzip.decompress(payload))
+        if document.get("format") != VOTES_FORMAT:
+            raise ValueError(f"format {document.get('format')!r}, expected {VOTES_FORMAT!r}")
+        summary = _empty_summary()
+        for name in ("voted_rows", "unmatched_rows"):
+            if type(document[name]) is not int or document[name] < 0:
+                raise ValueError(f"{name} {document[name]!r} is not a count")
+            summary[name] = document[name]
+        for task, input_hex, candidates in document["pools"]:
+            pool = summary["votes"].setdefault((str(task), bytes.fromhex(input_hex)), {})
+            for key_hex, count, q_sum in candidates:
+                if type(count) is not int or count < 1 or type(q_sum) is not str or not q_sum.isdigit():
+                    raise ValueError(f"candidate count {count!r} / q_sum {q_sum!r} are not counts")
+                pool[bytes.fromhex(key_hex)] = [count, int(q_sum)]
+    except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{source} is not a readable ARC votes file ({type(exc).__name__}: {exc}); "
+                         "delete it, or evaluate that step again to rewrite it") from exc
+    return summary
 
 
 def write_submission(url: str, submission: dict) -> str:

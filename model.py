@@ -444,12 +444,15 @@ def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
     return torch.where(valid, -picked, 0.0)
 
 
-def loss_and_metrics(carry: Carry,
-                     outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_metrics(carry: Carry, outputs: dict[str, torch.Tensor],
+                     halted_losses: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The reference's ACT loss (sum over the batch) and its metrics summed over halted rows.
 
     Divide the loss by the global batch size before backward. Metrics are float32 device
     tensors; divide lm_loss/q_halt_loss by the batch size and the others by `count` to report.
+    halted_losses: the lm_loss/q_halt_loss metrics sum only the rows `count` counts (halted,
+    with labels), like the other metrics; for evaluation, where rows halt at the last ACT step
+    only (the reference sums each batch's last step) and padding rows must not count.
     """
     labels = carry.current_data["labels"]
     logits = outputs["logits"]
@@ -470,11 +473,17 @@ def loss_and_metrics(carry: Carry,
             "steps": torch.where(counted, carry.steps, 0).sum(),
         }
 
-    lm_loss = (stablemax_cross_entropy(logits, labels) / divisor).sum()
+    token_losses = stablemax_cross_entropy(logits, labels) / divisor
+    lm_loss = token_losses.sum()
     q_halt_loss = F.binary_cross_entropy_with_logits(q_halt, seq_correct.float(), reduction="sum")
     loss = lm_loss + 0.5 * q_halt_loss
     metrics["lm_loss"] = lm_loss.detach()
     metrics["q_halt_loss"] = q_halt_loss.detach()
+    if halted_losses:
+        with torch.no_grad():
+            q_losses = F.binary_cross_entropy_with_logits(q_halt, seq_correct.float(), reduction="none")
+            metrics["lm_loss"] = torch.where(counted, token_losses.sum(-1), 0.0).sum()
+            metrics["q_halt_loss"] = torch.where(counted, q_losses, 0.0).sum()
     if "target_q_continue" in outputs:
         q_continue_loss = F.binary_cross_entropy_with_logits(
             outputs["q_continue_logits"], outputs["target_q_continue"], reduction="sum")

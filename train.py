@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -43,7 +44,7 @@ import torch
 import tyro
 
 import data
-from arc_eval import ArcEvaluator, write_submission
+from arc_eval import REFERENCE_PASS_KS, VOTES_FILE, ArcEvaluator, decode_summary, encode_summary, write_submission
 from checkpoint import CheckpointWriter
 from model import TRM, TRMConfig
 from trainer import EVAL_METRICS, TRAIN_METRICS, Trainer
@@ -94,13 +95,18 @@ class OptimConfig:
 @dataclass
 class EvalConfig:
     every_epochs: int = 5000
-    """Evaluate every this many epochs (and always at the end)."""
+    """Evaluate every this many epochs, counted in epochs as the reference does; the final
+    evaluation at the last step takes the place of the one due at the end."""
     max_examples: Optional[int] = None
     """Cap intermediate evaluations to a fixed seeded subset of this many test examples
     (the final evaluation uses all); None evaluates everything every time."""
     arc: bool = False
-    """Score ARC pass@1/2/5/10 by voting over augmentations and write submission.json
+    """Score ARC pass@1/2/5/10/100/1000 by voting over augmentations and write submission.json
     (needs the ARC builder's identifiers.json and test_puzzles.json; on in the arc presets)."""
+    arc_aggregate: bool = False
+    """Also vote over every evaluation of this run so far (aggregated_pass@k, and the submission),
+    as the reference reports ARC scores; `train.py eval` votes over its own and the saved votes
+    of earlier steps in {run.dir}/eval/step_N/arc_votes.json.gz. Needs --eval.arc."""
 
 
 @dataclass
@@ -156,7 +162,7 @@ _arc = _preset(
     data=dict(path="data/arc1concept-aug-1000"),
     model=dict(seq_len=900, vocab_size=12, mlp_t=False, pos_encodings="rope", L_cycles=4),
     optim=dict(epochs=100000, puzzle_emb_lr=1e-2, weight_decay=0.1, puzzle_emb_weight_decay=0.1),
-    eval=dict(every_epochs=10000, arc=True),
+    eval=dict(every_epochs=10000, arc=True, arc_aggregate=True),
 )
 PRESETS: dict[str, tuple[str, Config]] = {
     "sudoku-mlp": ("Sudoku-Extreme, TRM-MLP (paper: 87.4% exact)", Config()),
@@ -217,6 +223,21 @@ def lr_at(step: int, peak: float, optim: OptimConfig, total_steps: int) -> float
     progress = (step - optim.lr_warmup_steps) / max(1, total_steps - optim.lr_warmup_steps)
     floor = optim.lr_min_ratio
     return peak * (floor + max(0.0, (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))))
+
+
+def evaluation_steps(full_steps: int, epochs: int, every_epochs: int, last_step: int) -> list[int]:
+    """The steps after which a run evaluates, scheduled as the reference does: after every
+    `every_epochs` epochs (the k-th at the step nearest k·every_epochs·full_steps/epochs, counted
+    in epochs so that rounding does not drift), and at `last_step`, whose final evaluation takes
+    the place of the one due when the `epochs` end. `full_steps` trains all `epochs`; a run cut
+    short (last_step < full_steps) keeps the scheduled evaluations before its last step."""
+    if every_epochs < 1:
+        raise ConfigError(f"eval.every_epochs={every_epochs} must be at least 1 (the final evaluation "
+                          f"always runs; use --eval.every-epochs {epochs} for only that one)")
+    # Nearest step, halves up, in integers: exact for any run length.
+    scheduled = {(2 * k * every_epochs * full_steps + epochs) // (2 * epochs)
+                 for k in range(1, -(-epochs // every_epochs))}
+    return sorted(step for step in scheduled if 1 <= step < last_step) + [last_step]
 
 
 def config_fingerprint(config: Config) -> str:
@@ -354,10 +375,14 @@ class RunLog:
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         self.evals.append(dict(result, step=step))
-        arc = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith("pass@"))
+        arc = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith(("pass@", "aggregated_pass@")))
+        if "aggregated_evaluations" in result:
+            count = result["aggregated_evaluations"]
+            arc += f" (aggregated over {count} evaluation{'s' if count != 1 else ''})"
         self.say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  "
                  f"accuracy {result['accuracy']:.4f}  q_halt_accuracy {result['q_halt_accuracy']:.4f}  "
-                 f"steps {result['steps']:.2f}  {arc + '  ' if arc else ''}"
+                 f"steps {result['steps']:.2f}  lm_loss {result['lm_loss']:.4f}  "
+                 f"q_halt_loss {result['q_halt_loss']:.4f}  {arc + '  ' if arc else ''}"
                  f"on {result['num_examples']} examples in {seconds:.0f}s")
         if self.tb:
             for k, v in result.items():
@@ -375,7 +400,7 @@ class RunLog:
             self.tb.close()
 
 
-OPERATIONAL_FIELDS = {"data.cache_dir", "run.log_every", "run.device", "run.cpu_devices", "run.ckpt_every",
+OPERATIONAL_FIELDS = {"data.cache_dir", "eval.arc_aggregate", "run.log_every", "run.device", "run.cpu_devices", "run.ckpt_every",
                       "run.keep_checkpoints", "run.init_from", "run.allow_config_change",
                       "run.preempt_check_every", "optim.max_steps"}
 
@@ -432,11 +457,16 @@ def check_same_identifiers(trained_on: str | None, dataset: str | None, weights_
             "rebuild it with the same builder, source files and seed")
 
 
-def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None):
+def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None,
+             eval_root: str | None = None, step: int = 0, aggregate: bool = False):
     """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
     metrics over real (non-padding) examples, plus ARC pass@k when `arc` (an ArcEvaluator)
-    is given. Returns (metrics, ARC submission or None)."""
-    sharding, o = trainer.sharding, trainer.config.optim
+    is given. Returns (metrics, ARC submission or None).
+
+    With `arc` and `eval_root`, process 0 saves this evaluation's votes to
+    {eval_root}/step_{step}/arc_votes.json.gz; with `aggregate` too, aggregated_pass@k (and the
+    submission) are a vote over them and the saved votes of every earlier step."""
+    sharding = trainer.sharding
     sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
     started, report_every = time.time(), max(1, len(batches) // 10)
     if arc is not None:
@@ -461,14 +491,49 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
                 say(f"  eval batch {done}/{len(batches)} ({100 * done / len(batches):.0f}%), "
                     f"ETA {format_duration(elapsed / done * (len(batches) - done))}")
         trainer.model.train()
-    result = summarize(EVAL_METRICS, sums.cpu().numpy(), 1, o.global_batch_size)
+    # The reference's evaluate divides every sum, the losses included, by count.
+    sums = dict(zip(EVAL_METRICS, sums.cpu().numpy().tolist()))
+    result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
     result["num_examples"] = batches.num_examples
     submission = None
     if arc is not None:
-        merged = arc.merge(sharding.all_gather_object(arc.summary()))
-        result.update(arc.result(merged))
-        submission = arc.submission(merged)
+        votes = arc.merge(sharding.all_gather_object(arc.summary()))
+        result.update(arc.result(votes, REFERENCE_PASS_KS))
+        if eval_root is not None and sharding.is_main_process():
+            save_arc_votes(eval_root, step, votes)
+        if aggregate:
+            if eval_root is None:
+                raise ValueError("evaluate: aggregate needs eval_root, where the earlier votes are saved")
+            earlier = [v for _, v in saved_arc_votes(eval_root, before_step=step)]
+            votes = arc.merge([votes, *earlier])
+            result.update({f"aggregated_{k}": v for k, v in arc.result(votes, REFERENCE_PASS_KS).items()})
+            result["aggregated_evaluations"] = 1 + len(earlier)
+        submission = arc.submission(votes)
     return result, submission
+
+
+def save_arc_votes(eval_root: str, step: int, votes: dict) -> str:
+    """Write an evaluation's merged ARC votes to {eval_root}/step_{step}/arc_votes.json.gz."""
+    import checkpoint
+
+    url = data.join_url(eval_root, f"step_{step}", VOTES_FILE)
+    checkpoint.write_bytes(url, encode_summary(votes))
+    return url
+
+
+def saved_arc_votes(eval_root: str, before_step: int) -> list[tuple[int, dict]]:
+    """(step, votes) of every evaluation saved under eval_root at a step before `before_step`,
+    oldest first. Later steps are left out: after a resume they belong to the interrupted
+    launch and are evaluated (and overwritten) again."""
+    import checkpoint
+
+    fs, path = data.filesystem(eval_root)
+    fs.invalidate_cache(path)
+    pattern = re.compile(r"step_(\d+)/" + re.escape(VOTES_FILE) + "$")
+    found = checkpoint.with_retries("listing", eval_root, lambda: fs.glob(f"{path.rstrip('/')}/step_*/{VOTES_FILE}"))
+    steps = sorted({int(m.group(1)) for m in map(pattern.search, found) if m and int(m.group(1)) < before_step})
+    urls = [data.join_url(eval_root, f"step_{s}", VOTES_FILE) for s in steps]
+    return [(s, decode_summary(checkpoint.read_bytes(url), url)) for s, url in zip(steps, urls)]
 
 
 def start(config: Config, weights_rows: int | None = None, weights_identifiers: str | None = None,
@@ -483,6 +548,9 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
         config = check_against_dataset(config, train_set.metadata)
         identifiers = data.identifiers_fingerprint(config.data.path)
         check_same_identifiers(weights_identifiers, identifiers, weights_url)
+        if config.eval.arc_aggregate and not config.eval.arc:
+            raise ConfigError("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
+                              "pass --eval.arc too (needs an ARC dataset)")
         if weights_rows is not None and weights_rows != train_set.metadata.num_puzzle_identifiers:
             raise ConfigError(f"the weights' puzzle embedding has {weights_rows} identifiers but the dataset at "
                               f"{config.data.path} has num_puzzle_identifiers="
@@ -516,14 +584,17 @@ def main(config: Config) -> dict:
     num_devices, local_devices = sharding.device_counts()
     num_hosts, host = sharding.process_count(), sharding.process_index()
     o = config.optim
-    total_steps = data.total_train_steps(train_set.metadata, o.epochs, o.global_batch_size)
-    steps_per_epoch = total_steps / o.epochs
-    if o.max_steps is not None:
-        total_steps = min(total_steps, o.max_steps)
-    eval_every = max(1, round(config.eval.every_epochs * steps_per_epoch))
+    full_steps = data.total_train_steps(train_set.metadata, o.epochs, o.global_batch_size)
+    total_steps = full_steps if o.max_steps is None else min(full_steps, o.max_steps)
+    try:
+        eval_steps = evaluation_steps(full_steps, o.epochs, config.eval.every_epochs, total_steps)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
     log = RunLog(config, total_steps, sharding.is_main_process())
     log.say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
-            f"global batch {o.global_batch_size}, {total_steps} steps, evaluation every {eval_every} steps")
+            f"global batch {o.global_batch_size}, {total_steps} steps, {len(eval_steps)} evaluations "
+            f"(steps {', '.join(map(str, eval_steps[:3]))}{', ...' if len(eval_steps) > 4 else ''}"
+            f"{', ' + str(eval_steps[-1]) if len(eval_steps) > 3 else ''})")
 
     # 3. Resume from the latest committed checkpoint, or start (optionally from given weights).
     def host_rows(shape):
@@ -590,15 +661,22 @@ def main(config: Config) -> dict:
                                    "dataset_identifiers": identifiers})
 
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+    scheduled_evals = set(eval_steps[:-1])  # the final one runs after the loop
+    eval_root = data.join_url(config.run.dir, "eval")
 
     def run_eval(step: int, final: bool) -> None:
         started = time.time()
         batches = data.EvalBatches(test_set, o.global_batch_size, process_index=host, process_count=num_hosts,
                                    max_examples=None if final else config.eval.max_examples, seed=config.run.seed)
-        result, submission = evaluate(trainer, batches, torch_xla.sync, arc, log.say)
+        result, submission = evaluate(trainer, batches, torch_xla.sync, arc, log.say, eval_root, step,
+                                      config.eval.arc_aggregate)
         log.evaluation(result, step, time.time() - started)
-        if submission is not None and sharding.is_main_process():
-            log.say(f"ARC submission: {write_submission(data.join_url(config.run.dir, 'eval', f'step_{step}'), submission)}")
+        if sharding.is_main_process():
+            if submission is not None:
+                log.say(f"ARC submission: {write_submission(data.join_url(eval_root, f'step_{step}'), submission)}")
+            # Written last: its presence marks the evaluation of this step done (see the resume below).
+            checkpoint.write_bytes(data.join_url(eval_root, f"step_{step}", "metrics.json"),
+                                   json.dumps(dict(result, step=step), indent=2).encode())
 
     stop_requested = []
     previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
@@ -609,6 +687,11 @@ def main(config: Config) -> dict:
     # thread every log_every steps, while the host traces the following steps.
     trainer.init_carries(sharding.host_batch_to_global(train_batches.batch(start_step), mesh))
     torch_xla.sync()  # materialise weights, optimizer state and carries before the first step
+    if found and start_step in scheduled_evals and not checkpoint.exists(
+            data.join_url(eval_root, f"step_{start_step}", "metrics.json")):
+        # A SIGTERM at an evaluation step saves and stops before evaluating: evaluate the saved
+        # weights now, so the run (and its ARC vote over evaluations) misses no evaluation.
+        run_eval(start_step, final=False)
     window_sums = torch.zeros(len(TRAIN_METRICS)).to(trainer.device)
     window_start, window_steps, loop_start = time.time(), 0, time.time()
     preempted = False
@@ -640,7 +723,7 @@ def main(config: Config) -> dict:
             break
         if step % config.run.ckpt_every == 0 and step != total_steps:
             save(step)
-        if step % eval_every == 0 and step != total_steps:
+        if step in scheduled_evals:
             run_eval(step, final=False)
     batches.close()
 
@@ -811,7 +894,8 @@ def evaluate_command(argv: list[str]) -> dict:
         f"on {device_kind} ({len(batches)} batches)", flush=True)
     started = time.time()
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
-    result, submission = evaluate(trainer, batches, torch_xla.sync, arc, lambda *a: say(*a, flush=True))
+    result, submission = evaluate(trainer, batches, torch_xla.sync, arc, lambda *a: say(*a, flush=True),
+                                  data.join_url(config.run.dir, "eval"), step, config.eval.arc_aggregate)
     out = data.join_url(config.run.dir, "eval", f"step_{step}")
     if sharding.is_main_process():
         import checkpoint
@@ -819,7 +903,8 @@ def evaluate_command(argv: list[str]) -> dict:
         checkpoint.write_bytes(data.join_url(out, "metrics.json"), json.dumps(dict(result, source=source), indent=2).encode())
         if submission is not None:
             write_submission(out, submission)
-    scores = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k not in ("count", "num_examples"))
+    scores = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()
+                       if k not in ("count", "num_examples"))
     say(f"eval of {source}: {scores}  ({time.time() - started:.0f}s); saved to {out}", flush=True)
     return result
 

@@ -21,7 +21,7 @@ from optim import EMA, AdamATan2, SignSGD
 
 
 TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
-EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps")
+EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class Trainer:
         """One ACT step in eval mode on the persistent eval carry: the metric vector of rows
         that halted (EVAL_METRICS order), the predicted tokens and the q_halt logits."""
         carry, outputs = self.model(self.eval_carry, batch)
-        _, metrics = loss_and_metrics(carry, outputs)
+        _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
         self.eval_carry = self._sharded_carry(carry)
         predictions = outputs["logits"].argmax(-1)
         return torch.stack([metrics[k] for k in EVAL_METRICS]), predictions, outputs["q_halt_logits"]

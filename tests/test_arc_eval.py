@@ -1,5 +1,6 @@
 """Tests of arc_eval.py: hand-made votes with known pass@k, tie breaks, augmentation inversion,
 sharded voting, submission files and the evaluator on a dataset built by data.build_arc."""
+import gzip
 import json
 import os
 import pickle
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 import data
-from arc_eval import ArcEvaluator, grid_key, key_grid, sigmoid, write_submission
+from arc_eval import (VOTES_FORMAT, ArcEvaluator, decode_summary, encode_summary, grid_key, key_grid, sigmoid,
+                      write_submission)
 from tests.data_fixtures import ARC_EVALUATION, ARC_EVALUATION_SOLUTIONS, arc_files
 
 # ------------------------------------------------------------------------------------------
@@ -268,3 +270,64 @@ def test_built_dataset_end_to_end(tmp_path):
     with pytest.raises(data.DatasetError, match="test_puzzles.json"):
         os.remove(os.path.join(out, "test_puzzles.json"))
         ArcEvaluator.from_dataset(out)
+
+
+# ------------------------------------------------------------------------------------------
+# Aggregation over evaluations, and the saved votes
+# ------------------------------------------------------------------------------------------
+
+def test_votes_of_two_evaluations_merge_into_one_evaluation_of_both():
+    """The reference's aggregated voting: two evaluations (say two EMA snapshots, whose rows
+    differ) voted together score as one evaluation that saw every row of both, also when
+    each is saved and read back; each snapshot alone scores differently."""
+    rows = hand_made_rows()
+    first, second = rows[::2], rows[1::2]
+    _, votes_first = evaluate(first)
+    _, votes_second = evaluate(second, hosts=2, seed=1)
+    evaluator, votes_both = evaluate(rows)
+    aggregated = ArcEvaluator.merge([votes_first, votes_second])
+    assert aggregated == votes_both
+    assert evaluator.result(aggregated) == evaluator.result(votes_both)
+    assert evaluator.submission(aggregated) == evaluator.submission(votes_both)
+    for alone in (votes_first, votes_second):
+        assert evaluator.result(alone) != evaluator.result(aggregated)
+    # Through the saved form, in either order.
+    saved = [encode_summary(votes_first), encode_summary(votes_second)]
+    assert ArcEvaluator.merge(decode_summary(b) for b in saved[::-1]) == votes_both
+    assert ArcEvaluator.merge([decode_summary(saved[0])]) == votes_first
+
+
+def test_saved_votes_round_trip_exactly():
+    rng = np.random.default_rng(0)
+    every_byte = bytes(range(256))  # keys are raw bytes, NUL and 0xff included
+    summary = {"votes": {("task \u00e9\"/", every_byte): {b"": [1, 0], b"\x00\x01": [3, 2 ** 200 + 1],
+                                                          every_byte[::-1]: [7, 3 * 2 ** 64 - 1]},
+                         ("B", b"\x01\x01\x05"): {bytes(rng.integers(0, 256, 902, dtype=np.uint8)):
+                                                   [10 ** 6, 10 ** 6 * 2 ** 64]}},
+               "voted_rows": 10 ** 6 + 11, "unmatched_rows": 5}
+    payload = encode_summary(summary)
+    decoded = decode_summary(payload)
+    assert decoded == summary
+    assert type(decoded["votes"][("B", b"\x01\x01\x05")].popitem()[1][1]) is int
+    assert encode_summary(decode_summary(payload)) == payload
+    # Insertion order (which depends on batch order and hosts) does not change the bytes.
+    reordered = {"votes": {pool: dict(reversed(list(candidates.items())))
+                           for pool, candidates in reversed(list(summary["votes"].items()))},
+                 "voted_rows": summary["voted_rows"], "unmatched_rows": summary["unmatched_rows"]}
+    assert encode_summary(reordered) == payload
+    empty = {"votes": {}, "voted_rows": 0, "unmatched_rows": 0}
+    assert decode_summary(encode_summary(empty)) == empty
+    # Real votes: the evaluator's summary survives too.
+    _, merged = evaluate(hand_made_rows())
+    assert decode_summary(encode_summary(merged)) == merged
+
+
+def test_unreadable_votes_name_the_file():
+    with pytest.raises(ValueError, match="gs://b/eval/step_3/arc_votes.json.gz is not a readable ARC votes file"):
+        decode_summary(b"not gzip", "gs://b/eval/step_3/arc_votes.json.gz")
+    with pytest.raises(ValueError, match="format 'other'"):
+        decode_summary(gzip.compress(json.dumps({"format": "other"}).encode()))
+    bad_q = {"format": VOTES_FORMAT, "voted_rows": 1, "unmatched_rows": 0,
+             "pools": [["A", "0101", [["0101", 1, 1.5]]]]}  # a float q_sum would have lost bits
+    with pytest.raises(ValueError, match="q_sum 1.5"):
+        decode_summary(gzip.compress(json.dumps(bad_q).encode()))

@@ -3,14 +3,17 @@ import dataclasses
 import json
 import os
 import shutil
+import types
 
+import numpy as np
 import pytest
+import torch
 from safetensors.torch import save_file
 
 import data
 import model
 import train
-from tests.data_fixtures import arc_files
+from tests.data_fixtures import ARC_EVALUATION_SOLUTIONS, arc_files
 
 
 def small(run_dir, cache_dir, *extra):
@@ -89,6 +92,177 @@ def test_arc_scores_and_submission_during_training_and_standalone(tmp_path, caps
                                      "--data.cache-dir", str(tmp_path / "cache")])
     assert result["pass@2"] == final["pass@2"] and result["exact_accuracy"] == final["exact_accuracy"]
     assert os.path.exists(run_dir / "eval" / "step_2" / "metrics.json")
+    # The arc presets also vote over the run's evaluations; here there was one.
+    assert set(final) >= {f"{name}@{k}" for name in ("pass", "aggregated_pass") for k in (1, 2, 5, 10, 100, 1000)}
+    assert final["aggregated_evaluations"] == 1
+    assert all(final[f"aggregated_pass@{k}"] == final[f"pass@{k}"] for k in (1, 2, 5, 10, 100, 1000))
+    assert "aggregated_pass@2" in out and "(aggregated over 1 evaluation)" in out
+
+
+TINY_ARC = ["--model.hidden-size", "32", "--model.num-heads", "2", "--model.puzzle-emb-ndim", "32",
+            "--model.H-cycles", "1", "--model.L-cycles", "1", "--model.L-layers", "1",
+            "--model.halt-max-steps", "2", "--model.forward-dtype", "float32"]
+PASS_KS = (1, 2, 5, 10, 100, 1000)
+
+
+def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_path, monkeypatch):
+    """ARC scores voted over every evaluation so far (the reference's aggregated_voting):
+    the saved votes of each evaluation merge into the aggregated score, a run preempted at an
+    evaluation step and resumed scores the same as one that ran straight through, and
+    `train.py eval --eval.arc-aggregate` votes over the saved evaluations of earlier steps."""
+    import sharding
+    from arc_eval import ArcEvaluator, decode_summary, encode_summary
+
+    arc_path = str(tmp_path / "arc")
+    data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+                   test_sets=("evaluation",), num_aug=3, seed=0)
+    # 3 groups of 2 examples, batch 16: 24 epochs are 9 steps, evaluations at 3, 6 and 9.
+    def args(run_dir):
+        return ["arc1", "--data.path", arc_path, "--data.cache-dir", str(tmp_path / "cache"),
+                "--run.dir", str(run_dir), "--optim.global-batch-size", "16", "--optim.epochs", "24",
+                "--eval.every-epochs", "8", "--run.log-every", "3", *TINY_ARC]
+
+    straight_dir = tmp_path / "straight"
+    straight = train.main(train.cli(args(straight_dir)))
+    assert [e["step"] for e in straight["evals"]] == [3, 6, 9]
+    assert [e["aggregated_evaluations"] for e in straight["evals"]] == [1, 2, 3]
+    first = straight["evals"][0]
+    assert all(first[f"aggregated_pass@{k}"] == first[f"pass@{k}"] for k in PASS_KS)
+    # The aggregated score is the vote over the three saved evaluations.
+    evaluator = ArcEvaluator.from_dataset(arc_path)
+    saved = {step: (straight_dir / "eval" / f"step_{step}" / "arc_votes.json.gz").read_bytes() for step in (3, 6, 9)}
+    votes = [decode_summary(payload) for payload in saved.values()]
+    assert [v["voted_rows"] for v in votes] == [8, 8, 8]  # the test split's 8 rows each time
+    by_hand = evaluator.result(ArcEvaluator.merge(votes), PASS_KS)
+    assert {k: straight["final"][f"aggregated_{k}"] for k in by_hand} == by_hand
+    assert {k: straight["evals"][1][f"aggregated_{k}"] for k in by_hand} == \
+        evaluator.result(ArcEvaluator.merge(votes[:2]), PASS_KS)
+
+    # SIGTERM noticed at step 6, an evaluation step: the run saves and stops before evaluating.
+    resumed_dir = tmp_path / "resumed"
+    with monkeypatch.context() as patch:
+        checks = []
+        patch.setattr(sharding, "any_host", lambda flag: checks.append(flag) or len(checks) == 6)
+        stopped = train.main(train.cli(args(resumed_dir)))
+    assert stopped["preempted"] and [e["step"] for e in stopped["evals"]] == [3]
+    assert not (resumed_dir / "eval" / "step_6").exists()
+    resumed = train.main(train.cli(args(resumed_dir)))
+    assert resumed["start_step"] == 6 and [e["step"] for e in resumed["evals"]] == [6, 9]
+    for ours, theirs in zip(resumed["evals"], straight["evals"][1:]):
+        assert {k: v for k, v in ours.items() if "pass@" in k or k == "aggregated_evaluations"} == \
+            {k: v for k, v in theirs.items() if "pass@" in k or k == "aggregated_evaluations"}
+    for step in (3, 6, 9):
+        assert (resumed_dir / "eval" / f"step_{step}" / "arc_votes.json.gz").read_bytes() == saved[step], step
+
+    # Standalone: the final checkpoint again (its own votes replace step 9's) plus steps 3 and 6.
+    eval_args = ["--init-from", str(straight_dir), "--data.path", arc_path, "--data.cache-dir", str(tmp_path / "cache")]
+    alone = train.evaluate_command(eval_args + ["--eval.no-arc-aggregate"])
+    assert "aggregated_pass@2" not in alone and alone["pass@2"] == straight["final"]["pass@2"]
+    again = train.evaluate_command(eval_args + ["--eval.arc-aggregate"])
+    assert {k: again[k] for k in again if k.startswith("aggregated")} == \
+        {k: straight["final"][k] for k in straight["final"] if k.startswith("aggregated")}
+    # Votes saved at an earlier step count: solutions voted 5 times per test input (more than
+    # the model's votes of three evaluations) win every aggregated pass@k, not this snapshot's.
+    perfect = ArcEvaluator.from_dataset(arc_path, accumulate=True)
+    test_batches = data.EvalBatches(data.open_dataset(arc_path, "test"), 16)
+    for _ in range(5):
+        batch = test_batches.batch(0)
+        perfect.update(batch, np.where(batch["labels"] < 0, 0, batch["labels"]), np.zeros(16), test_batches.valid(0))
+    (straight_dir / "eval" / "step_1").mkdir()
+    (straight_dir / "eval" / "step_1" / "arc_votes.json.gz").write_bytes(encode_summary(perfect.summary()))
+    voted = train.evaluate_command(eval_args)  # the run's config: the arc preset aggregates
+    assert voted["aggregated_evaluations"] == 4
+    assert all(voted[f"aggregated_pass@{k}"] == 1.0 for k in PASS_KS)
+    assert voted["pass@1"] == straight["final"]["pass@1"] < 1.0
+    with open(straight_dir / "eval" / "step_9" / "submission.json") as f:
+        assert [t["attempt_1"] for t in json.load(f)["task_e"]] == ARC_EVALUATION_SOLUTIONS["task_e"]
+
+
+def test_eval_losses_are_the_last_act_step_of_real_rows_per_counted_example(demo_path, tmp_path):
+    """lm_loss and q_halt_loss of an evaluation, by hand: the reference's evaluate keeps each
+    batch's metrics of its last ACT step and divides every sum by count; padding rows (no
+    labels) must not count. One batch of 64 rows: the demo's 40 test examples and 24 pads."""
+    run_dir = tmp_path / "run"
+    trained = train.main(train.cli(["demo", "--data.path", demo_path,
+                                    *small(run_dir, tmp_path / "cache", "--optim.max-steps", "3"),
+                                    "--optim.global-batch-size", "64"]))
+    final = trained["final"]
+    config, weights, _ = train.load_weights_for_eval(str(run_dir), train.PRESETS["demo"][1])
+    trm = model.TRM(config.model).eval()
+    trm.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})  # the EMA weights
+    test_set = data.open_dataset(demo_path, "test")
+    batches = data.EvalBatches(test_set, 64)
+    assert len(batches) == 1 and batches.num_examples == 40
+    batch = {k: torch.from_numpy(v) for k, v in batches.batch(0).items()}
+    real = torch.from_numpy(batches.valid(0))
+    lm_by_step, q_by_step = [], []
+    with torch.no_grad():
+        carry = trm.initial_carry(batch)
+        for _ in range(config.model.halt_max_steps):
+            carry, outputs = trm(carry, batch)
+            labels = carry.current_data["labels"]
+            divisor = (labels != model.IGNORE_LABEL_ID).sum(-1).clamp_min(1)
+            lm_by_step.append(model.stablemax_cross_entropy(outputs["logits"], labels).sum(-1) / divisor)
+            correct = ((outputs["logits"].argmax(-1) == labels) | (labels == model.IGNORE_LABEL_ID)).all(-1)
+            q_by_step.append(torch.nn.functional.binary_cross_entropy_with_logits(
+                outputs["q_halt_logits"], correct.float(), reduction="none"))
+    count = int(real.sum())
+    assert final["count"] == count == 40
+    expected_lm = lm_by_step[-1][real].sum().item() / count
+    expected_q = q_by_step[-1][real].sum().item() / count
+    assert final["lm_loss"] == pytest.approx(expected_lm, rel=1e-4)
+    assert final["q_halt_loss"] == pytest.approx(expected_q, rel=1e-4)
+    # What it would be if padding rows counted (the reference's q_halt_loss) or every ACT step:
+    assert final["q_halt_loss"] != pytest.approx(q_by_step[-1].sum().item() / count, rel=1e-3)
+    assert final["lm_loss"] != pytest.approx(sum(x[real].sum().item() for x in lm_by_step) / count, rel=1e-3)
+
+
+def test_evaluation_schedule_counts_epochs_and_ends_with_the_final_evaluation():
+    # Sudoku-Extreme 1k (1000 groups of one-example puzzles), batch 768, 50k epochs, every 5k:
+    # the reference evaluates 10 times; rounding eval_every to 6510 steps once put the 10th at
+    # step 65,100 and then the final one at 65,104.
+    sudoku = types.SimpleNamespace(total_groups=1000, mean_puzzle_examples=1.0)
+    full = data.total_train_steps(sudoku, 50000, 768)
+    assert full == 65104
+    steps = train.evaluation_steps(full, 50000, 5000, full)
+    assert steps == [6510, 13021, 19531, 26042, 32552, 39062, 45573, 52083, 58594, 65104]
+    # ARC: every 10k of 100k epochs, 10 evaluations whatever the step count.
+    assert len(train.evaluation_steps(123457, 100000, 10000, 123457)) == 10
+    # Cut short by optim.max_steps: the scheduled ones before the end, then the final one.
+    assert train.evaluation_steps(full, 50000, 5000, 20000) == [6510, 13021, 19531, 20000]
+    assert train.evaluation_steps(full, 50000, 5000, 19531) == [6510, 13021, 19531]
+    assert train.evaluation_steps(full, 50000, 5000, 100) == [100]
+    # Epochs not a multiple of every_epochs: the last scheduled one stays, the final one follows.
+    assert train.evaluation_steps(210, 210, 50, 210) == [50, 100, 150, 200, 210]
+    # Fewer steps than evaluations: at most one per step.
+    assert train.evaluation_steps(3, 200, 50, 3) == [1, 2, 3]
+    assert train.evaluation_steps(full, 50000, 50000, full) == [full]
+    with pytest.raises(train.ConfigError, match="eval.every_epochs=0 must be at least 1"):
+        train.evaluation_steps(full, 50000, 0, full)
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_saved_arc_votes_are_found_by_step_locally_and_on_gcs(where, tmp_path, request):
+    from arc_eval import ArcEvaluator
+
+    root = str(tmp_path / "eval") if where == "local" else request.getfixturevalue("gcs_url") + "/eval"
+    votes = {step: {"votes": {("T", bytes([1, 1, step])): {b"\x01\x01\x07": [step, step * 2 ** 70 + 1]}},
+                    "voted_rows": step, "unmatched_rows": 0} for step in (3, 12, 7, 40)}
+    for step, summary in votes.items():
+        assert train.save_arc_votes(root, step, summary).endswith(f"/step_{step}/arc_votes.json.gz")
+    train.save_arc_votes(root, 12, votes[12])  # rewriting a step keeps one copy
+    found = train.saved_arc_votes(root, before_step=40)
+    assert [step for step, _ in found] == [3, 7, 12]
+    assert [summary for _, summary in found] == [votes[3], votes[7], votes[12]]
+    assert ArcEvaluator.merge(s for _, s in found)["voted_rows"] == 22
+    assert train.saved_arc_votes(root, before_step=3) == []
+    assert train.saved_arc_votes(root + "/nothing-here", before_step=100) == []
+
+
+def test_arc_aggregate_without_arc_scoring_is_refused(demo_path, tmp_path):
+    with pytest.raises(SystemExit, match="eval.arc_aggregate votes over ARC evaluations but eval.arc is off"):
+        train.main(train.cli(["demo", "--data.path", demo_path, "--eval.arc-aggregate",
+                              *small(tmp_path / "run", tmp_path / "cache", "--optim.max-steps", "1")]))
 
 
 def reference_weights_with_other_sizes(config_base, num_ids, seed=0):

@@ -116,6 +116,17 @@ def test_loss_and_metrics_by_hand():
     assert metrics["q_halt_accuracy"].item() == 2  # row 0: q>=0 and correct; row 1: q<0 and wrong
     assert metrics["steps"].item() == 8
 
+    # Evaluation's losses: only the counted rows (halted, with labels), the loss itself unchanged.
+    labels[1] = model.IGNORE_LABEL_ID  # a padding row: halted but without labels
+    outputs = {"logits": logits, "q_halt_logits": q_halt, "q_continue_logits": torch.zeros(3)}
+    loss_all, all_rows = loss_and_metrics(carry, outputs)
+    loss_counted, counted = loss_and_metrics(carry, outputs, halted_losses=True)
+    assert loss_counted.item() == loss_all.item()
+    assert counted["count"].item() == 1
+    assert counted["lm_loss"].item() == pytest.approx(right, rel=1e-6)
+    assert counted["q_halt_loss"].item() == pytest.approx(bce(1.0, 1), rel=1e-6)
+    assert all_rows["q_halt_loss"].item() == pytest.approx(bce(1.0, 1) + bce(-2.0, 1) + bce(3.0, 1), rel=1e-6)
+
 
 # -- the model -------------------------------------------------------------------------------------
 

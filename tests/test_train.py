@@ -110,6 +110,9 @@ def test_presets_are_the_papers_recipes():
         assert c.model.L_cycles == (6 if name.startswith("sudoku") else 4)
     assert presets["arc1"].optim.puzzle_emb_lr == 1e-2 and presets["arc1"].optim.weight_decay == 0.1
     assert presets["arc1"].optim.epochs == 100000 and presets["sudoku-att"].optim.epochs == 50000
+    # The reference reports ARC pass@k voted over every evaluation of a run (aggregated_voting).
+    assert all(presets[name].eval.arc and presets[name].eval.arc_aggregate for name in ("arc1", "arc2"))
+    assert not any(presets[name].eval.arc_aggregate for name in ("sudoku-mlp", "sudoku-att", "maze", "demo"))
 
 
 def test_lr_schedule_matches_the_reference_formula():
