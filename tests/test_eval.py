@@ -187,7 +187,7 @@ def test_eval_losses_are_the_last_act_step_of_real_rows_per_counted_example(demo
                                     *small(run_dir, tmp_path / "cache", "--optim.max-steps", "3"),
                                     "--optim.global-batch-size", "64"]))
     final = trained["final"]
-    config, weights, _ = train.load_weights_for_eval(str(run_dir), train.PRESETS["demo"][1])
+    config, weights, _, _ = train.load_weights_for_eval(str(run_dir), train.PRESETS["demo"][1], [])
     trm = model.TRM(config.model).eval()
     trm.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})  # the EMA weights
     test_set = data.open_dataset(demo_path, "test")
