@@ -37,14 +37,10 @@
 # Exit status: 0 success, 1 failure (explained on stderr), 2 usage error.
 set -euo pipefail
 
-# Functions named remote_* and r_* run on the TPU workers: they are sent, with `declare -f`, inside
-# the --command of `gcloud compute tpus tpu-vm ssh`; shellcheck checks them here.
-# shellcheck disable=SC2329
-
 readonly PROG=launch.sh
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 readonly REPO
-readonly REMOTE_HELPERS="r_init r_say r_active_pid r_code_hash"
+readonly WORKER_SCRIPT=$REPO/worker.sh   # what runs on the workers; sent with every ssh call
 
 TPU=${TRM_TPU:-}
 ZONE=${TRM_ZONE:-}
@@ -69,6 +65,7 @@ HELP=0
 CMD=""
 POS=()
 
+WORKER_B64=""
 CODE_HASH=""
 CODE_TAR=""
 TMPD=""
@@ -287,21 +284,27 @@ single_quote() {  # 'text' for any POSIX shell
   printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"
 }
 
-# The --command that runs remote function FN with ARGS on a worker: bash -c '<functions>; FN ARGS'.
-remote_cmd() {
-  local fn=$1 body a
+# The --command that runs `worker.sh FN ARGS...` on a worker. The script's text goes inside it,
+# base64-encoded, so a worker never needs (or uses) a deployed copy; every argument is single-quoted
+# for the worker's login shell, whatever it is.
+worker_cmd() {
+  local fn=$1 a cmd
   shift
-  # shellcheck disable=SC2086  # REMOTE_HELPERS is a list of names
-  body="$(declare -f $REMOTE_HELPERS "$fn")"$'\n'"$fn"
-  for a in "$@"; do body+=" $(printf '%q' "$a")"; done
-  printf 'bash -c %s' "$(single_quote "$body")"
+  cmd="s=\"\$(printf %s '$WORKER_B64' | base64 -d)\" && exec bash -c \"\$s\" worker.sh $fn"
+  for a in "$@"; do cmd+=" $(single_quote "$a")"; done
+  printf '%s' "$cmd"
 }
 
-# ssh WORKERS FN ARGS...: run remote function FN on the workers (all, or a list such as 0 or 1,3).
+load_worker_script() {  # sets WORKER_B64, worker.sh as one line of base64 (commands that use ssh)
+  [ -f "$WORKER_SCRIPT" ] || die "no worker.sh next to launch.sh (it runs on the workers)"
+  WORKER_B64=$(base64 < "$WORKER_SCRIPT" | tr -d '\n')
+}
+
+# ssh WORKERS FN ARGS...: run `worker.sh FN ARGS...` on the workers (all, or a list such as 0 or 1,3).
 ssh_run() {
   local workers=$1 fn=$2
   shift 2
-  gc compute tpus tpu-vm ssh "$TPU" "${TPU_FLAGS[@]}" --worker="$workers" --command="$(remote_cmd "$fn" "$@")"
+  gc compute tpus tpu-vm ssh "$TPU" "${TPU_FLAGS[@]}" --worker="$workers" --command="$(worker_cmd "$fn" "$@")"
 }
 
 # Lines TRM|worker|key|value from the workers, shown as "  worker N: value" for keys ok/note/error.
@@ -492,287 +495,6 @@ build_code() {
   fi
   rm -rf "$stage"
   CODE_FILES=$n
-}
-
-# ----------------------------------------------------------------------------------------------
-# Remote side: these functions run on every TPU worker (bash, Linux), one process per worker.
-
-r_init() {
-  set -u
-  W=$(curl -sf -m 5 -H 'Metadata-Flavor: Google' \
-    http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number 2>/dev/null) || W=""
-  case $W in ''|*[!0-9]*) W=$(hostname | sed -n 's/.*-w-\([0-9][0-9]*\)$/\1/p') ;; esac
-  [ -n "$W" ] || W=$(hostname)
-  C=$HOME/trm            # code
-  V=$HOME/trm-venv       # venv
-  S=$HOME/trm-state      # trainer state: name, pid, exit, signal, stopped, args, logs/
-  PY=$V/bin/python
-  mkdir -p "$S/logs"
-}
-
-r_say() {  # r_say KEY TEXT...: one line the laptop reads
-  local k=$1
-  shift
-  printf 'TRM|%s|%s|%s\n' "$W" "$k" "$*"
-}
-
-r_active_pid() {  # the pid of our running train.py, if any
-  local p
-  p=$(cat "$S/pid" 2>/dev/null) || return 1
-  [ -n "$p" ] && [ -r "/proc/$p/cmdline" ] || return 1
-  tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF -- "$C/train.py" || return 1
-  echo "$p"
-}
-
-r_code_hash() {  # r_code_hash DIR: the code hash if every file matches the manifest; none; modified
-  local d=${1:-$C}
-  [ -f "$d/.trm-code-sha256sums" ] || { echo none; return 0; }
-  (cd "$d" && sha256sum --quiet --strict -c .trm-code-sha256sums >/dev/null 2>&1) || { echo modified; return 0; }
-  sha256sum < "$d/.trm-code-sha256sums" | cut -c1-64
-}
-
-remote_setup() {  # remote_setup REQUIREMENT...
-  r_init
-  local log=$S/setup.log want=$V/trm-requirements.txt new
-  new=$want.new
-  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-    r_say error "python3 >= 3.10 needed, found: $(python3 --version 2>&1)"; return 1
-  fi
-  if [ ! -x "$V/bin/pip" ]; then
-    rm -rf "$V"
-    if ! python3 -m venv "$V" >>"$log" 2>&1; then
-      rm -rf "$V"
-      r_say note "installing python3-venv with apt"
-      # shellcheck disable=SC2024  # the log is ours, apt-get needs root
-      if ! { sudo -n apt-get -o DPkg::Lock::Timeout=600 -qq update && sudo -n apt-get -o DPkg::Lock::Timeout=600 -qq -y install python3-venv; } >>"$log" 2>&1 \
-         || ! python3 -m venv "$V" >>"$log" 2>&1; then
-        r_say error "could not create $V (see $log)"; tail -n 5 "$log" >&2; return 1
-      fi
-    fi
-    r_say note "created $V"
-  fi
-  printf '%s\n' "$@" > "$new"
-  if cmp -s "$new" "$want"; then
-    rm -f "$new"
-    r_say note "requirements already installed"
-  else
-    r_say note "installing $(tr '\n' ' ' < "$new")"
-    if ! "$V/bin/pip" install --no-input --disable-pip-version-check -r "$new" >>"$log" 2>&1; then
-      r_say error "pip install failed; the end of $log:"
-      tail -n 15 "$log" | sed "s/^/  [worker $W] /" >&2
-      return 1
-    fi
-    mv "$new" "$want"
-  fi
-  "$PY" - <<'PY' | while IFS=$'\t' read -r k v; do r_say "$k" "$v"; done
-import importlib.metadata as md, platform
-print(f"python\t{platform.python_version()}")
-for name in ("torch", "torch_xla", "libtpu"):
-    try:
-        print(f"{name}\t{md.version(name)}")
-    except md.PackageNotFoundError:
-        print(f"{name}\tmissing")
-PY
-  r_say ok "venv ready"
-}
-
-remote_deploy() {  # remote_deploy EXPECTED_HASH
-  r_init
-  local want=$1 got p tar=$HOME/trm-code.tar.gz
-  if p=$(r_active_pid); then
-    r_say error "run $(cat "$S/name") is running (pid $p): stop it before deploying"; return 10
-  fi
-  rm -rf "$C.new" "$C.old"
-  mkdir -p "$C.new"
-  if ! tar --warning=no-unknown-keyword -xzf "$tar" -C "$C.new" --strip-components=1; then
-    r_say error "could not unpack $tar"; rm -rf "$C.new"; return 1
-  fi
-  got=$(r_code_hash "$C.new")
-  if [ "$got" != "$want" ]; then
-    r_say error "unpacked code is $got, expected $want"; rm -rf "$C.new"; return 1
-  fi
-  if [ -e "$C" ]; then mv "$C" "$C.old"; fi
-  mv "$C.new" "$C"
-  rm -rf "$C.old" "$tar"
-  got=$(r_code_hash "$C")
-  r_say code "$got"
-  r_say ok "code ${got:0:12} in ~/trm"
-}
-
-remote_preflight() {  # remote_preflight: what train needs to know before starting anything
-  r_init
-  local p
-  r_say code "$(r_code_hash "$C")"
-  if [ -x "$PY" ]; then r_say venv ok; else r_say venv missing; fi
-  if p=$(r_active_pid); then r_say active "$(cat "$S/name" 2>/dev/null)"; r_say pid "$p"; fi
-  return 0
-}
-
-remote_launch() {  # remote_launch RUN_NAME TRAIN_ARGS...
-  r_init
-  local run=$1 p stale i log
-  shift
-  if p=$(r_active_pid); then
-    r_say error "run $(cat "$S/name") is already running (pid $p)"; return 10
-  fi
-  # Stale trainers of ours (left by a crash or started by hand): they would hold the TPU.
-  stale=""
-  for p in $(pgrep -u "$(id -u)" -f 'train\.py' || true); do
-    if tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF -- "$C/train.py" \
-       || [ "$(readlink "/proc/$p/cwd" 2>/dev/null)" = "$C" ]; then stale="$stale $p"; fi
-  done
-  if [ -n "$stale" ]; then
-    r_say note "ending stale train.py processes:$stale"
-    # shellcheck disable=SC2086
-    kill -TERM $stale 2>/dev/null || true
-    for i in $(seq 50); do
-      # shellcheck disable=SC2086
-      ps -o stat= -p "$(echo $stale | tr ' ' ',')" 2>/dev/null | grep -qv '^Z' || break
-      sleep 0.2
-    done
-    # shellcheck disable=SC2086
-    kill -KILL $stale 2>/dev/null || true
-  fi
-  sudo -n rm -f /tmp/libtpu_lockfile || r_say note "could not remove /tmp/libtpu_lockfile"
-  printf '%s\n' "$run" > "$S/name"
-  printf '%q ' "$@" > "$S/args"
-  rm -f "$S/pid" "$S/exit" "$S/signal" "$S/stopped"
-  log=$S/logs/$run.log
-  cd "$C" || return 1
-  (
-    trap '' HUP
-    trap 'echo TERM >> "$S/signal"' TERM
-    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: run $run: train.py $(cat "$S/args")"
-    PJRT_DEVICE=TPU PYTHONUNBUFFERED=1 TRM_RUN_NAME=$run "$PY" "$C/train.py" "$@" &
-    child=$!
-    echo "$child" > "$S/pid"
-    while :; do
-      wait "$child"; rc=$?
-      kill -0 "$child" 2>/dev/null || break
-    done
-    echo "$rc" > "$S/exit"
-    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: train.py exited with status $rc"
-  ) < /dev/null >> "$log" 2>&1 &
-  for i in $(seq 100); do [ -s "$S/pid" ] && break; sleep 0.1; done
-  r_say started "$(cat "$S/pid" 2>/dev/null)"
-  r_say ok "started run $run (pid $(cat "$S/pid" 2>/dev/null)), log ~/trm-state/logs/$run.log"
-}
-
-remote_status() {
-  r_init
-  local run p rc state last
-  run=$(cat "$S/name" 2>/dev/null || true)
-  r_say code "$(r_code_hash "$C")"
-  if [ -z "$run" ]; then r_say state NONE; return 0; fi
-  r_say run "$run"
-  if p=$(r_active_pid); then
-    state=RUNNING; r_say pid "$p"
-  elif [ -f "$S/exit" ]; then
-    rc=$(cat "$S/exit"); r_say exit "$rc"
-    if [ -f "$S/stopped" ]; then state=STOPPED
-    elif [ -s "$S/signal" ]; then state=INTERRUPTED
-    else state=EXITED; fi
-  else
-    state=LOST   # the trainer is gone without an exit status: the host restarted or it was killed
-  fi
-  r_say state "$state"
-  last=$(grep -v '^[[:space:]]*$' "$S/logs/$run.log" 2>/dev/null | tail -n 1 | cut -c1-160)
-  r_say last "$last"
-  return 0
-}
-
-remote_stop() {  # remote_stop WAIT_SECONDS KILL(0/1)
-  r_init
-  local wait=$1 kill=$2 p i
-  if ! p=$(r_active_pid); then r_say ok "no trainer running"; return 0; fi
-  : > "$S/stopped"
-  kill -TERM "$p"
-  r_say note "SIGTERM sent to train.py (pid $p), waiting up to ${wait}s while it saves"
-  i=0
-  while r_active_pid >/dev/null && [ "$i" -lt $((wait * 5)) ]; do sleep 0.2; i=$((i + 1)); done
-  if r_active_pid >/dev/null; then
-    if [ "$kill" = 1 ]; then
-      kill -KILL "$p" 2>/dev/null || true
-      r_say ok "train.py (pid $p) still running after ${wait}s: killed (SIGKILL)"
-      return 0
-    fi
-    r_say error "train.py (pid $p) still running after ${wait}s (bash launch.sh stop --kill ends it)"
-    return 3
-  fi
-  for i in $(seq 20); do [ -f "$S/exit" ] && break; sleep 0.1; done
-  r_say ok "train.py exited with status $(cat "$S/exit" 2>/dev/null || echo '?')"
-}
-
-remote_logs() {  # remote_logs RUN_NAME("" = latest) LINES MODE(follow/tail/prefix)
-  r_init
-  local run=$1 n=$2 mode=$3 f
-  [ -n "$run" ] || run=$(cat "$S/name" 2>/dev/null || true)
-  if [ -z "$run" ]; then echo "[worker $W] no run yet" >&2; return 1; fi
-  f=$S/logs/$run.log
-  if [ ! -f "$f" ]; then echo "[worker $W] no log $f" >&2; return 1; fi
-  case $mode in
-    follow) exec tail -n "$n" -F "$f" ;;
-    tail) tail -n "$n" "$f" ;;
-    *) tail -n "$n" "$f" | sed "s/^/[worker $W] /" ;;
-  esac
-}
-
-remote_check() {  # remote_check BUCKET DATA_URL
-  r_init
-  local bucket=$1 data=$2 p devices=1 rc
-  r_say code "$(r_code_hash "$C")"
-  if [ ! -x "$PY" ]; then r_say error "no venv ~/trm-venv: run setup"; return 1; fi
-  if p=$(r_active_pid); then
-    devices=0; r_say note "trainer running (pid $p): TPU busy, device test skipped"
-  elif [ -e /tmp/libtpu_lockfile ]; then
-    r_say note "/tmp/libtpu_lockfile exists (another process may hold the TPU; train removes it)"
-  fi
-  TRM_CHECK_WORKER=$W TRM_CHECK_DEVICES=$devices PJRT_DEVICE=TPU timeout 300 "$PY" - "$bucket" "$data" <<'PY' | while IFS=$'\t' read -r k v; do r_say "$k" "$v"; done
-import importlib.metadata as md, json, os, platform, sys
-def say(k, v):
-    print(f"{k}\t{v}", flush=True)
-say("python", platform.python_version())
-for name in ("torch", "torch_xla", "libtpu"):
-    try:
-        say(name, md.version(name))
-    except md.PackageNotFoundError:
-        say(name, "missing")
-bucket, data = sys.argv[1], sys.argv[2]
-try:
-    import fsspec
-    fs = fsspec.filesystem("gs")
-    probe = f"{bucket}/runs/.trm-check/worker-{os.environ['TRM_CHECK_WORKER']}"
-    with fs.open(probe, "wb") as f:
-        f.write(b"ok")
-    fs.rm(probe)
-    say("bucket", "ok")
-except Exception as e:
-    say("bucket", f"ERROR {type(e).__name__}: {e}".replace("\n", " ")[:300])
-if data:
-    try:
-        import fsspec
-        for split in ("train", "test"):
-            with fsspec.open(f"{data}/{split}/dataset.json", "r") as f:
-                json.load(f)
-        say("data", "ok")
-    except Exception as e:
-        say("data", f"ERROR {type(e).__name__}: {e}".replace("\n", " ")[:300])
-if os.environ["TRM_CHECK_DEVICES"] == "1":
-    try:
-        import torch_xla.runtime as xr
-        say("devices", xr.global_runtime_device_count())
-        say("local_devices", xr.addressable_runtime_device_count())
-        say("processes", xr.process_count())
-    except Exception as e:
-        say("devices", f"ERROR {type(e).__name__}: {e}".replace("\n", " ")[:300])
-PY
-  rc=${PIPESTATUS[0]}
-  if [ "$rc" = 124 ]; then
-    r_say devices "ERROR: no answer in 300 s (every host must start the TPU runtime at once; does another process hold the TPU?)"
-  elif [ "$rc" != 0 ]; then
-    r_say error "the check script failed with status $rc"
-  fi
-  return 0
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -1301,6 +1023,7 @@ main() {
   case $CMD in
     create|delete|setup|deploy|check|train|status|logs|stop|tensorboard)
       if [ "$HELP" = 1 ]; then "usage_$CMD"; exit 0; fi
+      case $CMD in setup|deploy|check|train|status|logs|stop) load_worker_script ;; esac
       "cmd_$CMD" ;;
     help) usage_main ;;
     *) usage_error "unknown command '$CMD' (create, delete, setup, deploy, check, train, status, logs, stop, tensorboard)" ;;
