@@ -745,39 +745,47 @@ cmd_train() {
   info "  bash $PROG status | logs 0 | stop;  $(tensorboard_cmd "$RUN")"
 }
 
-# Stop what is left of the run on every worker (SIGTERM, then SIGKILL after STOP_WAIT seconds).
+# stop_all WAIT KILL(0/1): stop what is left of the run on every worker (SIGTERM; with KILL=1,
+# SIGKILL after WAIT seconds).
 stop_all() {
-  local kill=$1
   tmpdir
-  ssh_capture "$TMPD/stop.out" all remote_stop "$STOP_WAIT" "$kill"
+  ssh_capture "$TMPD/stop.out" all remote_stop "$1" "$2"
 }
 
 # --retry --------------------------------------------------------------------------------------------
 
-# Classifies the workers from a status file: sets R_RUNNING R_DONE R_FAILED R_STOPPED R_INTERRUPTED.
-classify() {
-  local out=$1 w state rc run
-  R_RUNNING=() R_DONE=() R_FAILED=() R_STOPPED=() R_INTERRUPTED=()
+# worker_classes STATUS_FILE: one line "WORKER CLASS" per worker of a remote_status answer, CLASS
+# one of running, finished (exit 0), failed (exit non-zero), stopped (by launch.sh stop), interrupted.
+worker_classes() {
+  local out=$1 w state rc run class
   for w in $(workers_in "$out"); do
     state=$(field "$out" "$w" state)
     rc=$(field "$out" "$w" exit)
     run=$(field "$out" "$w" run)
-    if [ "$run" != "$RUN" ]; then R_INTERRUPTED+=("$w"); continue; fi
-    case $state in
-      RUNNING) R_RUNNING+=("$w") ;;
-      EXITED) if [ "$rc" = 0 ]; then R_DONE+=("$w"); else R_FAILED+=("$w"); fi ;;
-      STOPPED) R_STOPPED+=("$w") ;;
-      *) R_INTERRUPTED+=("$w") ;;   # INTERRUPTED (SIGTERM from a shutdown), LOST, NONE
-    esac
+    class=interrupted   # INTERRUPTED (SIGTERM from a shutdown), LOST, NONE, or another run
+    if [ "$run" = "$RUN" ]; then
+      case $state in
+        RUNNING) class=running ;;
+        EXITED) if [ "$rc" = 0 ]; then class=finished; else class=failed; fi ;;
+        STOPPED) class=stopped ;;
+      esac
+    fi
+    printf '%s %s\n' "$w" "$class"
   done
 }
 
-recreate() {  # delete the preempted TPU, create it again as it was, setup, deploy
+in_class() {  # in_class CLASSES_FILE CLASS: its workers, comma-separated
+  awk -v c="$2" '$2 == c { printf "%s%s", sep, $1; sep = "," }' "$1"
+}
+
+# recreate ACCELERATOR VERSION SPOT PREEMPTIBLE: delete the preempted TPU (T_STATE, from the last
+# describe_tpu), create it again as it was, setup, deploy.
+recreate() {
   local delay=$POLL
   if [ "$T_STATE" != NOT_FOUND ]; then
     delete_tpu || info "delete failed; trying create anyway"
   fi
-  until create_tpu "$R_ACC" "$R_VERSION" "$R_SPOT" "$R_PREEMPTIBLE"; do
+  until create_tpu "$@"; do
     info "create failed (often: no spot capacity right now); again in ${delay}s"
     sleep "$delay"
     delay=$(awk -v d="$delay" 'BEGIN { d = d * 2; if (d > 600) d = 600; print d }')
@@ -791,28 +799,30 @@ recreate() {  # delete the preempted TPU, create it again as it was, setup, depl
   do_deploy
 }
 
-relaunch() {  # relaunch WHY
-  RESTARTS=$((RESTARTS + 1))
-  if [ "$RESTARTS" -gt "$MAX_RESTARTS" ]; then
-    die "$1; already relaunched $MAX_RESTARTS times (--max-restarts): giving up"
+count_relaunch() {  # count_relaunch N WHY: the Nth relaunch, announced, or the end (--max-restarts)
+  if [ "$1" -gt "$MAX_RESTARTS" ]; then
+    die "$2; already relaunched $MAX_RESTARTS times (--max-restarts): giving up"
   fi
-  info "$1: relaunch $RESTARTS of at most $MAX_RESTARTS"
+  info "$2: relaunch $1 of at most $MAX_RESTARTS"
 }
 
+# train --retry: launch, then watch the TPU and the workers every POLL seconds until the run ends.
+# Its state is local: the relaunch count and what a preempted TPU is created again as (`as`:
+# accelerator, runtime version, spot, preemptible, in create_tpu's order).
 retry_loop() {
-  local out rc=0 w tail_out
-  RESTARTS=0
+  local out classes rc=0 restarts=0 as=() failed tail_out
   trap 'info ""; info "stopped watching; the run goes on on the TPU (bash $PROG status / stop)"; exit 130' INT
   describe_tpu READY || die "could not read TPU $TPU"
   # What a preempted TPU is created again as: itself if it exists, else the create settings.
-  R_ACC=$ACCELERATOR R_VERSION=${RUNTIME_VERSION:-$(runtime_version_for "$ACCELERATOR")} R_SPOT="" R_PREEMPTIBLE=""
-  [ "$SPOT" = 1 ] && R_SPOT=True
+  as=("$ACCELERATOR" "${RUNTIME_VERSION:-$(runtime_version_for "$ACCELERATOR")}" "" "")
+  [ "$SPOT" = 1 ] && as[2]=True
   if [ "$T_STATE" != NOT_FOUND ] && [ -n "$T_ACC" ]; then
-    R_ACC=$T_ACC R_VERSION=${T_VERSION:-$R_VERSION} R_SPOT=$T_SPOT R_PREEMPTIBLE=$T_PREEMPTIBLE
+    as=("$T_ACC" "${T_VERSION:-${as[1]}}" "$T_SPOT" "$T_PREEMPTIBLE")
   fi
   case $T_STATE in
     READY) ;;
-    PREEMPTED|TERMINATED|NOT_FOUND) relaunch "TPU $TPU is $T_STATE"; recreate ;;
+    PREEMPTED|TERMINATED|NOT_FOUND)
+      restarts=$((restarts + 1)); count_relaunch "$restarts" "TPU $TPU is $T_STATE"; recreate "${as[@]}" ;;
     *) die "TPU $TPU is $T_STATE, not READY: wait, then run train --retry again" ;;
   esac
   launch || rc=$?
@@ -822,14 +832,15 @@ retry_loop() {
   fi
   tmpdir
   out=$TMPD/status.out
+  classes=$TMPD/classes
   while :; do
     sleep "$POLL"
     if ! describe_tpu READY; then info "could not read the TPU's state; trying again"; continue; fi
     case $T_STATE in
       READY) ;;
       PREEMPTED|TERMINATED|NOT_FOUND)
-        relaunch "TPU $TPU is $T_STATE (preempted)"
-        recreate
+        restarts=$((restarts + 1)); count_relaunch "$restarts" "TPU $TPU is $T_STATE (preempted)"
+        recreate "${as[@]}"
         launch || true
         continue ;;
       STOPPED|STOPPING) die "TPU $TPU is $T_STATE (stopped by someone): not relaunching" ;;
@@ -839,32 +850,34 @@ retry_loop() {
       info "could not reach every worker; trying again ($(tail -n 1 "$out.err"))"
       continue
     fi
-    classify "$out"
-    if [ ${#R_FAILED[@]} -gt 0 ]; then
-      info "train.py failed on worker(s) $(join_by , "${R_FAILED[@]}") (exit $(field "$out" "${R_FAILED[0]}" exit)) on a READY TPU: a real failure, not relaunching"
+    worker_classes "$out" > "$classes"
+    failed=$(in_class "$classes" failed)
+    if [ -n "$failed" ]; then
+      info "train.py failed on worker(s) $failed (exit $(field "$out" "${failed%%,*}" exit)) on a READY TPU: a real failure, not relaunching"
       info "stopping the other workers"
-      STOP_WAIT=$(( STOP_WAIT < 60 ? STOP_WAIT : 60 )) stop_all 1 || true
+      stop_all "$(( STOP_WAIT < 60 ? STOP_WAIT : 60 ))" 1 || true
       tail_out=$TMPD/tail.out
-      ssh_run "$(join_by , "${R_FAILED[@]}")" remote_logs "$RUN" 30 prefix > "$tail_out" 2>&1 || true
+      ssh_run "$failed" remote_logs "$RUN" 30 prefix > "$tail_out" 2>&1 || true
       info "the end of the failing log(s):"
       cat "$tail_out" >&2
       exit 1
     fi
-    if [ ${#R_STOPPED[@]} -gt 0 ]; then
+    if [ -n "$(in_class "$classes" stopped)" ]; then
       info "run $RUN was stopped (bash $PROG stop): not relaunching"
       return 0
     fi
-    if [ ${#R_INTERRUPTED[@]} -gt 0 ]; then
+    if [ -n "$(in_class "$classes" interrupted)" ]; then
       describe_tpu READY || true
       if [ "$T_STATE" = READY ]; then
-        relaunch "the trainer on worker(s) $(join_by , "${R_INTERRUPTED[@]}") was interrupted (host restarted or killed)"
-        stop_all 1 >/dev/null 2>&1 || true
+        restarts=$((restarts + 1))
+        count_relaunch "$restarts" "the trainer on worker(s) $(in_class "$classes" interrupted) was interrupted (host restarted or killed)"
+        stop_all "$STOP_WAIT" 1 >/dev/null 2>&1 || true
         launch || true
       fi
       continue
     fi
-    if [ ${#R_RUNNING[@]} -eq 0 ] && [ ${#R_DONE[@]} -gt 0 ]; then
-      info "run $RUN finished: train.py exited 0 on all ${#R_DONE[@]} workers"
+    if [ -z "$(in_class "$classes" running)" ] && [ -n "$(in_class "$classes" finished)" ]; then
+      info "run $RUN finished: train.py exited 0 on all $(grep -c ' finished$' "$classes") workers"
       return 0
     fi
   done
@@ -918,7 +931,7 @@ cmd_stop() {
   require tpu zone project
   tmpdir
   info "stop: SIGTERM to train.py on every worker of $TPU; each saves a checkpoint, then exits"
-  stop_all "$KILL" || die "some trainers did not stop (above)"
+  stop_all "$STOP_WAIT" "$KILL" || die "some trainers did not stop (above)"
   dry && return 0
   info "stopped. The same train command resumes from the checkpoint."
 }
