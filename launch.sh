@@ -1,38 +1,13 @@
 #!/usr/bin/env bash
 # launch.sh: train TRM on a Cloud TPU slice (a v4-8 up to a v4-64 pod) from your laptop, with gcloud.
 #
-# From nothing to a running v4-64 job. Every step can be run twice; --dry-run prints the gcloud
-# commands instead of running them.
+# The laptop's side: one command per stage (create, setup, deploy, check, train, status, logs, stop,
+# tensorboard, delete), each safe to run twice; --dry-run prints the gcloud calls instead of making
+# them. On the workers, each step runs worker.sh, which this script sends with every ssh call (see
+# the top of worker.sh) and which answers in lines TRM|WORKER|KEY|VALUE read here.
 #
-#   export TRM_TPU=trm-pod TRM_ZONE=us-central2-b TRM_PROJECT=my-project TRM_BUCKET=my-trm-bucket
-#   bash launch.sh create --accelerator v4-64 --spot   # the TPU VM slice and the bucket, if missing
-#   python data.py build-sudoku --out gs://$TRM_BUCKET/data/sudoku-extreme-1k-aug-1000
-#   export TRM_DATA=gs://$TRM_BUCKET/data/sudoku-extreme-1k-aug-1000
-#   bash launch.sh setup                 # venv ~/trm-venv with torch_xla[tpu] on every worker
-#   bash launch.sh deploy                # tracked files -> ~/trm on every worker, code hashes compared
-#   bash launch.sh check                 # TPU, versions, device count, bucket, dataset, per worker
-#   bash launch.sh train --retry sudoku-1 sudoku-mlp   # train.py on every worker, relaunched after
-#                                        # preemptions (without --retry: start and return)
-#   bash launch.sh status                # TPU state and each worker's trainer
-#   bash launch.sh logs 0                # follow worker 0's log (Ctrl-C stops following, not the run)
-#   bash launch.sh tensorboard sudoku-1  # the command that watches gs://$TRM_BUCKET/runs/sudoku-1/tb
-#   bash launch.sh stop                  # SIGTERM: every host saves a checkpoint, then exits
-#   bash launch.sh train sudoku-1 sudoku-mlp           # the same command again resumes the run
-#   bash launch.sh delete                # the TPU VMs (the bucket, data and runs stay)
-#
-# Settings, as flags (anywhere before the run name) or environment variables:
-#   --tpu NAME           TRM_TPU              TPU VM (slice) name
-#   --zone ZONE          TRM_ZONE             e.g. us-central2-b (v4)
-#   --project PROJECT    TRM_PROJECT          Google Cloud project id
-#   --bucket BUCKET      TRM_BUCKET           GCS bucket for data and runs (name or gs://name)
-#   --accelerator TYPE   TRM_ACCELERATOR      create: accelerator type (default v4-64)
-#   --runtime-version V  TRM_RUNTIME_VERSION  create: TPU software version (default by accelerator)
-#   --spot               TRM_SPOT=1           create: a spot TPU (cheap, preemptible)
-#   --data URL           TRM_DATA             dataset for check, and train's default --data.path
-#
-# The run directory is gs://BUCKET/runs/RUN_NAME; the run name is chosen here, once, and given to
-# every host. On the workers: code in ~/trm (replaced whole by deploy), venv in ~/trm-venv, trainer
-# state and logs in ~/trm-state (logs/RUN_NAME.log). Needs bash, git, tar and gcloud on the laptop.
+# How to use it, from nothing to a running v4-64 job, and what each command does: README.md,
+# section "Run on a TPU pod". `bash launch.sh COMMAND --help` lists a command's flags.
 #
 # Exit status: 0 success, 1 failure (explained on stderr), 2 usage error.
 set -euo pipefail
@@ -72,7 +47,7 @@ TMPD=""
 exec 3>&1   # dry-run commands go to the original stdout, even from inside $(...)
 
 # ----------------------------------------------------------------------------------------------
-# Help
+# Help: usage and flags; README.md, section "Run on a TPU pod", explains the commands.
 
 usage_main() {
   cat <<'EOF'
@@ -90,12 +65,13 @@ Run TRM on a Cloud TPU slice from your laptop (gcloud). Commands, in the order o
   tensorboard  print (or --start) the TensorBoard command for gs://BUCKET/runs/RUN_NAME/tb
   delete       delete the TPU VM slice (the bucket stays)
 
-Settings (flags, or environment variables):
+Settings (flags before the run name, or environment variables):
   --tpu NAME (TRM_TPU)   --zone ZONE (TRM_ZONE)   --project ID (TRM_PROJECT)
   --bucket NAME (TRM_BUCKET)   --data gs://... (TRM_DATA)
   --dry-run      print every gcloud command instead of running it
 
-`bash launch.sh COMMAND --help` explains a command. The top of launch.sh lists every step.
+`bash launch.sh COMMAND --help` lists a command's flags. README.md, section "Run on a TPU pod",
+walks through a first run and says what each command does.
 EOF
 }
 
@@ -103,17 +79,15 @@ usage_create() {
   cat <<'EOF'
 usage: bash launch.sh create [--accelerator TYPE] [--runtime-version V] [--spot] [--dry-run]
 
-Creates the bucket gs://BUCKET (in the zone's region, uniform access) and the TPU VM slice TPU, each
-only if missing. A TPU left PREEMPTED or TERMINATED is deleted and created again (a spot TPU does
-not come back by itself). A TPU that exists with another accelerator type is an error.
+The bucket gs://BUCKET and the TPU VM slice TPU, each if missing (a preempted TPU is replaced).
 
   --accelerator TYPE       accelerator type (TRM_ACCELERATOR, default v4-64 = 8 hosts x 4 chips)
-  --runtime-version V      TPU software version (TRM_RUNTIME_VERSION; default tpu-ubuntu2204-base
-                           for v2/v3/v4, v2-alpha-tpuv5-lite for v5e, v2-alpha-tpuv5 for v5p,
-                           v2-alpha-tpuv6e for v6e)
+  --runtime-version V      TPU software version (TRM_RUNTIME_VERSION; default by accelerator,
+                           tpu-ubuntu2204-base for v2/v3/v4)
   --spot                   a spot TPU (TRM_SPOT=1): much cheaper, preempted at any time
 
 Needs --tpu, --zone, --project, --bucket (or TRM_TPU, TRM_ZONE, TRM_PROJECT, TRM_BUCKET).
+More: README.md, "What each command does".
 EOF
 }
 
@@ -121,9 +95,8 @@ usage_delete() {
   cat <<'EOF'
 usage: bash launch.sh delete [--dry-run]
 
-Deletes the TPU VM slice (without a prompt). The bucket and everything in it (datasets,
-checkpoints, TensorBoard logs) stays: remove it yourself with `gcloud storage rm -r gs://BUCKET`.
-Nothing to delete is not an error. Needs --tpu, --zone, --project.
+Deletes the TPU VM slice, without a prompt; the bucket stays. Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -131,11 +104,9 @@ usage_setup() {
   cat <<'EOF'
 usage: bash launch.sh setup [--dry-run]
 
-On every worker, in parallel: creates the venv ~/trm-venv (installing python3-venv with apt if the
-image lacks it) and installs requirements.txt with torch_xla[tpu] in place of torch_xla (libtpu
-comes with it). A worker whose venv already holds exactly these requirements is left alone, so a
-second run is quick. pip's output goes to ~/trm-state/setup.log on each worker; each worker reports
-its Python, torch, torch_xla and libtpu versions. Needs --tpu, --zone, --project.
+The venv ~/trm-venv with requirements.txt (torch_xla[tpu]) on every worker; pip's output goes to
+~/trm-state/setup.log there. Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -143,12 +114,9 @@ usage_deploy() {
   cat <<'EOF'
 usage: bash launch.sh deploy [--dry-run]
 
-Packs the files git tracks in this checkout, as they are in the working tree (never data/, runs/,
-.venv/, nor untracked files or caches), with a manifest of their sha256 sums; copies the tarball to
-every worker (gcloud ... scp --worker=all); unpacks it into a fresh ~/trm (replacing the old one
-whole); then every worker checks each file against the manifest and reports its code hash, and
-deploy fails unless every worker holds the hash of your checkout. Refused on a worker whose
-trainer is running. Needs --tpu, --zone, --project.
+The files git tracks in this checkout, as in the working tree, to a fresh ~/trm on every worker;
+fails unless every worker then holds your checkout's code hash. Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -156,12 +124,9 @@ usage_check() {
   cat <<'EOF'
 usage: bash launch.sh check [--data gs://...] [--dry-run]
 
-Preflight on every worker at once: the TPU is READY and healthy; Python, torch, torch_xla and
-libtpu versions are the same everywhere and torch/torch_xla match requirements.txt; the TPU runtime
-starts and sees the expected device count (v4-64: 32 devices, 4 per host, 8 processes); the bucket
-is writable from the worker (a probe object under gs://BUCKET/runs/.trm-check/ is written and
-removed); the dataset (--data or TRM_DATA) is readable; the code matches your checkout. The device
-test is skipped while a trainer runs (the TPU is busy). Needs --tpu, --zone, --project, --bucket.
+Preflight on every worker: TPU, versions, device count, bucket, dataset (--data or TRM_DATA), code.
+Needs --tpu, --zone, --project, --bucket.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -170,28 +135,17 @@ usage_train() {
 usage: bash launch.sh train [--retry] [--poll SECONDS] [--max-restarts N] [--dry-run]
                             RUN_NAME PRESET [train.py flags...]
 
-Starts `python train.py PRESET [flags...] --run.dir gs://BUCKET/runs/RUN_NAME --run.device tpu` on
-every worker, in the background, with PJRT_DEVICE=TPU, the same arguments and run name
-(TRM_RUN_NAME) everywhere, each worker logging to its own ~/trm-state/logs/RUN_NAME.log.
-Everything after RUN_NAME goes to train.py untouched (spaces and quotes included); launch.sh's own
-options come before RUN_NAME. --data.path defaults to --data / TRM_DATA. Relaunching with the
-same RUN_NAME resumes from the run's last checkpoint.
+train.py PRESET [flags...] on every worker, run directory gs://BUCKET/runs/RUN_NAME. Everything
+after RUN_NAME goes to train.py untouched; launch.sh's own options come before RUN_NAME.
+--data.path defaults to --data / TRM_DATA. The same RUN_NAME again resumes the run.
 
-Before starting, every worker is asked first: train is refused if a trainer is running on any
-worker (stop it, or wait), if a worker has no venv (setup) or other code than this checkout
-(deploy). Then each worker ends stale train.py processes of ours and removes the TPU lock file
-(/tmp/libtpu_lockfile).
-
-  --retry              stay on the laptop and watch the run (every --poll seconds, TRM_POLL_SECONDS,
-                       default 60): if the TPU is preempted (PREEMPTED, TERMINATED or gone), delete
-                       and create it again with the same accelerator, runtime and spot setting, then
-                       setup, deploy and relaunch the same command (it resumes from the last
-                       checkpoint); if a host's trainer was killed on a READY TPU, relaunch. Stops
-                       with an error when train.py exits non-zero on a READY TPU (a real failure:
-                       the other workers are stopped and the failing log's end is printed), and
-                       with success when every worker exits 0 or after `launch.sh stop`. Run again
-                       with the same RUN_NAME to watch a run that is already going.
+  --retry              stay on the laptop and watch the run: recreate a preempted TPU, setup,
+                       deploy and relaunch; stop on a real failure (Ctrl-C stops watching)
+  --poll SECONDS       how often --retry looks (TRM_POLL_SECONDS, default 60)
   --max-restarts N     give up after N relaunches (TRM_MAX_RESTARTS, default 20)
+
+Needs --tpu, --zone, --project, --bucket.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -199,9 +153,9 @@ usage_status() {
   cat <<'EOF'
 usage: bash launch.sh status [--dry-run]
 
-Prints the TPU's state and health, then one line per worker: the run, its trainer's state
-(RUNNING, EXITED n, STOPPED, INTERRUPTED, LOST, NONE), the code hash and the log's last line.
+The TPU's state, then one line per worker: run, trainer state, code hash, the log's last line.
 Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -209,9 +163,15 @@ usage_logs() {
   cat <<'EOF'
 usage: bash launch.sh logs [WORKER|all] [--lines N] [--no-follow] [--run RUN_NAME] [--dry-run]
 
-Follows (tail -F) the log of the latest run on WORKER (default 0); Ctrl-C stops following, not the
-run. `logs all` prints the last lines of every worker's log. --lines N: lines of history (default
-100). --run: another run's log. Needs --tpu, --zone, --project.
+Follows the latest run's log on WORKER (default 0); Ctrl-C stops following, not the run. `all`:
+the last lines of every worker's log.
+
+  --lines N, -n N      lines of history (default 100)
+  --no-follow          print them and return
+  --run RUN_NAME       another run's log
+
+Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -219,10 +179,14 @@ usage_stop() {
   cat <<'EOF'
 usage: bash launch.sh stop [--wait SECONDS] [--kill] [--dry-run]
 
-Sends SIGTERM to train.py on every worker: the hosts agree on a step, save a checkpoint and exit 0.
-Waits up to --wait seconds (TRM_STOP_WAIT, default 120) for them; --kill then ends what is still
-running with SIGKILL (e.g. hosts stuck because another host died). `train` with the same run name
-resumes. Needs --tpu, --zone, --project.
+SIGTERM to train.py on every worker: the hosts save a checkpoint and exit; `train` with the same
+run name resumes.
+
+  --wait SECONDS       how long to wait for them (TRM_STOP_WAIT, default 120)
+  --kill               then end what still runs with SIGKILL
+
+Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -230,10 +194,13 @@ usage_tensorboard() {
   cat <<'EOF'
 usage: bash launch.sh tensorboard [RUN_NAME] [--start] [--port N]
 
-Prints the command that shows gs://BUCKET/runs/RUN_NAME/tb in TensorBoard on your laptop (every
-run under gs://BUCKET/runs without RUN_NAME); --start runs it. TensorBoard reads the bucket
-directly with your own credentials (gcloud auth application-default login) and needs gcsfs (both
-are in requirements.txt). Needs --bucket.
+Prints the TensorBoard command for gs://BUCKET/runs/RUN_NAME/tb (every run without RUN_NAME).
+
+  --start              run it here (needs tensorboard and gcsfs, both in requirements.txt)
+  --port N             its port (default 6006)
+
+Needs --bucket.
+More: README.md, "What each command does".
 EOF
 }
 

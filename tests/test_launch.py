@@ -221,6 +221,17 @@ def test_help(pod):
     assert pod.calls() == []
 
 
+def test_help_lists_each_commands_flags(pod):
+    flags = {"create": ["--accelerator", "--runtime-version", "--spot"], "check": ["--data"],
+             "train": ["--retry", "--poll", "--max-restarts"], "logs": ["--lines", "--no-follow", "--run"],
+             "stop": ["--wait", "--kill"], "tensorboard": ["--start", "--port"]}
+    for name in SUBCOMMANDS:
+        text = pod.run(name, "--help").stdout
+        for flag in flags.get(name, []) + (["--dry-run"] if name != "tensorboard" else []):
+            assert flag in text, (name, flag)
+        assert "README.md" in text   # the help points to the README instead of repeating it
+
+
 def test_missing_settings_are_named_with_how_to_set_them(pod):
     for name in ("TRM_TPU", "TRM_ZONE", "TRM_PROJECT", "TRM_BUCKET"):
         del pod.env[name]
