@@ -40,10 +40,14 @@ HELP=0
 CMD=""
 POS=()
 
-WORKER_B64=""
-CODE_HASH=""
+TPU_FLAGS=()      # --zone, --project: set by require
+RUN=""            # train's run name and train.py's arguments: set by parse_train_args
+TRAIN_ARGS=()
+WORKER_B64=""     # worker.sh as one line of base64: set by load_worker_script
+CODE_HASH=""      # this checkout's code: set by build_code
 CODE_TAR=""
-TMPD=""
+CODE_FILES=""
+TMPD=""           # scratch directory, removed on exit: set by tmpdir
 exec 3>&1   # dry-run commands go to the original stdout, even from inside $(...)
 
 # ----------------------------------------------------------------------------------------------
@@ -606,10 +610,6 @@ cmd_check() {
 }
 
 # train --------------------------------------------------------------------------------------------
-
-RUN=""
-TRAIN_ARGS=()
-TPU_FLAGS=()
 
 parse_train_args() {
   [ ${#POS[@]} -ge 1 ] || usage_error "train needs RUN_NAME and PRESET: train RUN_NAME PRESET [train.py flags...]"
