@@ -1,50 +1,21 @@
 #!/usr/bin/env bash
 # launch.sh: train TRM on a Cloud TPU slice (a v4-8 up to a v4-64 pod) from your laptop, with gcloud.
 #
-# From nothing to a running v4-64 job. Every step can be run twice; --dry-run prints the gcloud
-# commands instead of running them.
+# The laptop's side: one command per stage (create, setup, deploy, check, train, status, logs, stop,
+# tensorboard, delete), each safe to run twice; --dry-run prints the gcloud calls instead of making
+# them. On the workers, each step runs worker.sh, which this script sends with every ssh call (see
+# the top of worker.sh) and which answers in lines TRM|WORKER|KEY|VALUE read here.
 #
-#   export TRM_TPU=trm-pod TRM_ZONE=us-central2-b TRM_PROJECT=my-project TRM_BUCKET=my-trm-bucket
-#   bash launch.sh create --accelerator v4-64 --spot   # the TPU VM slice and the bucket, if missing
-#   python data.py build-sudoku --out gs://$TRM_BUCKET/data/sudoku-extreme-1k-aug-1000
-#   export TRM_DATA=gs://$TRM_BUCKET/data/sudoku-extreme-1k-aug-1000
-#   bash launch.sh setup                 # venv ~/trm-venv with torch_xla[tpu] on every worker
-#   bash launch.sh deploy                # tracked files -> ~/trm on every worker, code hashes compared
-#   bash launch.sh check                 # TPU, versions, device count, bucket, dataset, per worker
-#   bash launch.sh train --retry sudoku-1 sudoku-mlp   # train.py on every worker, relaunched after
-#                                        # preemptions (without --retry: start and return)
-#   bash launch.sh status                # TPU state and each worker's trainer
-#   bash launch.sh logs 0                # follow worker 0's log (Ctrl-C stops following, not the run)
-#   bash launch.sh tensorboard sudoku-1  # the command that watches gs://$TRM_BUCKET/runs/sudoku-1/tb
-#   bash launch.sh stop                  # SIGTERM: every host saves a checkpoint, then exits
-#   bash launch.sh train sudoku-1 sudoku-mlp           # the same command again resumes the run
-#   bash launch.sh delete                # the TPU VMs (the bucket, data and runs stay)
-#
-# Settings, as flags (anywhere before the run name) or environment variables:
-#   --tpu NAME           TRM_TPU              TPU VM (slice) name
-#   --zone ZONE          TRM_ZONE             e.g. us-central2-b (v4)
-#   --project PROJECT    TRM_PROJECT          Google Cloud project id
-#   --bucket BUCKET      TRM_BUCKET           GCS bucket for data and runs (name or gs://name)
-#   --accelerator TYPE   TRM_ACCELERATOR      create: accelerator type (default v4-64)
-#   --runtime-version V  TRM_RUNTIME_VERSION  create: TPU software version (default by accelerator)
-#   --spot               TRM_SPOT=1           create: a spot TPU (cheap, preemptible)
-#   --data URL           TRM_DATA             dataset for check, and train's default --data.path
-#
-# The run directory is gs://BUCKET/runs/RUN_NAME; the run name is chosen here, once, and given to
-# every host. On the workers: code in ~/trm (replaced whole by deploy), venv in ~/trm-venv, trainer
-# state and logs in ~/trm-state (logs/RUN_NAME.log). Needs bash, git, tar and gcloud on the laptop.
+# How to use it, from nothing to a running v4-64 job, and what each command does: README.md,
+# section "Run on a TPU pod". `bash launch.sh COMMAND --help` lists a command's flags.
 #
 # Exit status: 0 success, 1 failure (explained on stderr), 2 usage error.
 set -euo pipefail
 
-# Functions named remote_* and r_* run on the TPU workers: they are sent, with `declare -f`, inside
-# the --command of `gcloud compute tpus tpu-vm ssh`; shellcheck checks them here.
-# shellcheck disable=SC2329
-
 readonly PROG=launch.sh
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 readonly REPO
-readonly REMOTE_HELPERS="r_init r_say r_active_pid r_code_hash"
+readonly WORKER_SCRIPT=$REPO/worker.sh   # what runs on the workers; sent with every ssh call
 
 TPU=${TRM_TPU:-}
 ZONE=${TRM_ZONE:-}
@@ -69,13 +40,18 @@ HELP=0
 CMD=""
 POS=()
 
-CODE_HASH=""
+TPU_FLAGS=()      # --zone, --project: set by require
+RUN=""            # train's run name and train.py's arguments: set by parse_train_args
+TRAIN_ARGS=()
+WORKER_B64=""     # worker.sh as one line of base64: set by load_worker_script
+CODE_HASH=""      # this checkout's code: set by build_code
 CODE_TAR=""
-TMPD=""
+CODE_FILES=""
+TMPD=""           # scratch directory, removed on exit: set by tmpdir
 exec 3>&1   # dry-run commands go to the original stdout, even from inside $(...)
 
 # ----------------------------------------------------------------------------------------------
-# Help
+# Help: usage and flags; README.md, section "Run on a TPU pod", explains the commands.
 
 usage_main() {
   cat <<'EOF'
@@ -93,12 +69,13 @@ Run TRM on a Cloud TPU slice from your laptop (gcloud). Commands, in the order o
   tensorboard  print (or --start) the TensorBoard command for gs://BUCKET/runs/RUN_NAME/tb
   delete       delete the TPU VM slice (the bucket stays)
 
-Settings (flags, or environment variables):
+Settings (flags before the run name, or environment variables):
   --tpu NAME (TRM_TPU)   --zone ZONE (TRM_ZONE)   --project ID (TRM_PROJECT)
   --bucket NAME (TRM_BUCKET)   --data gs://... (TRM_DATA)
   --dry-run      print every gcloud command instead of running it
 
-`bash launch.sh COMMAND --help` explains a command. The top of launch.sh lists every step.
+`bash launch.sh COMMAND --help` lists a command's flags. README.md, section "Run on a TPU pod",
+walks through a first run and says what each command does.
 EOF
 }
 
@@ -106,17 +83,15 @@ usage_create() {
   cat <<'EOF'
 usage: bash launch.sh create [--accelerator TYPE] [--runtime-version V] [--spot] [--dry-run]
 
-Creates the bucket gs://BUCKET (in the zone's region, uniform access) and the TPU VM slice TPU, each
-only if missing. A TPU left PREEMPTED or TERMINATED is deleted and created again (a spot TPU does
-not come back by itself). A TPU that exists with another accelerator type is an error.
+The bucket gs://BUCKET and the TPU VM slice TPU, each if missing (a preempted TPU is replaced).
 
   --accelerator TYPE       accelerator type (TRM_ACCELERATOR, default v4-64 = 8 hosts x 4 chips)
-  --runtime-version V      TPU software version (TRM_RUNTIME_VERSION; default tpu-ubuntu2204-base
-                           for v2/v3/v4, v2-alpha-tpuv5-lite for v5e, v2-alpha-tpuv5 for v5p,
-                           v2-alpha-tpuv6e for v6e)
+  --runtime-version V      TPU software version (TRM_RUNTIME_VERSION; default by accelerator,
+                           tpu-ubuntu2204-base for v2/v3/v4)
   --spot                   a spot TPU (TRM_SPOT=1): much cheaper, preempted at any time
 
 Needs --tpu, --zone, --project, --bucket (or TRM_TPU, TRM_ZONE, TRM_PROJECT, TRM_BUCKET).
+More: README.md, "What each command does".
 EOF
 }
 
@@ -124,9 +99,8 @@ usage_delete() {
   cat <<'EOF'
 usage: bash launch.sh delete [--dry-run]
 
-Deletes the TPU VM slice (without a prompt). The bucket and everything in it (datasets,
-checkpoints, TensorBoard logs) stays: remove it yourself with `gcloud storage rm -r gs://BUCKET`.
-Nothing to delete is not an error. Needs --tpu, --zone, --project.
+Deletes the TPU VM slice, without a prompt; the bucket stays. Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -134,11 +108,9 @@ usage_setup() {
   cat <<'EOF'
 usage: bash launch.sh setup [--dry-run]
 
-On every worker, in parallel: creates the venv ~/trm-venv (installing python3-venv with apt if the
-image lacks it) and installs requirements.txt with torch_xla[tpu] in place of torch_xla (libtpu
-comes with it). A worker whose venv already holds exactly these requirements is left alone, so a
-second run is quick. pip's output goes to ~/trm-state/setup.log on each worker; each worker reports
-its Python, torch, torch_xla and libtpu versions. Needs --tpu, --zone, --project.
+The venv ~/trm-venv with requirements.txt (torch_xla[tpu]) on every worker; pip's output goes to
+~/trm-state/setup.log there. Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -146,12 +118,9 @@ usage_deploy() {
   cat <<'EOF'
 usage: bash launch.sh deploy [--dry-run]
 
-Packs the files git tracks in this checkout, as they are in the working tree (never data/, runs/,
-.venv/, nor untracked files or caches), with a manifest of their sha256 sums; copies the tarball to
-every worker (gcloud ... scp --worker=all); unpacks it into a fresh ~/trm (replacing the old one
-whole); then every worker checks each file against the manifest and reports its code hash, and
-deploy fails unless every worker holds the hash of your checkout. Refused on a worker whose
-trainer is running. Needs --tpu, --zone, --project.
+The files git tracks in this checkout, as in the working tree, to a fresh ~/trm on every worker;
+fails unless every worker then holds your checkout's code hash. Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -159,12 +128,9 @@ usage_check() {
   cat <<'EOF'
 usage: bash launch.sh check [--data gs://...] [--dry-run]
 
-Preflight on every worker at once: the TPU is READY and healthy; Python, torch, torch_xla and
-libtpu versions are the same everywhere and torch/torch_xla match requirements.txt; the TPU runtime
-starts and sees the expected device count (v4-64: 32 devices, 4 per host, 8 processes); the bucket
-is writable from the worker (a probe object under gs://BUCKET/runs/.trm-check/ is written and
-removed); the dataset (--data or TRM_DATA) is readable; the code matches your checkout. The device
-test is skipped while a trainer runs (the TPU is busy). Needs --tpu, --zone, --project, --bucket.
+Preflight on every worker: TPU, versions, device count, bucket, dataset (--data or TRM_DATA), code.
+Needs --tpu, --zone, --project, --bucket.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -173,28 +139,17 @@ usage_train() {
 usage: bash launch.sh train [--retry] [--poll SECONDS] [--max-restarts N] [--dry-run]
                             RUN_NAME PRESET [train.py flags...]
 
-Starts `python train.py PRESET [flags...] --run.dir gs://BUCKET/runs/RUN_NAME --run.device tpu` on
-every worker, in the background, with PJRT_DEVICE=TPU, the same arguments and run name
-(TRM_RUN_NAME) everywhere, each worker logging to its own ~/trm-state/logs/RUN_NAME.log.
-Everything after RUN_NAME goes to train.py untouched (spaces and quotes included); launch.sh's own
-options come before RUN_NAME. --data.path defaults to --data / TRM_DATA. Relaunching with the
-same RUN_NAME resumes from the run's last checkpoint.
+train.py PRESET [flags...] on every worker, run directory gs://BUCKET/runs/RUN_NAME. Everything
+after RUN_NAME goes to train.py untouched; launch.sh's own options come before RUN_NAME.
+--data.path defaults to --data / TRM_DATA. The same RUN_NAME again resumes the run.
 
-Before starting, every worker is asked first: train is refused if a trainer is running on any
-worker (stop it, or wait), if a worker has no venv (setup) or other code than this checkout
-(deploy). Then each worker ends stale train.py processes of ours and removes the TPU lock file
-(/tmp/libtpu_lockfile).
-
-  --retry              stay on the laptop and watch the run (every --poll seconds, TRM_POLL_SECONDS,
-                       default 60): if the TPU is preempted (PREEMPTED, TERMINATED or gone), delete
-                       and create it again with the same accelerator, runtime and spot setting, then
-                       setup, deploy and relaunch the same command (it resumes from the last
-                       checkpoint); if a host's trainer was killed on a READY TPU, relaunch. Stops
-                       with an error when train.py exits non-zero on a READY TPU (a real failure:
-                       the other workers are stopped and the failing log's end is printed), and
-                       with success when every worker exits 0 or after `launch.sh stop`. Run again
-                       with the same RUN_NAME to watch a run that is already going.
+  --retry              stay on the laptop and watch the run: recreate a preempted TPU, setup,
+                       deploy and relaunch; stop on a real failure (Ctrl-C stops watching)
+  --poll SECONDS       how often --retry looks (TRM_POLL_SECONDS, default 60)
   --max-restarts N     give up after N relaunches (TRM_MAX_RESTARTS, default 20)
+
+Needs --tpu, --zone, --project, --bucket.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -202,9 +157,9 @@ usage_status() {
   cat <<'EOF'
 usage: bash launch.sh status [--dry-run]
 
-Prints the TPU's state and health, then one line per worker: the run, its trainer's state
-(RUNNING, EXITED n, STOPPED, INTERRUPTED, LOST, NONE), the code hash and the log's last line.
+The TPU's state, then one line per worker: run, trainer state, code hash, the log's last line.
 Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -212,9 +167,15 @@ usage_logs() {
   cat <<'EOF'
 usage: bash launch.sh logs [WORKER|all] [--lines N] [--no-follow] [--run RUN_NAME] [--dry-run]
 
-Follows (tail -F) the log of the latest run on WORKER (default 0); Ctrl-C stops following, not the
-run. `logs all` prints the last lines of every worker's log. --lines N: lines of history (default
-100). --run: another run's log. Needs --tpu, --zone, --project.
+Follows the latest run's log on WORKER (default 0); Ctrl-C stops following, not the run. `all`:
+the last lines of every worker's log.
+
+  --lines N, -n N      lines of history (default 100)
+  --no-follow          print them and return
+  --run RUN_NAME       another run's log
+
+Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -222,10 +183,14 @@ usage_stop() {
   cat <<'EOF'
 usage: bash launch.sh stop [--wait SECONDS] [--kill] [--dry-run]
 
-Sends SIGTERM to train.py on every worker: the hosts agree on a step, save a checkpoint and exit 0.
-Waits up to --wait seconds (TRM_STOP_WAIT, default 120) for them; --kill then ends what is still
-running with SIGKILL (e.g. hosts stuck because another host died). `train` with the same run name
-resumes. Needs --tpu, --zone, --project.
+SIGTERM to train.py on every worker: the hosts save a checkpoint and exit; `train` with the same
+run name resumes.
+
+  --wait SECONDS       how long to wait for them (TRM_STOP_WAIT, default 120)
+  --kill               then end what still runs with SIGKILL
+
+Needs --tpu, --zone, --project.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -233,10 +198,13 @@ usage_tensorboard() {
   cat <<'EOF'
 usage: bash launch.sh tensorboard [RUN_NAME] [--start] [--port N]
 
-Prints the command that shows gs://BUCKET/runs/RUN_NAME/tb in TensorBoard on your laptop (every
-run under gs://BUCKET/runs without RUN_NAME); --start runs it. TensorBoard reads the bucket
-directly with your own credentials (gcloud auth application-default login) and needs gcsfs (both
-are in requirements.txt). Needs --bucket.
+Prints the TensorBoard command for gs://BUCKET/runs/RUN_NAME/tb (every run without RUN_NAME).
+
+  --start              run it here (needs tensorboard and gcsfs, both in requirements.txt)
+  --port N             its port (default 6006)
+
+Needs --bucket.
+More: README.md, "What each command does".
 EOF
 }
 
@@ -287,21 +255,27 @@ single_quote() {  # 'text' for any POSIX shell
   printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"
 }
 
-# The --command that runs remote function FN with ARGS on a worker: bash -c '<functions>; FN ARGS'.
-remote_cmd() {
-  local fn=$1 body a
+# The --command that runs `worker.sh FN ARGS...` on a worker. The script's text goes inside it,
+# base64-encoded, so a worker never needs (or uses) a deployed copy; every argument is single-quoted
+# for the worker's login shell, whatever it is.
+worker_cmd() {
+  local fn=$1 a cmd
   shift
-  # shellcheck disable=SC2086  # REMOTE_HELPERS is a list of names
-  body="$(declare -f $REMOTE_HELPERS "$fn")"$'\n'"$fn"
-  for a in "$@"; do body+=" $(printf '%q' "$a")"; done
-  printf 'bash -c %s' "$(single_quote "$body")"
+  cmd="s=\"\$(printf %s '$WORKER_B64' | base64 -d)\" && exec bash -c \"\$s\" worker.sh $fn"
+  for a in "$@"; do cmd+=" $(single_quote "$a")"; done
+  printf '%s' "$cmd"
 }
 
-# ssh WORKERS FN ARGS...: run remote function FN on the workers (all, or a list such as 0 or 1,3).
+load_worker_script() {  # sets WORKER_B64, worker.sh as one line of base64 (commands that use ssh)
+  [ -f "$WORKER_SCRIPT" ] || die "no worker.sh next to launch.sh (it runs on the workers)"
+  WORKER_B64=$(base64 < "$WORKER_SCRIPT" | tr -d '\n')
+}
+
+# ssh WORKERS FN ARGS...: run `worker.sh FN ARGS...` on the workers (all, or a list such as 0 or 1,3).
 ssh_run() {
   local workers=$1 fn=$2
   shift 2
-  gc compute tpus tpu-vm ssh "$TPU" "${TPU_FLAGS[@]}" --worker="$workers" --command="$(remote_cmd "$fn" "$@")"
+  gc compute tpus tpu-vm ssh "$TPU" "${TPU_FLAGS[@]}" --worker="$workers" --command="$(worker_cmd "$fn" "$@")"
 }
 
 # Lines TRM|worker|key|value from the workers, shown as "  worker N: value" for keys ok/note/error.
@@ -495,287 +469,6 @@ build_code() {
 }
 
 # ----------------------------------------------------------------------------------------------
-# Remote side: these functions run on every TPU worker (bash, Linux), one process per worker.
-
-r_init() {
-  set -u
-  W=$(curl -sf -m 5 -H 'Metadata-Flavor: Google' \
-    http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number 2>/dev/null) || W=""
-  case $W in ''|*[!0-9]*) W=$(hostname | sed -n 's/.*-w-\([0-9][0-9]*\)$/\1/p') ;; esac
-  [ -n "$W" ] || W=$(hostname)
-  C=$HOME/trm            # code
-  V=$HOME/trm-venv       # venv
-  S=$HOME/trm-state      # trainer state: name, pid, exit, signal, stopped, args, logs/
-  PY=$V/bin/python
-  mkdir -p "$S/logs"
-}
-
-r_say() {  # r_say KEY TEXT...: one line the laptop reads
-  local k=$1
-  shift
-  printf 'TRM|%s|%s|%s\n' "$W" "$k" "$*"
-}
-
-r_active_pid() {  # the pid of our running train.py, if any
-  local p
-  p=$(cat "$S/pid" 2>/dev/null) || return 1
-  [ -n "$p" ] && [ -r "/proc/$p/cmdline" ] || return 1
-  tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF -- "$C/train.py" || return 1
-  echo "$p"
-}
-
-r_code_hash() {  # r_code_hash DIR: the code hash if every file matches the manifest; none; modified
-  local d=${1:-$C}
-  [ -f "$d/.trm-code-sha256sums" ] || { echo none; return 0; }
-  (cd "$d" && sha256sum --quiet --strict -c .trm-code-sha256sums >/dev/null 2>&1) || { echo modified; return 0; }
-  sha256sum < "$d/.trm-code-sha256sums" | cut -c1-64
-}
-
-remote_setup() {  # remote_setup REQUIREMENT...
-  r_init
-  local log=$S/setup.log want=$V/trm-requirements.txt new
-  new=$want.new
-  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-    r_say error "python3 >= 3.10 needed, found: $(python3 --version 2>&1)"; return 1
-  fi
-  if [ ! -x "$V/bin/pip" ]; then
-    rm -rf "$V"
-    if ! python3 -m venv "$V" >>"$log" 2>&1; then
-      rm -rf "$V"
-      r_say note "installing python3-venv with apt"
-      # shellcheck disable=SC2024  # the log is ours, apt-get needs root
-      if ! { sudo -n apt-get -o DPkg::Lock::Timeout=600 -qq update && sudo -n apt-get -o DPkg::Lock::Timeout=600 -qq -y install python3-venv; } >>"$log" 2>&1 \
-         || ! python3 -m venv "$V" >>"$log" 2>&1; then
-        r_say error "could not create $V (see $log)"; tail -n 5 "$log" >&2; return 1
-      fi
-    fi
-    r_say note "created $V"
-  fi
-  printf '%s\n' "$@" > "$new"
-  if cmp -s "$new" "$want"; then
-    rm -f "$new"
-    r_say note "requirements already installed"
-  else
-    r_say note "installing $(tr '\n' ' ' < "$new")"
-    if ! "$V/bin/pip" install --no-input --disable-pip-version-check -r "$new" >>"$log" 2>&1; then
-      r_say error "pip install failed; the end of $log:"
-      tail -n 15 "$log" | sed "s/^/  [worker $W] /" >&2
-      return 1
-    fi
-    mv "$new" "$want"
-  fi
-  "$PY" - <<'PY' | while IFS=$'\t' read -r k v; do r_say "$k" "$v"; done
-import importlib.metadata as md, platform
-print(f"python\t{platform.python_version()}")
-for name in ("torch", "torch_xla", "libtpu"):
-    try:
-        print(f"{name}\t{md.version(name)}")
-    except md.PackageNotFoundError:
-        print(f"{name}\tmissing")
-PY
-  r_say ok "venv ready"
-}
-
-remote_deploy() {  # remote_deploy EXPECTED_HASH
-  r_init
-  local want=$1 got p tar=$HOME/trm-code.tar.gz
-  if p=$(r_active_pid); then
-    r_say error "run $(cat "$S/name") is running (pid $p): stop it before deploying"; return 10
-  fi
-  rm -rf "$C.new" "$C.old"
-  mkdir -p "$C.new"
-  if ! tar --warning=no-unknown-keyword -xzf "$tar" -C "$C.new" --strip-components=1; then
-    r_say error "could not unpack $tar"; rm -rf "$C.new"; return 1
-  fi
-  got=$(r_code_hash "$C.new")
-  if [ "$got" != "$want" ]; then
-    r_say error "unpacked code is $got, expected $want"; rm -rf "$C.new"; return 1
-  fi
-  if [ -e "$C" ]; then mv "$C" "$C.old"; fi
-  mv "$C.new" "$C"
-  rm -rf "$C.old" "$tar"
-  got=$(r_code_hash "$C")
-  r_say code "$got"
-  r_say ok "code ${got:0:12} in ~/trm"
-}
-
-remote_preflight() {  # remote_preflight: what train needs to know before starting anything
-  r_init
-  local p
-  r_say code "$(r_code_hash "$C")"
-  if [ -x "$PY" ]; then r_say venv ok; else r_say venv missing; fi
-  if p=$(r_active_pid); then r_say active "$(cat "$S/name" 2>/dev/null)"; r_say pid "$p"; fi
-  return 0
-}
-
-remote_launch() {  # remote_launch RUN_NAME TRAIN_ARGS...
-  r_init
-  local run=$1 p stale i log
-  shift
-  if p=$(r_active_pid); then
-    r_say error "run $(cat "$S/name") is already running (pid $p)"; return 10
-  fi
-  # Stale trainers of ours (left by a crash or started by hand): they would hold the TPU.
-  stale=""
-  for p in $(pgrep -u "$(id -u)" -f 'train\.py' || true); do
-    if tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF -- "$C/train.py" \
-       || [ "$(readlink "/proc/$p/cwd" 2>/dev/null)" = "$C" ]; then stale="$stale $p"; fi
-  done
-  if [ -n "$stale" ]; then
-    r_say note "ending stale train.py processes:$stale"
-    # shellcheck disable=SC2086
-    kill -TERM $stale 2>/dev/null || true
-    for i in $(seq 50); do
-      # shellcheck disable=SC2086
-      ps -o stat= -p "$(echo $stale | tr ' ' ',')" 2>/dev/null | grep -qv '^Z' || break
-      sleep 0.2
-    done
-    # shellcheck disable=SC2086
-    kill -KILL $stale 2>/dev/null || true
-  fi
-  sudo -n rm -f /tmp/libtpu_lockfile || r_say note "could not remove /tmp/libtpu_lockfile"
-  printf '%s\n' "$run" > "$S/name"
-  printf '%q ' "$@" > "$S/args"
-  rm -f "$S/pid" "$S/exit" "$S/signal" "$S/stopped"
-  log=$S/logs/$run.log
-  cd "$C" || return 1
-  (
-    trap '' HUP
-    trap 'echo TERM >> "$S/signal"' TERM
-    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: run $run: train.py $(cat "$S/args")"
-    PJRT_DEVICE=TPU PYTHONUNBUFFERED=1 TRM_RUN_NAME=$run "$PY" "$C/train.py" "$@" &
-    child=$!
-    echo "$child" > "$S/pid"
-    while :; do
-      wait "$child"; rc=$?
-      kill -0 "$child" 2>/dev/null || break
-    done
-    echo "$rc" > "$S/exit"
-    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: train.py exited with status $rc"
-  ) < /dev/null >> "$log" 2>&1 &
-  for i in $(seq 100); do [ -s "$S/pid" ] && break; sleep 0.1; done
-  r_say started "$(cat "$S/pid" 2>/dev/null)"
-  r_say ok "started run $run (pid $(cat "$S/pid" 2>/dev/null)), log ~/trm-state/logs/$run.log"
-}
-
-remote_status() {
-  r_init
-  local run p rc state last
-  run=$(cat "$S/name" 2>/dev/null || true)
-  r_say code "$(r_code_hash "$C")"
-  if [ -z "$run" ]; then r_say state NONE; return 0; fi
-  r_say run "$run"
-  if p=$(r_active_pid); then
-    state=RUNNING; r_say pid "$p"
-  elif [ -f "$S/exit" ]; then
-    rc=$(cat "$S/exit"); r_say exit "$rc"
-    if [ -f "$S/stopped" ]; then state=STOPPED
-    elif [ -s "$S/signal" ]; then state=INTERRUPTED
-    else state=EXITED; fi
-  else
-    state=LOST   # the trainer is gone without an exit status: the host restarted or it was killed
-  fi
-  r_say state "$state"
-  last=$(grep -v '^[[:space:]]*$' "$S/logs/$run.log" 2>/dev/null | tail -n 1 | cut -c1-160)
-  r_say last "$last"
-  return 0
-}
-
-remote_stop() {  # remote_stop WAIT_SECONDS KILL(0/1)
-  r_init
-  local wait=$1 kill=$2 p i
-  if ! p=$(r_active_pid); then r_say ok "no trainer running"; return 0; fi
-  : > "$S/stopped"
-  kill -TERM "$p"
-  r_say note "SIGTERM sent to train.py (pid $p), waiting up to ${wait}s while it saves"
-  i=0
-  while r_active_pid >/dev/null && [ "$i" -lt $((wait * 5)) ]; do sleep 0.2; i=$((i + 1)); done
-  if r_active_pid >/dev/null; then
-    if [ "$kill" = 1 ]; then
-      kill -KILL "$p" 2>/dev/null || true
-      r_say ok "train.py (pid $p) still running after ${wait}s: killed (SIGKILL)"
-      return 0
-    fi
-    r_say error "train.py (pid $p) still running after ${wait}s (bash launch.sh stop --kill ends it)"
-    return 3
-  fi
-  for i in $(seq 20); do [ -f "$S/exit" ] && break; sleep 0.1; done
-  r_say ok "train.py exited with status $(cat "$S/exit" 2>/dev/null || echo '?')"
-}
-
-remote_logs() {  # remote_logs RUN_NAME("" = latest) LINES MODE(follow/tail/prefix)
-  r_init
-  local run=$1 n=$2 mode=$3 f
-  [ -n "$run" ] || run=$(cat "$S/name" 2>/dev/null || true)
-  if [ -z "$run" ]; then echo "[worker $W] no run yet" >&2; return 1; fi
-  f=$S/logs/$run.log
-  if [ ! -f "$f" ]; then echo "[worker $W] no log $f" >&2; return 1; fi
-  case $mode in
-    follow) exec tail -n "$n" -F "$f" ;;
-    tail) tail -n "$n" "$f" ;;
-    *) tail -n "$n" "$f" | sed "s/^/[worker $W] /" ;;
-  esac
-}
-
-remote_check() {  # remote_check BUCKET DATA_URL
-  r_init
-  local bucket=$1 data=$2 p devices=1 rc
-  r_say code "$(r_code_hash "$C")"
-  if [ ! -x "$PY" ]; then r_say error "no venv ~/trm-venv: run setup"; return 1; fi
-  if p=$(r_active_pid); then
-    devices=0; r_say note "trainer running (pid $p): TPU busy, device test skipped"
-  elif [ -e /tmp/libtpu_lockfile ]; then
-    r_say note "/tmp/libtpu_lockfile exists (another process may hold the TPU; train removes it)"
-  fi
-  TRM_CHECK_WORKER=$W TRM_CHECK_DEVICES=$devices PJRT_DEVICE=TPU timeout 300 "$PY" - "$bucket" "$data" <<'PY' | while IFS=$'\t' read -r k v; do r_say "$k" "$v"; done
-import importlib.metadata as md, json, os, platform, sys
-def say(k, v):
-    print(f"{k}\t{v}", flush=True)
-say("python", platform.python_version())
-for name in ("torch", "torch_xla", "libtpu"):
-    try:
-        say(name, md.version(name))
-    except md.PackageNotFoundError:
-        say(name, "missing")
-bucket, data = sys.argv[1], sys.argv[2]
-try:
-    import fsspec
-    fs = fsspec.filesystem("gs")
-    probe = f"{bucket}/runs/.trm-check/worker-{os.environ['TRM_CHECK_WORKER']}"
-    with fs.open(probe, "wb") as f:
-        f.write(b"ok")
-    fs.rm(probe)
-    say("bucket", "ok")
-except Exception as e:
-    say("bucket", f"ERROR {type(e).__name__}: {e}".replace("\n", " ")[:300])
-if data:
-    try:
-        import fsspec
-        for split in ("train", "test"):
-            with fsspec.open(f"{data}/{split}/dataset.json", "r") as f:
-                json.load(f)
-        say("data", "ok")
-    except Exception as e:
-        say("data", f"ERROR {type(e).__name__}: {e}".replace("\n", " ")[:300])
-if os.environ["TRM_CHECK_DEVICES"] == "1":
-    try:
-        import torch_xla.runtime as xr
-        say("devices", xr.global_runtime_device_count())
-        say("local_devices", xr.addressable_runtime_device_count())
-        say("processes", xr.process_count())
-    except Exception as e:
-        say("devices", f"ERROR {type(e).__name__}: {e}".replace("\n", " ")[:300])
-PY
-  rc=${PIPESTATUS[0]}
-  if [ "$rc" = 124 ]; then
-    r_say devices "ERROR: no answer in 300 s (every host must start the TPU runtime at once; does another process hold the TPU?)"
-  elif [ "$rc" != 0 ]; then
-    r_say error "the check script failed with status $rc"
-  fi
-  return 0
-}
-
-# ----------------------------------------------------------------------------------------------
 # Commands
 
 cmd_create() {
@@ -918,10 +611,6 @@ cmd_check() {
 
 # train --------------------------------------------------------------------------------------------
 
-RUN=""
-TRAIN_ARGS=()
-TPU_FLAGS=()
-
 parse_train_args() {
   [ ${#POS[@]} -ge 1 ] || usage_error "train needs RUN_NAME and PRESET: train RUN_NAME PRESET [train.py flags...]"
   RUN=${POS[0]}
@@ -1023,39 +712,47 @@ cmd_train() {
   info "  bash $PROG status | logs 0 | stop;  $(tensorboard_cmd "$RUN")"
 }
 
-# Stop what is left of the run on every worker (SIGTERM, then SIGKILL after STOP_WAIT seconds).
+# stop_all WAIT KILL(0/1): stop what is left of the run on every worker (SIGTERM; with KILL=1,
+# SIGKILL after WAIT seconds).
 stop_all() {
-  local kill=$1
   tmpdir
-  ssh_capture "$TMPD/stop.out" all remote_stop "$STOP_WAIT" "$kill"
+  ssh_capture "$TMPD/stop.out" all remote_stop "$1" "$2"
 }
 
 # --retry --------------------------------------------------------------------------------------------
 
-# Classifies the workers from a status file: sets R_RUNNING R_DONE R_FAILED R_STOPPED R_INTERRUPTED.
-classify() {
-  local out=$1 w state rc run
-  R_RUNNING=() R_DONE=() R_FAILED=() R_STOPPED=() R_INTERRUPTED=()
+# worker_classes STATUS_FILE: one line "WORKER CLASS" per worker of a remote_status answer, CLASS
+# one of running, finished (exit 0), failed (exit non-zero), stopped (by launch.sh stop), interrupted.
+worker_classes() {
+  local out=$1 w state rc run class
   for w in $(workers_in "$out"); do
     state=$(field "$out" "$w" state)
     rc=$(field "$out" "$w" exit)
     run=$(field "$out" "$w" run)
-    if [ "$run" != "$RUN" ]; then R_INTERRUPTED+=("$w"); continue; fi
-    case $state in
-      RUNNING) R_RUNNING+=("$w") ;;
-      EXITED) if [ "$rc" = 0 ]; then R_DONE+=("$w"); else R_FAILED+=("$w"); fi ;;
-      STOPPED) R_STOPPED+=("$w") ;;
-      *) R_INTERRUPTED+=("$w") ;;   # INTERRUPTED (SIGTERM from a shutdown), LOST, NONE
-    esac
+    class=interrupted   # INTERRUPTED (SIGTERM from a shutdown), LOST, NONE, or another run
+    if [ "$run" = "$RUN" ]; then
+      case $state in
+        RUNNING) class=running ;;
+        EXITED) if [ "$rc" = 0 ]; then class=finished; else class=failed; fi ;;
+        STOPPED) class=stopped ;;
+      esac
+    fi
+    printf '%s %s\n' "$w" "$class"
   done
 }
 
-recreate() {  # delete the preempted TPU, create it again as it was, setup, deploy
+in_class() {  # in_class CLASSES_FILE CLASS: its workers, comma-separated
+  awk -v c="$2" '$2 == c { printf "%s%s", sep, $1; sep = "," }' "$1"
+}
+
+# recreate ACCELERATOR VERSION SPOT PREEMPTIBLE: delete the preempted TPU (T_STATE, from the last
+# describe_tpu), create it again as it was, setup, deploy.
+recreate() {
   local delay=$POLL
   if [ "$T_STATE" != NOT_FOUND ]; then
     delete_tpu || info "delete failed; trying create anyway"
   fi
-  until create_tpu "$R_ACC" "$R_VERSION" "$R_SPOT" "$R_PREEMPTIBLE"; do
+  until create_tpu "$@"; do
     info "create failed (often: no spot capacity right now); again in ${delay}s"
     sleep "$delay"
     delay=$(awk -v d="$delay" 'BEGIN { d = d * 2; if (d > 600) d = 600; print d }')
@@ -1069,28 +766,30 @@ recreate() {  # delete the preempted TPU, create it again as it was, setup, depl
   do_deploy
 }
 
-relaunch() {  # relaunch WHY
-  RESTARTS=$((RESTARTS + 1))
-  if [ "$RESTARTS" -gt "$MAX_RESTARTS" ]; then
-    die "$1; already relaunched $MAX_RESTARTS times (--max-restarts): giving up"
+count_relaunch() {  # count_relaunch N WHY: the Nth relaunch, announced, or the end (--max-restarts)
+  if [ "$1" -gt "$MAX_RESTARTS" ]; then
+    die "$2; already relaunched $MAX_RESTARTS times (--max-restarts): giving up"
   fi
-  info "$1: relaunch $RESTARTS of at most $MAX_RESTARTS"
+  info "$2: relaunch $1 of at most $MAX_RESTARTS"
 }
 
+# train --retry: launch, then watch the TPU and the workers every POLL seconds until the run ends.
+# Its state is local: the relaunch count and what a preempted TPU is created again as (`as`:
+# accelerator, runtime version, spot, preemptible, in create_tpu's order).
 retry_loop() {
-  local out rc=0 w tail_out
-  RESTARTS=0
+  local out classes rc=0 restarts=0 as=() failed tail_out
   trap 'info ""; info "stopped watching; the run goes on on the TPU (bash $PROG status / stop)"; exit 130' INT
   describe_tpu READY || die "could not read TPU $TPU"
   # What a preempted TPU is created again as: itself if it exists, else the create settings.
-  R_ACC=$ACCELERATOR R_VERSION=${RUNTIME_VERSION:-$(runtime_version_for "$ACCELERATOR")} R_SPOT="" R_PREEMPTIBLE=""
-  [ "$SPOT" = 1 ] && R_SPOT=True
+  as=("$ACCELERATOR" "${RUNTIME_VERSION:-$(runtime_version_for "$ACCELERATOR")}" "" "")
+  [ "$SPOT" = 1 ] && as[2]=True
   if [ "$T_STATE" != NOT_FOUND ] && [ -n "$T_ACC" ]; then
-    R_ACC=$T_ACC R_VERSION=${T_VERSION:-$R_VERSION} R_SPOT=$T_SPOT R_PREEMPTIBLE=$T_PREEMPTIBLE
+    as=("$T_ACC" "${T_VERSION:-${as[1]}}" "$T_SPOT" "$T_PREEMPTIBLE")
   fi
   case $T_STATE in
     READY) ;;
-    PREEMPTED|TERMINATED|NOT_FOUND) relaunch "TPU $TPU is $T_STATE"; recreate ;;
+    PREEMPTED|TERMINATED|NOT_FOUND)
+      restarts=$((restarts + 1)); count_relaunch "$restarts" "TPU $TPU is $T_STATE"; recreate "${as[@]}" ;;
     *) die "TPU $TPU is $T_STATE, not READY: wait, then run train --retry again" ;;
   esac
   launch || rc=$?
@@ -1100,14 +799,15 @@ retry_loop() {
   fi
   tmpdir
   out=$TMPD/status.out
+  classes=$TMPD/classes
   while :; do
     sleep "$POLL"
     if ! describe_tpu READY; then info "could not read the TPU's state; trying again"; continue; fi
     case $T_STATE in
       READY) ;;
       PREEMPTED|TERMINATED|NOT_FOUND)
-        relaunch "TPU $TPU is $T_STATE (preempted)"
-        recreate
+        restarts=$((restarts + 1)); count_relaunch "$restarts" "TPU $TPU is $T_STATE (preempted)"
+        recreate "${as[@]}"
         launch || true
         continue ;;
       STOPPED|STOPPING) die "TPU $TPU is $T_STATE (stopped by someone): not relaunching" ;;
@@ -1117,32 +817,34 @@ retry_loop() {
       info "could not reach every worker; trying again ($(tail -n 1 "$out.err"))"
       continue
     fi
-    classify "$out"
-    if [ ${#R_FAILED[@]} -gt 0 ]; then
-      info "train.py failed on worker(s) $(join_by , "${R_FAILED[@]}") (exit $(field "$out" "${R_FAILED[0]}" exit)) on a READY TPU: a real failure, not relaunching"
+    worker_classes "$out" > "$classes"
+    failed=$(in_class "$classes" failed)
+    if [ -n "$failed" ]; then
+      info "train.py failed on worker(s) $failed (exit $(field "$out" "${failed%%,*}" exit)) on a READY TPU: a real failure, not relaunching"
       info "stopping the other workers"
-      STOP_WAIT=$(( STOP_WAIT < 60 ? STOP_WAIT : 60 )) stop_all 1 || true
+      stop_all "$(( STOP_WAIT < 60 ? STOP_WAIT : 60 ))" 1 || true
       tail_out=$TMPD/tail.out
-      ssh_run "$(join_by , "${R_FAILED[@]}")" remote_logs "$RUN" 30 prefix > "$tail_out" 2>&1 || true
+      ssh_run "$failed" remote_logs "$RUN" 30 prefix > "$tail_out" 2>&1 || true
       info "the end of the failing log(s):"
       cat "$tail_out" >&2
       exit 1
     fi
-    if [ ${#R_STOPPED[@]} -gt 0 ]; then
+    if [ -n "$(in_class "$classes" stopped)" ]; then
       info "run $RUN was stopped (bash $PROG stop): not relaunching"
       return 0
     fi
-    if [ ${#R_INTERRUPTED[@]} -gt 0 ]; then
+    if [ -n "$(in_class "$classes" interrupted)" ]; then
       describe_tpu READY || true
       if [ "$T_STATE" = READY ]; then
-        relaunch "the trainer on worker(s) $(join_by , "${R_INTERRUPTED[@]}") was interrupted (host restarted or killed)"
-        stop_all 1 >/dev/null 2>&1 || true
+        restarts=$((restarts + 1))
+        count_relaunch "$restarts" "the trainer on worker(s) $(in_class "$classes" interrupted) was interrupted (host restarted or killed)"
+        stop_all "$STOP_WAIT" 1 >/dev/null 2>&1 || true
         launch || true
       fi
       continue
     fi
-    if [ ${#R_RUNNING[@]} -eq 0 ] && [ ${#R_DONE[@]} -gt 0 ]; then
-      info "run $RUN finished: train.py exited 0 on all ${#R_DONE[@]} workers"
+    if [ -z "$(in_class "$classes" running)" ] && [ -n "$(in_class "$classes" finished)" ]; then
+      info "run $RUN finished: train.py exited 0 on all $(grep -c ' finished$' "$classes") workers"
       return 0
     fi
   done
@@ -1196,7 +898,7 @@ cmd_stop() {
   require tpu zone project
   tmpdir
   info "stop: SIGTERM to train.py on every worker of $TPU; each saves a checkpoint, then exits"
-  stop_all "$KILL" || die "some trainers did not stop (above)"
+  stop_all "$STOP_WAIT" "$KILL" || die "some trainers did not stop (above)"
   dry && return 0
   info "stopped. The same train command resumes from the checkpoint."
 }
@@ -1301,6 +1003,7 @@ main() {
   case $CMD in
     create|delete|setup|deploy|check|train|status|logs|stop|tensorboard)
       if [ "$HELP" = 1 ]; then "usage_$CMD"; exit 0; fi
+      case $CMD in setup|deploy|check|train|status|logs|stop) load_worker_script ;; esac
       "cmd_$CMD" ;;
     help) usage_main ;;
     *) usage_error "unknown command '$CMD' (create, delete, setup, deploy, check, train, status, logs, stop, tensorboard)" ;;

@@ -1,13 +1,15 @@
-"""launch.sh against a stand-in gcloud (tests/launch_fake_gcloud) that simulates a TPU pod here.
+"""launch.sh (and worker.sh) against a stand-in gcloud (tests/launch_fake_gcloud) that simulates a TPU pod here.
 
-Each test copies launch.sh into a scratch git checkout whose train.py is a stub: it records its
-arguments, environment and working directory per worker and launch, then exits, fails or waits
-for SIGTERM as STUB_PLAN says ("0", "hang", "fail1" = worker 1 exits 3 and the others wait; one
-entry per launch, the last one repeating). The fake runs every ssh --command once per simulated
+Each test copies launch.sh and worker.sh into a scratch git checkout whose train.py is a stub: it
+records its arguments, environment and working directory per worker and launch, then exits, fails
+or waits for SIGTERM as STUB_PLAN says ("0", "hang", "fail1" = worker 1 exits 3 and the others
+wait; one entry per launch, the last one repeating). The fake runs every ssh --command once per simulated
 worker, each with its own home directory.
 """
+import base64
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +21,7 @@ import pytest
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 LAUNCH = PROJECT_DIR / "launch.sh"
+WORKER = PROJECT_DIR / "worker.sh"
 FAKE_GCLOUD = PROJECT_DIR / "tests" / "launch_fake_gcloud"
 SUBCOMMANDS = ["create", "delete", "setup", "deploy", "check", "train", "status", "logs", "stop", "tensorboard"]
 TPU = "trm-test"
@@ -71,7 +74,7 @@ def worker_pids(root: Path):
 
 
 class Pod:
-    """A scratch checkout with launch.sh, the fake gcloud first on PATH, and its simulated pod."""
+    """A scratch checkout with launch.sh and worker.sh, the fake gcloud first on PATH, and its simulated pod."""
 
     def __init__(self, tmp: Path, workers: int):
         self.tmp, self.workers = tmp, workers
@@ -82,6 +85,7 @@ class Pod:
         (bin_dir / "gcloud").write_text(f'#!/bin/sh\nexec {sys.executable} -S {FAKE_GCLOUD} "$@"\n')
         (bin_dir / "gcloud").chmod(0o755)
         shutil.copy(LAUNCH, self.repo / "launch.sh")
+        shutil.copy(WORKER, self.repo / "worker.sh")
         shutil.copy(PROJECT_DIR / "requirements.txt", self.repo / "requirements.txt")
         (self.repo / "train.py").write_text(STUB_TRAIN)
         (self.repo / "docs").mkdir()
@@ -178,8 +182,31 @@ def assert_dry_run_matches(pod: Pod, *args):
 def test_shellcheck():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck; .ci/run installs it)")
-    result = subprocess.run(["shellcheck", str(LAUNCH)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    for script in (LAUNCH, WORKER):   # each on its own: worker.sh runs alone on the workers
+        result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_worker_side_lives_in_worker_sh_once():
+    launch, worker = LAUNCH.read_text(), WORKER.read_text()
+    assert "declare -f" not in launch and "<<'PY'" not in launch   # no shipped functions, no Python
+    assert not re.search(r"^(remote|r)_\w+\(\)", launch, re.M)
+    # The version report (python, torch, torch_xla, libtpu) is one piece of Python, for setup and check.
+    assert (launch + worker).count("importlib.metadata") == 1
+    assert (launch + worker).count('("torch", "torch_xla", "libtpu")') == 1
+    assert worker.count("<<'PY'") == 1
+
+
+def test_workers_run_the_worker_sh_sent_with_each_call(pod):
+    pod.set_tpu()
+    command = next(a for a in dry_run_commands(pod.run("--dry-run", "status").stdout)[-1] if a.startswith("--command="))
+    encoded = re.search(r"printf %s '([A-Za-z0-9+/=]+)' \| base64 -d", command).group(1)
+    assert base64.b64decode(encoded) == WORKER.read_bytes()
+    assert command.endswith(" worker.sh remote_status")
+    assert pod.run("status").stdout.count("NONE") == pod.workers   # before any deploy
+    pod.run("deploy")
+    (pod.home(1) / "trm" / "worker.sh").write_text("exit 99\n")   # a stale deployed copy is not used
+    assert pod.run("status").stdout.count("NONE") == pod.workers
 
 
 def test_help(pod):
@@ -192,6 +219,17 @@ def test_help(pod):
     assert "unknown command" in pod.run("launch", expect=2).stderr
     assert "unknown option --nope" in pod.run("status", "--nope", expect=2).stderr
     assert pod.calls() == []
+
+
+def test_help_lists_each_commands_flags(pod):
+    flags = {"create": ["--accelerator", "--runtime-version", "--spot"], "check": ["--data"],
+             "train": ["--retry", "--poll", "--max-restarts"], "logs": ["--lines", "--no-follow", "--run"],
+             "stop": ["--wait", "--kill"], "tensorboard": ["--start", "--port"]}
+    for name in SUBCOMMANDS:
+        text = pod.run(name, "--help").stdout
+        for flag in flags.get(name, []) + (["--dry-run"] if name != "tensorboard" else []):
+            assert flag in text, (name, flag)
+        assert "README.md" in text   # the help points to the README instead of repeating it
 
 
 def test_missing_settings_are_named_with_how_to_set_them(pod):
@@ -274,7 +312,7 @@ def test_deploy_ships_tracked_code_only_and_compares_hashes(pod):
         code = pod.home(w) / "trm"
         shipped = sorted(str(p.relative_to(code)) for p in code.rglob("*") if p.is_file())
         assert shipped == [".trm-code-sha256sums", "docs/a file with spaces.txt", "launch.sh",
-                           "requirements.txt", "train.py"]
+                           "requirements.txt", "train.py", "worker.sh"]
         assert (code / "docs" / "a file with spaces.txt").read_text() == "uncommitted edit\n"
     assert pod.run("deploy").stderr.count("code ") >= pod.workers   # again: same code, no error
 
