@@ -14,7 +14,6 @@ Rules the traced step must keep (it does today):
   * no tensor derived from a placeholder may stay alive after tracing (a sync would try to run
     it and crash the runtime: segfault in PjRtComputationClient::Execute*).
 """
-import torch
 import torch_xla
 import torch_xla.core.xla_builder as xb
 

@@ -22,8 +22,8 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -113,7 +113,7 @@ class Shard:
 
     tensor: torch.Tensor  # on the CPU
     global_shape: tuple
-    row_start: Optional[int] = None  # None: the whole tensor
+    row_start: int | None = None  # None: the whole tensor
 
 
 # -- writing --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The only file that speaks torch_xla SPMD: runtime start, the device mesh, sharding
-annotations, and the small cross-host protocol (barrier, broadcast, config check).
+annotations, the small cross-host protocol (barrier, broadcast, config check), and the few
+runtime calls the training loop needs (sync, counters, profiles); capture.py holds the rest.
 
 Data parallel over one global 1-D mesh named "data": batch-shaped tensors (inputs, the ACT
 carry) are split on their first dimension across every device of every host; parameters and
@@ -167,9 +168,38 @@ def local_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.cpu()
 
 
-def sharding_spec(tensor: torch.Tensor) -> str:
-    """The tensor's sharding as XLA prints it (for tests and debugging)."""
-    return torch_xla._XLAC._get_xla_sharding_spec(tensor)
+def sync() -> None:
+    """Run everything traced so far as one graph (the end of a step)."""
+    torch_xla.sync()
+
+
+def xla_counters() -> dict:
+    """Graphs compiled (and seconds), aten:: CPU fallbacks by op, device-to-host transfers."""
+    import torch_xla.debug.metrics as met
+
+    compile_data = met.metric_data("CompileTime")
+    transfers = met.metric_data("TransferFromDeviceTime")
+    return {
+        "compiles": compile_data[0] if compile_data else 0,
+        "compile_seconds": compile_data[1] / 1e9 if compile_data else 0.0,
+        "fallbacks": {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")},
+        "transfers": transfers[0] if transfers else 0,
+    }
+
+
+def start_profile(local_dir: str) -> None:
+    """Start recording an XLA profile into a local directory (TensorBoard's profile plugin)."""
+    import torch_xla.debug.profiler as xp
+
+    xp.start_trace(local_dir)
+
+
+def stop_profile() -> None:
+    """Wait for the device to finish what was traced, then stop the profile."""
+    import torch_xla.debug.profiler as xp
+
+    xm.wait_device_ops()
+    xp.stop_trace()
 
 
 # -- cross-host protocol --------------------------------------------------------------------------

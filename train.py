@@ -30,24 +30,24 @@ import hashlib
 import json
 import math
 import os
-import re
 import signal
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
-import numpy as np
 import torch
 import tyro
 
+import checkpoint
 import data
-from arc_eval import REFERENCE_PASS_KS, VOTES_FILE, ArcEvaluator, decode_summary, encode_summary, write_submission
+from arc_eval import ArcEvaluator, write_submission
 from checkpoint import CheckpointWriter
+from evaluate import evaluate
 from model import TRM, TRMConfig
-from trainer import EVAL_METRICS, TRAIN_METRICS, Trainer
+from report import Profile, RunLog, format_duration
+from trainer import Trainer
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -56,11 +56,17 @@ PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 # Configuration
 
 
+def resumable(default):
+    """A config field that a relaunch of the run may change: it does not change the math of the
+    training (the resume check in `config_differences` lets it differ)."""
+    return field(default=default, metadata={"resumable": True})
+
+
 @dataclass
 class DataConfig:
     path: str = "data/sudoku-extreme-1k-aug-1000"
     """Dataset root in the reference's format: a local path or an fsspec URL (gs://...)."""
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = resumable(None)
     """Local directory for the cached arrays (default ~/.cache/trm-data/<hash of path>)."""
 
 
@@ -70,7 +76,7 @@ class OptimConfig:
     """Examples per step over all hosts (the paper's 768); must divide by the device count."""
     epochs: int = 50000
     """Training length in epochs (an epoch draws one puzzle per group)."""
-    max_steps: Optional[int] = None
+    max_steps: int | None = resumable(None)
     """Stop after this many steps instead (for quick runs); None trains for `epochs`."""
     lr: float = 1e-4
     """Peak learning rate of AdamATan2."""
@@ -94,16 +100,16 @@ class OptimConfig:
 
 @dataclass
 class EvalConfig:
-    every_epochs: int = 5000
+    every_epochs: int = resumable(5000)
     """Evaluate every this many epochs, counted in epochs as the reference does; the final
     evaluation at the last step takes the place of the one due at the end."""
-    max_examples: Optional[int] = None
+    max_examples: int | None = resumable(None)
     """Cap intermediate evaluations to a fixed seeded subset of this many test examples
     (the final evaluation uses all); None evaluates everything every time."""
-    arc: bool = False
+    arc: bool = resumable(False)
     """Score ARC pass@1/2/5/10/100/1000 by voting over augmentations and write submission.json
     (needs the ARC builder's identifiers.json and test_puzzles.json; on in the arc presets)."""
-    arc_aggregate: bool = False
+    arc_aggregate: bool = resumable(False)
     """Also vote over every evaluation of this run so far (aggregated_pass@k, and the submission),
     as the reference reports ARC scores; `train.py eval` votes over its own and the saved votes
     of earlier steps in {run.dir}/eval/step_N/arc_votes.json.gz. Needs --eval.arc."""
@@ -111,33 +117,33 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = "runs/default"
+    dir: str = resumable("runs/default")
     """Run directory (local or gs://): config, checkpoints, TensorBoard logs."""
     seed: int = 0
     """Seed of the initial weights, the data order and the halting exploration."""
-    device: Literal["auto", "tpu", "cpu"] = "auto"
+    device: Literal["auto", "tpu", "cpu"] = resumable("auto")
     """auto (TPU if attached or PJRT_DEVICE says so), tpu (fail without one), cpu (virtual mesh)."""
-    cpu_devices: int = 8
+    cpu_devices: int = resumable(8)
     """Virtual devices of the CPU mesh (device cpu)."""
-    log_every: int = 100
+    log_every: int = resumable(100)
     """Read metrics back and print a progress line every this many steps."""
-    ckpt_every: int = 2000
+    ckpt_every: int = resumable(2000)
     """Save a checkpoint every this many steps (and always at the end and on SIGTERM)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = resumable(3)
     """Committed checkpoints to keep; older ones are deleted."""
-    init_from: Optional[str] = None
+    init_from: str | None = resumable(None)
     """Start from these weights (a reference-implementation checkpoint or an exported
     model.safetensors) when the run directory has no checkpoint yet."""
-    allow_config_change: bool = False
+    allow_config_change: bool = resumable(False)
     """Resume even though the run directory was created with a different configuration."""
-    preempt_check_every: int = 10
+    preempt_check_every: int = resumable(10)
     """On several hosts, agree every this many steps whether any host got SIGTERM."""
-    compile_cache_dir: str = "~/.cache/trm-xla"
+    compile_cache_dir: str = resumable("~/.cache/trm-xla")
     """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
-    capture_step: bool = True
+    capture_step: bool = resumable(True)
     """Trace the training step once and replay it as one XLA computation (a few ms of host time
     per step instead of re-tracing ~50-150 ms of Python); False re-traces every step."""
-    profile_steps: int = 0
+    profile_steps: int = resumable(0)
     """Capture an XLA profile of this many steps (from the 10th step of this launch) into
     {run.dir}/tb/plugins/profile for TensorBoard's profile tab; 0 = off."""
 
@@ -241,9 +247,10 @@ def evaluation_steps(full_steps: int, epochs: int, every_epochs: int, last_step:
 
 
 def config_fingerprint(config: Config) -> str:
-    """Text that differs whenever the flags or the code differ (compared across hosts)."""
+    """Text that differs whenever the flags or the code differ (compared across hosts): the
+    config and a hash of every Python file of the project that a run executes."""
     sources = []
-    for name in ("train.py", "model.py", "data.py", "sharding.py"):
+    for name in sorted(n for n in os.listdir(PROJECT_DIR) if n.endswith(".py")):
         with open(os.path.join(PROJECT_DIR, name), "rb") as f:
             sources.append(f"{name}:{hashlib.sha256(f.read()).hexdigest()}")
     return json.dumps(dataclasses.asdict(config), sort_keys=True) + "\n" + "\n".join(sources)
@@ -271,149 +278,22 @@ class PrefetchedBatches:
         self.thread.shutdown(wait=True, cancel_futures=True)
 
 
-# ----------------------------------------------------------------------------------------------
-# Reporting
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
-
-
-def summarize(names, values: np.ndarray, steps: int, global_batch_size: int) -> dict[str, float]:
-    """Sums over a window of steps → the reference's normalisation: losses per example, the
-    rest per halted (counted) example."""
-    sums = dict(zip(names, values.tolist()))
-    count = max(sums["count"], 1.0)
-    return {k: v if k == "count" else v / (global_batch_size * steps if k.endswith("loss") else count)
-            for k, v in sums.items()}
-
-
-def xla_counters() -> dict:
-    """Graphs compiled (and seconds), aten:: CPU fallbacks by op, device-to-host transfers."""
-    import torch_xla.debug.metrics as met
-
-    compile_data = met.metric_data("CompileTime")
-    transfers = met.metric_data("TransferFromDeviceTime")
-    return {
-        "compiles": compile_data[0] if compile_data else 0,
-        "compile_seconds": compile_data[1] / 1e9 if compile_data else 0.0,
-        "fallbacks": {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")},
-        "transfers": transfers[0] if transfers else 0,
-    }
-
-
-# ----------------------------------------------------------------------------------------------
-# Main
-
-
-class RunLog:
-    """Progress lines (process 0), TensorBoard scalars under {run_dir}/tb (process 0) and the
-    returned history. Device values are read on one background thread, in order, so the step
-    loop never waits for them."""
-
-    def __init__(self, config: Config, total_steps: int, main_host: bool):
-        self.config, self.total_steps, self.main_host = config, total_steps, main_host
-        self.history: list[dict[str, float]] = []
-        self.evals: list[dict[str, float]] = []
-        self.nonfinite: str | None = None  # the first window whose loss or metrics were NaN/inf
-        self.reader = ThreadPoolExecutor(max_workers=1)
-        self.tb = None
-        if main_host:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # Event files grow by appending, which object stores cannot do (gcsfs silently
-            # overwrites): write them locally and upload whole copies after each write.
-            self.tb_remote = data.join_url(config.run.dir, "tb")
-            self.tb_local = self.tb_remote if "://" not in config.run.dir else tempfile.mkdtemp(prefix="trm-tb-")
-            self.tb = SummaryWriter(self.tb_local)
-
-    def say(self, *parts) -> None:
-        if self.main_host:
-            print(*parts, flush=True)
-
-    def _in_order(self, fn, *args) -> None:
-        self.reader.submit(fn, *args).add_done_callback(_raise_in_main_thread)
-
-    def config_text(self, config: Config) -> None:
-        if self.tb:
-            text = json.dumps(dataclasses.asdict(config), indent=2)
-            self._in_order(self.tb.add_text, "config", f"```\n{text}\n```", 0)
-
-    def train_window(self, sums: torch.Tensor, step: int, steps: int, seconds: float, lr: float) -> None:
-        self._in_order(self._report_train, sums, step, steps, seconds, lr)
-
-    def _report_train(self, sums, step, steps, seconds, lr):
-        o = self.config.optim
-        m = summarize(TRAIN_METRICS, sums.cpu().numpy(), steps, o.global_batch_size)
-        rate = steps / max(seconds, 1e-9)
-        m.update(step=step, lr=lr, loss=m["lm_loss"] + 0.5 * m["q_halt_loss"], steps_per_s=rate,
-                 examples_per_s=rate * o.global_batch_size)
-        self.history.append(m)
-        bad = sorted((k for k, v in m.items() if not math.isfinite(v)), key=lambda k: k != "loss")
-        if bad and self.nonfinite is None:
-            self.nonfinite = f"steps {step - steps + 1}-{step}: " + ", ".join(f"{k} {m[k]}" for k in bad)
-        self.say(f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.1f}%)  loss {m['loss']:.4f}  "
-                 f"exact {m['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
-                 f"{m['examples_per_s']:.0f} ex/s  ETA {format_duration((self.total_steps - step) / rate)}")
-        if self.tb:
-            for k, v in m.items():
-                if k != "step":
-                    self.tb.add_scalar(f"train/{k}", v, step)
-            self.tb.add_scalar("xla/compiles", xla_counters()["compiles"], step)
-            self._upload_tb()
-
-    def _upload_tb(self) -> None:
-        self.tb.flush()
-        if self.tb_local != self.tb_remote:
-            import checkpoint
-
-            for name in os.listdir(self.tb_local):
-                with open(os.path.join(self.tb_local, name), "rb") as f:
-                    checkpoint.write_bytes(data.join_url(self.tb_remote, name), f.read())
-
-    def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
-        self.evals.append(dict(result, step=step))
-        arc = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith(("pass@", "aggregated_pass@")))
-        if "aggregated_evaluations" in result:
-            count = result["aggregated_evaluations"]
-            arc += f" (aggregated over {count} evaluation{'s' if count != 1 else ''})"
-        self.say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  "
-                 f"accuracy {result['accuracy']:.4f}  q_halt_accuracy {result['q_halt_accuracy']:.4f}  "
-                 f"steps {result['steps']:.2f}  lm_loss {result['lm_loss']:.4f}  "
-                 f"q_halt_loss {result['q_halt_loss']:.4f}  {arc + '  ' if arc else ''}"
-                 f"on {result['num_examples']} examples in {seconds:.0f}s")
-        if self.tb:
-            for k, v in result.items():
-                self._in_order(self.tb.add_scalar, f"eval/{k}", v, step)
-            self._in_order(self._upload_tb)
-
-    def drain(self) -> None:
-        """Wait until every queued read has finished."""
-        self.reader.submit(lambda: None).result()
-
-    def close(self) -> None:
-        self.reader.shutdown(wait=True)
-        if self.tb:
-            self._upload_tb()
-            self.tb.close()
-
-
-OPERATIONAL_FIELDS = {"data.cache_dir", "eval.arc_aggregate", "run.log_every", "run.device", "run.cpu_devices", "run.ckpt_every",
-                      "run.keep_checkpoints", "run.init_from", "run.allow_config_change",
-                      "run.preempt_check_every", "optim.max_steps"}
+def resumable_fields() -> set[str]:
+    """Dotted names of the fields declared with `resumable(...)`: those a relaunch may change."""
+    defaults = Config()
+    return {f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
+            for f in dataclasses.fields(getattr(defaults, section.name)) if f.metadata.get("resumable")}
 
 
 def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Fields (dotted) whose values differ, leaving out those that do not change the math."""
+    """Fields (dotted) whose values differ, leaving out those that may change on resume."""
     out = []
     for key in sorted(set(saved) | set(current)):
         name = f"{prefix}{key}"
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             out += config_differences(a, b, name + ".")
-        elif a != b and name not in OPERATIONAL_FIELDS:
+        elif a != b and name not in resumable_fields():
             out.append(f"{name}: {a!r} in the run directory, {b!r} now")
     return out
 
@@ -421,8 +301,6 @@ def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str
 def read_reference_checkpoint(url: str) -> dict[str, torch.Tensor]:
     """The state dict of a reference-implementation checkpoint (a torch.save file)."""
     import io
-
-    import checkpoint
 
     return torch.load(io.BytesIO(checkpoint.read_bytes(url)), map_location="cpu", weights_only=True)
 
@@ -433,7 +311,6 @@ def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers:
 
     An exported model trained on a dataset whose identifiers differ from `dataset_identifiers`
     (data.identifiers_fingerprint) is refused: its table rows belong to other puzzles."""
-    import checkpoint
     from model import load_reference_state_dict
 
     model = TRM(model_config)
@@ -455,85 +332,6 @@ def check_same_identifiers(trained_on: str | None, dataset: str | None, weights_
             f"{trained_on}) than the one given (fingerprint {dataset}): row i of its puzzle-embedding "
             "table belongs to another puzzle there. Use the dataset the model was trained on, or "
             "rebuild it with the same builder, source files and seed")
-
-
-def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None,
-             eval_root: str | None = None, step: int = 0, aggregate: bool = False):
-    """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
-    metrics over real (non-padding) examples, plus ARC pass@k when `arc` (an ArcEvaluator)
-    is given. Returns (metrics, ARC submission or None).
-
-    With `arc` and `eval_root`, process 0 saves this evaluation's votes to
-    {eval_root}/step_{step}/arc_votes.json.gz; with `aggregate` too, aggregated_pass@k (and the
-    submission) are a vote over them and the saved votes of every earlier step."""
-    sharding = trainer.sharding
-    sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
-    started, report_every = time.time(), max(1, len(batches) // 10)
-    if arc is not None:
-        arc.begin()
-    with trainer.ema.swapped_into(trainer.model):
-        trainer.model.eval()
-        for index in range(len(batches)):
-            host_batch = batches.batch(index)
-            batch = sharding.host_batch_to_global(host_batch, trainer.mesh)
-            for _ in range(trainer.config.model.halt_max_steps):
-                # preds and q_halt stay referenced across the sync, so every ACT step is the
-                # same graph whether or not this batch's predictions are read.
-                metrics, preds, q_halt = trainer.eval_step(batch)
-                sums = sums + metrics
-                sync()
-            if arc is not None:  # this host's rows only: votes are summarised before crossing hosts
-                arc.update(host_batch, sharding.local_rows(preds)[1].numpy(),
-                           sharding.local_rows(q_halt)[1].float().numpy(), batches.valid(index))
-            done = index + 1
-            if done % report_every == 0 and done < len(batches):
-                elapsed = time.time() - started
-                say(f"  eval batch {done}/{len(batches)} ({100 * done / len(batches):.0f}%), "
-                    f"ETA {format_duration(elapsed / done * (len(batches) - done))}")
-        trainer.model.train()
-    # The reference's evaluate divides every sum, the losses included, by count.
-    sums = dict(zip(EVAL_METRICS, sums.cpu().numpy().tolist()))
-    result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
-    result["num_examples"] = batches.num_examples
-    submission = None
-    if arc is not None:
-        votes = arc.merge(sharding.all_gather_object(arc.summary()))
-        result.update(arc.result(votes, REFERENCE_PASS_KS))
-        if eval_root is not None and sharding.is_main_process():
-            save_arc_votes(eval_root, step, votes)
-        if aggregate:
-            if eval_root is None:
-                raise ValueError("evaluate: aggregate needs eval_root, where the earlier votes are saved")
-            earlier = [v for _, v in saved_arc_votes(eval_root, before_step=step)]
-            votes = arc.merge([votes, *earlier])
-            result.update({f"aggregated_{k}": v for k, v in arc.result(votes, REFERENCE_PASS_KS).items()})
-            result["aggregated_evaluations"] = 1 + len(earlier)
-        submission = arc.submission(votes)
-    return result, submission
-
-
-def save_arc_votes(eval_root: str, step: int, votes: dict) -> str:
-    """Write an evaluation's merged ARC votes to {eval_root}/step_{step}/arc_votes.json.gz."""
-    import checkpoint
-
-    url = data.join_url(eval_root, f"step_{step}", VOTES_FILE)
-    checkpoint.write_bytes(url, encode_summary(votes))
-    return url
-
-
-def saved_arc_votes(eval_root: str, before_step: int) -> list[tuple[int, dict]]:
-    """(step, votes) of every evaluation saved under eval_root at a step before `before_step`,
-    oldest first. Later steps are left out: after a resume they belong to the interrupted
-    launch and are evaluated (and overwritten) again."""
-    import checkpoint
-
-    fs, path = data.filesystem(eval_root)
-    fs.invalidate_cache(path)
-    pattern = re.compile(r"step_(\d+)/" + re.escape(VOTES_FILE) + "$")
-    found = checkpoint.with_retries("listing", eval_root, lambda: fs.glob(f"{path.rstrip('/')}/step_*/{VOTES_FILE}"))
-    steps = sorted({int(m.group(1)) for m in map(pattern.search, found) if m and int(m.group(1)) < before_step})
-    urls = [data.join_url(eval_root, f"step_{s}", VOTES_FILE) for s in steps]
-    return [(s, decode_summary(checkpoint.read_bytes(url), url)) for s, url in zip(steps, urls)]
 
 
 def start(config: Config, weights_rows: int | None = None, weights_identifiers: str | None = None,
@@ -575,33 +373,96 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
 def main(config: Config) -> dict:
     """Train (and evaluate) as configured, resuming from the run directory's latest
     checkpoint; returns the logged history, the evaluations and the XLA counters."""
-    # 1-2. Checks, then the runtime, the mesh and the hosts.
+    # 1. Checks (before any device work), then the runtime, the mesh and the hosts.
     config, train_set, test_set, sharding, device_kind, identifiers = start(config)
-    import torch_xla
-
-    import checkpoint
-
     num_devices, local_devices = sharding.device_counts()
     num_hosts, host = sharding.process_count(), sharding.process_index()
-    o = config.optim
-    full_steps = data.total_train_steps(train_set.metadata, o.epochs, o.global_batch_size)
-    total_steps = full_steps if o.max_steps is None else min(full_steps, o.max_steps)
+    optim = config.optim
+    full_steps = data.total_train_steps(train_set.metadata, optim.epochs, optim.global_batch_size)
+    total_steps = full_steps if optim.max_steps is None else min(full_steps, optim.max_steps)
     try:
-        eval_steps = evaluation_steps(full_steps, o.epochs, config.eval.every_epochs, total_steps)
+        eval_steps = evaluation_steps(full_steps, optim.epochs, config.eval.every_epochs, total_steps)
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
-    log = RunLog(config, total_steps, sharding.is_main_process())
+    log = RunLog(config, total_steps, sharding.is_main_process(), sharding)
     log.say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
-            f"global batch {o.global_batch_size}, {total_steps} steps, {len(eval_steps)} evaluations "
+            f"global batch {optim.global_batch_size}, {total_steps} steps, {len(eval_steps)} evaluations "
             f"(steps {', '.join(map(str, eval_steps[:3]))}{', ...' if len(eval_steps) > 4 else ''}"
             f"{', ' + str(eval_steps[-1]) if len(eval_steps) > 3 else ''})")
 
-    # 3. Resume from the latest committed checkpoint, or start (optionally from given weights).
+    # 2. Resume from the latest committed checkpoint, or start (optionally from given weights).
+    start_step, restore, resumed = restore_or_start(config, identifiers, host, num_hosts, log)
+    mesh = sharding.data_mesh()
+    trainer = Trainer(config, sharding, mesh, restore)
+    del restore
+    log.say(f"model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters; data: {config.data.path}")
+    train_batches = data.TrainBatches(train_set, optim.global_batch_size, seed=config.run.seed,
+                                      process_index=host, process_count=num_hosts)
+
+    # 3. The periodic jobs; each decides for itself whether a step is its step.
+    checkpoints = Checkpoints(config, trainer, log, identifiers, total_steps)
+    evaluations = Evaluations(config, trainer, test_set, log, eval_steps)
+    preemption = Preemption(num_hosts, config.run.preempt_check_every, sharding)
+    profile = Profile(config, start_step + 10, sharding.is_main_process(), sharding, log.say)
+
+    # 4. The loop. Nothing in it reads a device value: metric sums are read by a background
+    # thread at the end of each logging window, while the host runs the following steps.
+    trainer.init_carries(sharding.host_batch_to_global(train_batches.batch(start_step), mesh))
+    sharding.sync()  # materialise weights, optimizer state and carries before the first step
+    evaluations.catch_up(start_step, resumed)
+    log.start_window(trainer.device)
+    loop_start, preempted = time.time(), False
+    batches = PrefetchedBatches(lambda step: sharding.host_batch_to_global(train_batches.batch(step - 1), mesh),
+                                start_step + 1, total_steps)
+    try:
+        for step in range(start_step + 1, total_steps + 1):
+            batch = batches.get(step)
+            lr = lr_at(step, optim.lr, optim, total_steps)
+            profile.before_step(step)
+            log.add_step(trainer.step(batch, lr, lr_at(step, optim.puzzle_emb_lr, optim, total_steps)))
+            sharding.sync()
+            profile.after_step(step)
+            stop = preemption.agreed_stop(step, log.nonfinite is not None)
+            log.after_step(step, lr, end_window=stop or checkpoints.due(step))
+            if stop:  # SIGTERM on some host (a NaN stops inside save instead)
+                checkpoints.save(step, wait=True)
+                log.say(f"SIGTERM: saved checkpoint {checkpoint.step_dir(config.run.dir, step)}; "
+                        "run the same command again to resume")
+                preempted = True
+                break
+            checkpoints.after_step(step)
+            evaluations.after_step(step)
+    finally:
+        batches.close()
+        preemption.close()
+
+    # 5. The final save and evaluation (a relaunch of a finished run only evaluates).
+    if not preempted:
+        if total_steps > start_step or not resumed:
+            checkpoints.save(total_steps)
+        evaluations.run(total_steps, final=True)
+        checkpoints.wait()
+        log.say(f"done: {total_steps} steps in {format_duration(time.time() - loop_start)}; final exact accuracy "
+                f"{100 * log.evals[-1]['exact_accuracy']:.2f}% on held-out puzzles")
+    log.close()
+    xla = sharding.xla_counters()
+    fallbacks = f" {xla['fallbacks']}" if xla["fallbacks"] else ""
+    log.say(f"XLA: {xla['compiles']} graphs compiled ({xla['compile_seconds']:.1f}s), "
+            f"{sum(xla['fallbacks'].values())} aten:: CPU fallbacks{fallbacks}, {xla['transfers']} device-to-host transfers")
+    return {"history": log.history, "evals": log.evals, "final": log.evals[-1] if log.evals else None,
+            "xla": xla, "checkpoint_transfers": checkpoints.transfers, "preempted": preempted,
+            "start_step": start_step}
+
+
+def restore_or_start(config: Config, identifiers: str | None, host: int, num_hosts: int, log: RunLog):
+    """(start step, tensors to restore or None, whether a checkpoint was found): the run
+    directory's latest committed checkpoint (this host's rows of the carry), refused when the
+    configuration changed in a way that matters; else run.init_from's weights; else nothing.
+    A new run writes its config.json."""
     def host_rows(shape):
         return host * shape[0] // num_hosts, (host + 1) * shape[0] // num_hosts
 
     found = checkpoint.latest_checkpoint(config.run.dir, lambda url: checkpoint.read_checkpoint(url, host_rows))
-    restore, start_step = None, 0
     if found:
         start_step, url, (restore, saved) = found
         differences = config_differences(saved["config"], dataclasses.asdict(config))
@@ -613,175 +474,130 @@ def main(config: Config) -> dict:
                              + "\n  ".join(differences)
                              + "\nuse the original flags, a new --run.dir, or --run.allow-config-change")
         log.say(f"resuming from {url} (step {start_step})")
-    elif config.run.init_from:
+        log.config_text(config)
+        return start_step, restore, True
+    restore = None
+    if config.run.init_from:
         try:
             restore = load_initial_weights(config.run.init_from, config.model, identifiers)
         except ConfigError as e:
             raise SystemExit(f"error: {e}")
         log.say(f"initial weights from {config.run.init_from}")
-    if sharding.is_main_process() and not found:
+    if log.main_host:
         checkpoint.write_bytes(data.join_url(config.run.dir, "config.json"),
                                json.dumps(dataclasses.asdict(config), indent=2).encode())
     log.config_text(config)
+    return 0, restore, False
 
-    mesh = sharding.data_mesh()
-    trainer = Trainer(config, sharding, mesh, restore)
-    del restore
-    log.say(f"model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters; data: {config.data.path}")
-    train_batches = data.TrainBatches(train_set, o.global_batch_size, seed=config.run.seed,
-                                      process_index=host, process_count=num_hosts)
-    writer = CheckpointWriter(config.run.dir, host, num_hosts, keep=config.run.keep_checkpoints)
 
-    checkpoint_transfers = []
+class Checkpoints:
+    """Saves every run.ckpt_every steps (and when asked: SIGTERM, the end), asynchronously: the
+    loop pauses only for the device-to-host copy. A save first waits for the metric windows
+    read so far and stops the run, without saving, if one was not finite."""
 
-    def stop_if_not_finite() -> None:
-        """Every host has read the same metric windows after a drain, so all stop here together,
-        without saving: a NaN state must never replace the last good checkpoint."""
-        if log.nonfinite is None:
+    def __init__(self, config: Config, trainer: Trainer, log: RunLog, identifiers: str | None, total_steps: int):
+        self.config, self.trainer, self.log, self.total_steps = config, trainer, log, total_steps
+        self.identifiers, self.sharding = identifiers, trainer.sharding
+        self.host, self.num_hosts = self.sharding.process_index(), self.sharding.process_count()
+        self.writer = CheckpointWriter(config.run.dir, self.host, self.num_hosts, keep=config.run.keep_checkpoints)
+        self.transfers = 0  # device-to-host transfers of the saves (counted apart from the loop's)
+
+    def due(self, step: int) -> bool:
+        return step % self.config.run.ckpt_every == 0 or step == self.total_steps
+
+    def after_step(self, step: int) -> None:
+        if self.due(step) and step != self.total_steps:  # the last step's save comes after the loop
+            self.save(step)
+
+    def save(self, step: int, wait: bool = False) -> None:
+        self.log.drain()  # every host has now read the same windows, so all stop here together
+        self._stop_if_not_finite()
+        before = self.sharding.xla_counters()["transfers"]
+        shards = self.trainer.checkpoint_shards(self.host, self.num_hosts)  # the loop's pause
+        self.transfers += self.sharding.xla_counters()["transfers"] - before
+        self.writer.save(step, shards, {"step": step, "config": dataclasses.asdict(self.config),
+                                        "dataset_identifiers": self.identifiers})
+        if wait:
+            self.writer.wait()
+
+    def wait(self) -> None:
+        self.writer.wait()
+
+    def _stop_if_not_finite(self) -> None:
+        """A NaN state must never replace the last good checkpoint."""
+        if self.log.nonfinite is None:
             return
-        writer.wait()  # a save already under way holds checked steps: let it commit
-        committed = checkpoint.list_checkpoints(config.run.dir)
+        self.writer.wait()  # a save already under way holds checked steps: let it commit
+        committed = checkpoint.list_checkpoints(self.config.run.dir)
         last = f"{committed[0][1]} (step {committed[0][0]})" if committed else "none yet"
+        optim, dtype = self.config.optim, self.config.model.forward_dtype
         raise SystemExit(
-            f"error: the training loss or metrics are not finite ({log.nonfinite}); stopped without "
+            f"error: the training loss or metrics are not finite ({self.log.nonfinite}); stopped without "
             f"saving. Last committed checkpoint: {last}; relaunching resumes from it and will likely "
-            f"diverge again. Try a lower --optim.lr (now {o.lr:g}), a longer --optim.lr-warmup-steps "
-            f"(now {o.lr_warmup_steps})"
-            + ("" if config.model.forward_dtype == "float32" else
-               f", or --model.forward-dtype float32 (now {config.model.forward_dtype})")
+            f"diverge again. Try a lower --optim.lr (now {optim.lr:g}), a longer --optim.lr-warmup-steps "
+            f"(now {optim.lr_warmup_steps})"
+            + ("" if dtype == "float32" else f", or --model.forward-dtype float32 (now {dtype})")
             + ", with --run.allow-config-change to continue this run directory.")
 
-    def save(step: int) -> None:
-        log.drain()  # the copy waits for this step anyway; draining first keeps the counts apart
-        stop_if_not_finite()
-        before = xla_counters()["transfers"]
-        blocks = trainer.checkpoint_shards(host, num_hosts)  # the loop pauses only for this copy
-        checkpoint_transfers.append(xla_counters()["transfers"] - before)
-        writer.save(step, blocks, {"step": step, "config": dataclasses.asdict(config),
-                                   "dataset_identifiers": identifiers})
 
-    arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
-    scheduled_evals = set(eval_steps[:-1])  # the final one runs after the loop
-    eval_root = data.join_url(config.run.dir, "eval")
+class Evaluations:
+    """Evaluates at the scheduled steps (evaluation_steps) with the EMA weights, on a seeded
+    subset of eval.max_examples except the final evaluation; writes {run.dir}/eval/step_N/
+    (metrics.json last, as the mark of a finished evaluation) and the ARC submission."""
 
-    def run_eval(step: int, final: bool) -> None:
+    def __init__(self, config: Config, trainer: Trainer, test_set: data.Dataset, log: RunLog, eval_steps: list[int]):
+        self.config, self.trainer, self.test_set, self.log = config, trainer, test_set, log
+        self.scheduled = set(eval_steps[:-1])  # the final one runs after the loop
+        self.root = data.join_url(config.run.dir, "eval")
+        self.arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+
+    def after_step(self, step: int) -> None:
+        if step in self.scheduled:
+            self.run(step, final=False)
+
+    def catch_up(self, start_step: int, resumed: bool) -> None:
+        """A SIGTERM at an evaluation step saves and stops before evaluating: evaluate the saved
+        weights now, so the run (and its ARC vote over evaluations) misses no evaluation."""
+        done = data.join_url(self.root, f"step_{start_step}", "metrics.json")
+        if resumed and start_step in self.scheduled and not checkpoint.exists(done):
+            self.run(start_step, final=False)
+
+    def run(self, step: int, final: bool) -> None:
+        config, sharding = self.config, self.trainer.sharding
         started = time.time()
-        batches = data.EvalBatches(test_set, o.global_batch_size, process_index=host, process_count=num_hosts,
+        batches = data.EvalBatches(self.test_set, config.optim.global_batch_size,
+                                   process_index=sharding.process_index(), process_count=sharding.process_count(),
                                    max_examples=None if final else config.eval.max_examples, seed=config.run.seed)
-        result, submission = evaluate(trainer, batches, torch_xla.sync, arc, log.say, eval_root, step,
+        result, submission = evaluate(self.trainer, batches, sharding.sync, self.arc, self.log.say, self.root, step,
                                       config.eval.arc_aggregate)
-        log.evaluation(result, step, time.time() - started)
+        self.log.evaluation(result, step, time.time() - started)
         if sharding.is_main_process():
+            out = data.join_url(self.root, f"step_{step}")
             if submission is not None:
-                log.say(f"ARC submission: {write_submission(data.join_url(eval_root, f'step_{step}'), submission)}")
-            # Written last: its presence marks the evaluation of this step done (see the resume below).
-            checkpoint.write_bytes(data.join_url(eval_root, f"step_{step}", "metrics.json"),
-                                   json.dumps(dict(result, step=step), indent=2).encode())
-
-    stop_requested = []
-    previous_sigterm = signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
-    check_stop_every = 1 if num_hosts == 1 else config.run.preempt_check_every
-    profile = Profile(config, start_step + 10) if config.run.profile_steps and sharding.is_main_process() else None
-
-    # 4. The loop. Nothing in it reads a device value: metric sums are read by a background
-    # thread every log_every steps, while the host traces the following steps.
-    trainer.init_carries(sharding.host_batch_to_global(train_batches.batch(start_step), mesh))
-    torch_xla.sync()  # materialise weights, optimizer state and carries before the first step
-    if found and start_step in scheduled_evals and not checkpoint.exists(
-            data.join_url(eval_root, f"step_{start_step}", "metrics.json")):
-        # A SIGTERM at an evaluation step saves and stops before evaluating: evaluate the saved
-        # weights now, so the run (and its ARC vote over evaluations) misses no evaluation.
-        run_eval(start_step, final=False)
-    window_sums = torch.zeros(len(TRAIN_METRICS)).to(trainer.device)
-    window_start, window_steps, loop_start = time.time(), 0, time.time()
-    preempted = False
-    batches = PrefetchedBatches(lambda step: sharding.host_batch_to_global(train_batches.batch(step - 1), mesh),
-                                start_step + 1, total_steps)
-    for step in range(start_step + 1, total_steps + 1):
-        batch = batches.get(step)
-        lr = lr_at(step, o.lr, o, total_steps)
-        if profile:
-            profile.before_step(step)
-        window_sums = window_sums + trainer.step(batch, lr, lr_at(step, o.puzzle_emb_lr, o, total_steps))
-        torch_xla.sync()
-        window_steps += 1
-        if profile:
-            profile.after_step(step, log.say)
-        # Hosts agree whether any of them got SIGTERM or read a non-finite window (save() stops then).
-        stop = step % check_stop_every == 0 and sharding.any_host(bool(stop_requested) or log.nonfinite is not None)
-        # A window also ends at every save, so that each saved step has had its loss checked.
-        if stop or step % config.run.log_every == 0 or step % config.run.ckpt_every == 0 or step == total_steps:
-            log.train_window(window_sums, step, window_steps, time.time() - window_start, lr)
-            window_sums = torch.zeros(len(TRAIN_METRICS)).to(trainer.device)
-            window_start, window_steps = time.time(), 0
-        if stop:
-            save(step)
-            writer.wait()
-            log.say(f"SIGTERM: saved checkpoint {checkpoint.step_dir(config.run.dir, step)}; "
-                    "run the same command again to resume")
-            preempted = True
-            break
-        if step % config.run.ckpt_every == 0 and step != total_steps:
-            save(step)
-        if step in scheduled_evals:
-            run_eval(step, final=False)
-    batches.close()
-
-    if not preempted:
-        if total_steps > start_step or not found:
-            save(total_steps)
-        run_eval(total_steps, final=True)
-        writer.wait()
-        log.say(f"done: {total_steps} steps in {format_duration(time.time() - loop_start)}; final exact accuracy "
-                f"{100 * log.evals[-1]['exact_accuracy']:.2f}% on held-out puzzles")
-    log.close()
-    signal.signal(signal.SIGTERM, previous_sigterm)
-    xla = xla_counters()
-    log.say(f"XLA: {xla['compiles']} graphs compiled ({xla['compile_seconds']:.1f}s), "
-            f"{sum(xla['fallbacks'].values())} aten:: CPU fallbacks{' ' + str(xla['fallbacks']) if xla['fallbacks'] else ''}, "
-            f"{xla['transfers']} device-to-host transfers")
-    return {"history": log.history, "evals": log.evals, "final": log.evals[-1] if log.evals else None,
-            "xla": xla, "checkpoint_transfers": sum(checkpoint_transfers), "preempted": preempted,
-            "start_step": start_step}
+                self.log.say(f"ARC submission: {write_submission(out, submission)}")
+            checkpoint.write_bytes(data.join_url(out, "metrics.json"), json.dumps(dict(result, step=step),
+                                                                                   indent=2).encode())
 
 
-class Profile:
-    """An XLA profile of run.profile_steps steps, written locally then copied to
-    {run_dir}/tb/plugins/profile (object stores cannot take the profiler's writes)."""
+class Preemption:
+    """SIGTERM (a spot VM's notice) on any host stops every host at the same step: hosts agree
+    every run.preempt_check_every steps (every step on one host), and a non-finite loss seen by
+    any host is agreed on the same way."""
 
-    def __init__(self, config: Config, first_step: int):
-        self.first, self.last = first_step, first_step + config.run.profile_steps - 1
-        self.remote = data.join_url(config.run.dir, "tb")
-        self.local = tempfile.mkdtemp(prefix="trm-profile-")
+    def __init__(self, num_hosts: int, check_every: int, sharding):
+        self.requested, self.sharding = False, sharding
+        self.check_every = 1 if num_hosts == 1 else check_every
+        self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def before_step(self, step: int) -> None:
-        if step == self.first:
-            import torch_xla.debug.profiler as xp
+    def _on_sigterm(self, *_) -> None:
+        self.requested = True
 
-            xp.start_trace(self.local)
+    def agreed_stop(self, step: int, nonfinite: bool) -> bool:
+        """True on every host at the same step once any host got SIGTERM or saw a NaN."""
+        return step % self.check_every == 0 and self.sharding.any_host(self.requested or nonfinite)
 
-    def after_step(self, step: int, say) -> None:
-        if step == self.last:
-            import torch_xla.core.xla_model as xm
-            import torch_xla.debug.profiler as xp
-
-            import checkpoint
-
-            xm.wait_device_ops()
-            xp.stop_trace()
-            for root, _, files in os.walk(self.local):
-                for name in files:
-                    relative = os.path.relpath(os.path.join(root, name), self.local)
-                    with open(os.path.join(root, name), "rb") as f:
-                        checkpoint.write_bytes(data.join_url(self.remote, *relative.split(os.sep)), f.read())
-            say(f"XLA profile of steps {self.first}-{self.last} written to {self.remote}/plugins/profile")
-
-
-def _raise_in_main_thread(future) -> None:
-    if future.exception() is not None:  # a failed metrics read must not pass silently
-        import _thread
-        print(f"error: reading metrics failed: {future.exception()!r}", file=sys.stderr, flush=True)
-        _thread.interrupt_main()
+    def close(self) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
 
 
 def cli(argv: list[str] | None = None) -> Config:
@@ -799,8 +615,6 @@ def export(source: tyro.conf.Positional[str], out: str) -> None:
     source: a run directory (its latest committed checkpoint) or one checkpoint directory.
     out: where to write, local or gs:// (e.g. gs://BUCKET/models/sudoku.safetensors).
     """
-    import checkpoint
-
     if checkpoint.exists(data.join_url(source, checkpoint.COMMIT_MARKER)):
         url = source
     else:
@@ -822,7 +636,6 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     on or None) from a run directory or checkpoint (EMA weights and the run's config), an
     exported model.safetensors (its model config) or a reference checkpoint (the sizes its
     tensors show, the rest from the preset `base`); `overrides` (command-line flags) apply on top."""
-    import checkpoint
     from model import reference_config
 
     def with_overrides(config: Config) -> Config:
@@ -864,8 +677,6 @@ def evaluate_command(argv: list[str]) -> dict:
     run directory / checkpoint, an exported model.safetensors or a reference checkpoint on a
     dataset's test split; prints and saves the metrics (and ARC scores) under
     {run.dir}/eval/step_N/."""
-    import torch_xla
-
     args, source = [], None
     for i, arg in enumerate(argv):  # --init-from URL or --init-from=URL
         if arg.startswith("--init-from="):
@@ -889,17 +700,15 @@ def evaluate_command(argv: list[str]) -> dict:
     batches = data.EvalBatches(test_set, config.optim.global_batch_size, process_index=host, process_count=num_hosts,
                                max_examples=config.eval.max_examples, seed=config.run.seed)
     trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
-    torch_xla.sync()
+    sharding.sync()
     say(f"evaluating {source} (step {step}) on {batches.num_examples} examples of {config.data.path} "
         f"on {device_kind} ({len(batches)} batches)", flush=True)
     started = time.time()
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
-    result, submission = evaluate(trainer, batches, torch_xla.sync, arc, lambda *a: say(*a, flush=True),
+    result, submission = evaluate(trainer, batches, sharding.sync, arc, lambda *a: say(*a, flush=True),
                                   data.join_url(config.run.dir, "eval"), step, config.eval.arc_aggregate)
     out = data.join_url(config.run.dir, "eval", f"step_{step}")
     if sharding.is_main_process():
-        import checkpoint
-
         checkpoint.write_bytes(data.join_url(out, "metrics.json"), json.dumps(dict(result, source=source), indent=2).encode())
         if submission is not None:
             write_submission(out, submission)

@@ -10,15 +10,14 @@ computation is replayed every step after; with capture off it is traced again ev
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from checkpoint import Shard, assign_owners
 from model import TRM, Carry, loss_and_metrics
 from optim import EMA, AdamATan2, SignSGD
-
 
 TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
 EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import data
+import evaluate
 import model
 import train
 from tests.data_fixtures import ARC_EVALUATION_SOLUTIONS, arc_files
@@ -249,14 +250,14 @@ def test_saved_arc_votes_are_found_by_step_locally_and_on_gcs(where, tmp_path, r
     votes = {step: {"votes": {("T", bytes([1, 1, step])): {b"\x01\x01\x07": [step, step * 2 ** 70 + 1]}},
                     "voted_rows": step, "unmatched_rows": 0} for step in (3, 12, 7, 40)}
     for step, summary in votes.items():
-        assert train.save_arc_votes(root, step, summary).endswith(f"/step_{step}/arc_votes.json.gz")
-    train.save_arc_votes(root, 12, votes[12])  # rewriting a step keeps one copy
-    found = train.saved_arc_votes(root, before_step=40)
+        assert evaluate.save_arc_votes(root, step, summary).endswith(f"/step_{step}/arc_votes.json.gz")
+    evaluate.save_arc_votes(root, 12, votes[12])  # rewriting a step keeps one copy
+    found = evaluate.saved_arc_votes(root, before_step=40)
     assert [step for step, _ in found] == [3, 7, 12]
     assert [summary for _, summary in found] == [votes[3], votes[7], votes[12]]
     assert ArcEvaluator.merge(s for _, s in found)["voted_rows"] == 22
-    assert train.saved_arc_votes(root, before_step=3) == []
-    assert train.saved_arc_votes(root + "/nothing-here", before_step=100) == []
+    assert evaluate.saved_arc_votes(root, before_step=3) == []
+    assert evaluate.saved_arc_votes(root + "/nothing-here", before_step=100) == []
 
 
 def test_arc_aggregate_without_arc_scoring_is_refused(demo_path, tmp_path):
@@ -292,16 +293,16 @@ def test_eval_of_a_reference_checkpoint_with_other_sizes_equals_the_same_weights
     ours_file = str(tmp_path / "ours.safetensors")
     save_file(trm.state_dict(), ours_file, metadata={"trm_config": json.dumps(dataclasses.asdict(config))})
 
-    def evaluate(*init_from, out):
+    def evaluate_with(*init_from, out):
         # Fewer cycles and ACT steps than the preset keep it quick: flags apply to both the same.
         return train.evaluate_command(["sudoku-att", *init_from, "--data.path", dataset, "--data.cache-dir",
                                        str(tmp_path / "cache"), "--optim.global-batch-size", "16",
                                        "--eval.max-examples", "16", "--model.H-cycles", "2", "--model.L-cycles",
                                        "2", "--model.halt-max-steps", "3", "--run.dir", str(tmp_path / out)])
 
-    direct = evaluate("--init-from", ours_file, out="direct")
-    from_reference = evaluate(f"--init-from={reference_file}", out="reference")
-    spaced = evaluate("--init-from", reference_file, out="spaced")
+    direct = evaluate_with("--init-from", ours_file, out="direct")
+    from_reference = evaluate_with(f"--init-from={reference_file}", out="reference")
+    spaced = evaluate_with("--init-from", reference_file, out="spaced")
     assert direct["count"] > 0
     assert from_reference == direct and spaced == direct
 

@@ -1,0 +1,91 @@
+"""Evaluation: exactly halt_max_steps ACT steps per test batch with the EMA weights, the
+reference's metrics over real (non-padding) examples, and for ARC the votes over augmentations
+(and over every evaluation of a run), saved under {run.dir}/eval/step_N/.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+import checkpoint
+import data
+from arc_eval import REFERENCE_PASS_KS, VOTES_FILE, decode_summary, encode_summary
+from report import format_duration
+from trainer import EVAL_METRICS, Trainer
+
+
+def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None,
+             eval_root: str | None = None, step: int = 0, aggregate: bool = False):
+    """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
+    metrics over real (non-padding) examples, plus ARC pass@k when `arc` (an ArcEvaluator)
+    is given. Returns (metrics, ARC submission or None).
+
+    With `arc` and `eval_root`, process 0 saves this evaluation's votes to
+    {eval_root}/step_{step}/arc_votes.json.gz; with `aggregate` too, aggregated_pass@k (and the
+    submission) are a vote over them and the saved votes of every earlier step."""
+    sharding = trainer.sharding
+    sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
+    started, report_every = time.time(), max(1, len(batches) // 10)
+    if arc is not None:
+        arc.begin()
+    with trainer.ema.swapped_into(trainer.model):
+        trainer.model.eval()
+        for index in range(len(batches)):
+            host_batch = batches.batch(index)
+            batch = sharding.host_batch_to_global(host_batch, trainer.mesh)
+            for _ in range(trainer.config.model.halt_max_steps):
+                # preds and q_halt stay referenced across the sync, so every ACT step is the
+                # same graph whether or not this batch's predictions are read.
+                metrics, preds, q_halt = trainer.eval_step(batch)
+                sums = sums + metrics
+                sync()
+            if arc is not None:  # this host's rows only: votes are summarised before crossing hosts
+                arc.update(host_batch, sharding.local_rows(preds)[1].numpy(),
+                           sharding.local_rows(q_halt)[1].float().numpy(), batches.valid(index))
+            done = index + 1
+            if done % report_every == 0 and done < len(batches):
+                elapsed = time.time() - started
+                say(f"  eval batch {done}/{len(batches)} ({100 * done / len(batches):.0f}%), "
+                    f"ETA {format_duration(elapsed / done * (len(batches) - done))}")
+        trainer.model.train()
+    # The reference's evaluate divides every sum, the losses included, by count.
+    sums = dict(zip(EVAL_METRICS, sums.cpu().numpy().tolist()))
+    result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
+    result["num_examples"] = batches.num_examples
+    submission = None
+    if arc is not None:
+        votes = arc.merge(sharding.all_gather_object(arc.summary()))
+        result.update(arc.result(votes, REFERENCE_PASS_KS))
+        if eval_root is not None and sharding.is_main_process():
+            save_arc_votes(eval_root, step, votes)
+        if aggregate:
+            if eval_root is None:
+                raise ValueError("evaluate: aggregate needs eval_root, where the earlier votes are saved")
+            earlier = [v for _, v in saved_arc_votes(eval_root, before_step=step)]
+            votes = arc.merge([votes, *earlier])
+            result.update({f"aggregated_{k}": v for k, v in arc.result(votes, REFERENCE_PASS_KS).items()})
+            result["aggregated_evaluations"] = 1 + len(earlier)
+        submission = arc.submission(votes)
+    return result, submission
+
+
+def save_arc_votes(eval_root: str, step: int, votes: dict) -> str:
+    """Write an evaluation's merged ARC votes to {eval_root}/step_{step}/arc_votes.json.gz."""
+    url = data.join_url(eval_root, f"step_{step}", VOTES_FILE)
+    checkpoint.write_bytes(url, encode_summary(votes))
+    return url
+
+
+def saved_arc_votes(eval_root: str, before_step: int) -> list[tuple[int, dict]]:
+    """(step, votes) of every evaluation saved under eval_root at a step before `before_step`,
+    oldest first. Later steps are left out: after a resume they belong to the interrupted
+    launch and are evaluated (and overwritten) again."""
+    fs, path = data.filesystem(eval_root)
+    fs.invalidate_cache(path)
+    pattern = re.compile(r"step_(\d+)/" + re.escape(VOTES_FILE) + "$")
+    found = checkpoint.with_retries("listing", eval_root, lambda: fs.glob(f"{path.rstrip('/')}/step_*/{VOTES_FILE}"))
+    steps = sorted({int(m.group(1)) for m in map(pattern.search, found) if m and int(m.group(1)) < before_step})
+    urls = [data.join_url(eval_root, f"step_{s}", VOTES_FILE) for s in steps]
+    return [(s, decode_summary(checkpoint.read_bytes(url), url)) for s, url in zip(steps, urls)]

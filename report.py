@@ -1,0 +1,187 @@
+"""What a run tells its user: progress lines, TensorBoard scalars and profiles in the run
+directory, and the history that train.main returns.
+
+Metric sums stay on the device during a window of steps and are read by one background
+thread, in order, so the step loop never waits for a device value. The reader also watches
+for a non-finite loss (`RunLog.nonfinite`), which the loop turns into a stop.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+import checkpoint
+import data
+from trainer import TRAIN_METRICS
+
+
+def upload_files(local_dir: str, url: str) -> None:
+    """Copy every file under a local directory to the same relative paths under `url`, whole
+    (object stores cannot append, so files that grow are uploaded again each time)."""
+    for root, _, files in os.walk(local_dir):
+        for name in files:
+            relative = os.path.relpath(os.path.join(root, name), local_dir)
+            with open(os.path.join(root, name), "rb") as f:
+                checkpoint.write_bytes(data.join_url(url, *relative.split(os.sep)), f.read())
+
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+def summarize(names, values: np.ndarray, steps: int, global_batch_size: int) -> dict[str, float]:
+    """Sums over a window of steps → the reference's normalisation: losses per example, the
+    rest per halted (counted) example."""
+    sums = dict(zip(names, values.tolist()))
+    count = max(sums["count"], 1.0)
+    return {k: v if k == "count" else v / (global_batch_size * steps if k.endswith("loss") else count)
+            for k, v in sums.items()}
+
+
+class RunLog:
+    """Progress lines (process 0), TensorBoard scalars under {run_dir}/tb (process 0) and the
+    returned history. Device values are read on one background thread, in order, so the step
+    loop never waits for them."""
+
+    def __init__(self, config, total_steps: int, main_host: bool, sharding):
+        """config: train.Config (read: run.dir, run.log_every, optim.global_batch_size)."""
+        self.config, self.total_steps, self.main_host, self.sharding = config, total_steps, main_host, sharding
+        self.history: list[dict[str, float]] = []
+        self.evals: list[dict[str, float]] = []
+        self.nonfinite: str | None = None  # the first window whose loss or metrics were NaN/inf
+        self.reader = ThreadPoolExecutor(max_workers=1)
+        self.tb = None
+        if main_host:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # Event files grow by appending, which object stores cannot do (gcsfs silently
+            # overwrites): write them locally and upload whole copies after each write.
+            self.tb_remote = data.join_url(config.run.dir, "tb")
+            self.tb_local = self.tb_remote if "://" not in config.run.dir else tempfile.mkdtemp(prefix="trm-tb-")
+            self.tb = SummaryWriter(self.tb_local)
+
+    def say(self, *parts) -> None:
+        if self.main_host:
+            print(*parts, flush=True)
+
+    def _in_order(self, fn, *args) -> None:
+        self.reader.submit(fn, *args).add_done_callback(_raise_in_main_thread)
+
+    def config_text(self, config) -> None:
+        if self.tb:
+            text = json.dumps(dataclasses.asdict(config), indent=2)
+            self._in_order(self.tb.add_text, "config", f"```\n{text}\n```", 0)
+
+    def start_window(self, device) -> None:
+        """A fresh window of summed step metrics (a device tensor, added to by every step)."""
+        self.window_sums = torch.zeros(len(TRAIN_METRICS)).to(device)
+        self.window_steps, self.window_start = 0, time.time()
+
+    def add_step(self, metrics: torch.Tensor) -> None:
+        """Add a step's metric vector to the window, before the step's sync (so the sum is part
+        of the step's graph and is computed by the time the window is read)."""
+        self.window_sums = self.window_sums + metrics
+        self.window_steps += 1
+
+    def after_step(self, step: int, lr: float, end_window: bool = False) -> None:
+        """After the step's sync: the window ends (its sums are read in the background and
+        reported) every run.log_every steps, at the last step, and when the caller asks (before
+        a save, so that every saved step has had its loss checked)."""
+        if end_window or step % self.config.run.log_every == 0 or step == self.total_steps:
+            self._in_order(self._report_train, self.window_sums, step, self.window_steps,
+                           time.time() - self.window_start, lr)
+            self.start_window(self.window_sums.device)
+
+    def _report_train(self, sums, step, steps, seconds, lr):
+        o = self.config.optim
+        m = summarize(TRAIN_METRICS, sums.cpu().numpy(), steps, o.global_batch_size)
+        rate = steps / max(seconds, 1e-9)
+        m.update(step=step, lr=lr, loss=m["lm_loss"] + 0.5 * m["q_halt_loss"], steps_per_s=rate,
+                 examples_per_s=rate * o.global_batch_size)
+        self.history.append(m)
+        bad = sorted((k for k, v in m.items() if not math.isfinite(v)), key=lambda k: k != "loss")
+        if bad and self.nonfinite is None:
+            self.nonfinite = f"steps {step - steps + 1}-{step}: " + ", ".join(f"{k} {m[k]}" for k in bad)
+        self.say(f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.1f}%)  loss {m['loss']:.4f}  "
+                 f"exact {m['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
+                 f"{m['examples_per_s']:.0f} ex/s  ETA {format_duration((self.total_steps - step) / rate)}")
+        if self.tb:
+            for k, v in m.items():
+                if k != "step":
+                    self.tb.add_scalar(f"train/{k}", v, step)
+            self.tb.add_scalar("xla/compiles", self.sharding.xla_counters()["compiles"], step)
+            self._upload_tb()
+
+    def _upload_tb(self) -> None:
+        self.tb.flush()
+        if self.tb_local != self.tb_remote:
+            upload_files(self.tb_local, self.tb_remote)
+
+    def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
+        self.evals.append(dict(result, step=step))
+        arc = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith(("pass@", "aggregated_pass@")))
+        if "aggregated_evaluations" in result:
+            count = result["aggregated_evaluations"]
+            arc += f" (aggregated over {count} evaluation{'s' if count != 1 else ''})"
+        self.say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  "
+                 f"accuracy {result['accuracy']:.4f}  q_halt_accuracy {result['q_halt_accuracy']:.4f}  "
+                 f"steps {result['steps']:.2f}  lm_loss {result['lm_loss']:.4f}  "
+                 f"q_halt_loss {result['q_halt_loss']:.4f}  {arc + '  ' if arc else ''}"
+                 f"on {result['num_examples']} examples in {seconds:.0f}s")
+        if self.tb:
+            for k, v in result.items():
+                self._in_order(self.tb.add_scalar, f"eval/{k}", v, step)
+            self._in_order(self._upload_tb)
+
+    def drain(self) -> None:
+        """Wait until every queued read has finished."""
+        self.reader.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self.reader.shutdown(wait=True)
+        if self.tb:
+            self._upload_tb()
+            self.tb.close()
+
+
+class Profile:
+    """An XLA profile of run.profile_steps steps, written locally then copied to
+    {run_dir}/tb/plugins/profile (object stores cannot take the profiler's writes)."""
+
+    def __init__(self, config, first_step: int, main_host: bool, sharding, say):
+        """config: train.Config (read: run.profile_steps, run.dir); off when profile_steps is 0
+        and on every host but process 0."""
+        self.on = bool(config.run.profile_steps) and main_host
+        self.first, self.last = first_step, first_step + config.run.profile_steps - 1
+        self.remote = data.join_url(config.run.dir, "tb")
+        self.sharding, self.say = sharding, say
+        self.local = tempfile.mkdtemp(prefix="trm-profile-") if self.on else None
+
+    def before_step(self, step: int) -> None:
+        if self.on and step == self.first:
+            self.sharding.start_profile(self.local)
+
+    def after_step(self, step: int) -> None:
+        if self.on and step == self.last:
+            self.sharding.stop_profile()
+            upload_files(self.local, self.remote)
+            self.say(f"XLA profile of steps {self.first}-{self.last} written to {self.remote}/plugins/profile")
+
+
+def _raise_in_main_thread(future) -> None:
+    if future.exception() is not None:  # a failed metrics read must not pass silently
+        import _thread
+        print(f"error: reading metrics failed: {future.exception()!r}", file=sys.stderr, flush=True)
+        _thread.interrupt_main()
