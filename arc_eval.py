@@ -64,7 +64,7 @@ them but never uses them). Two identical test inputs of one task share one pool,
 reference. A test input without votes gets 1x1 grids [[0]] in the submission (the reference
 leaves it out, which misaligns the task's list with its test inputs).
 
-This module imports numpy, the standard library and data.py only.
+This module imports numpy, the standard library, storage.py and data.py only.
 """
 from __future__ import annotations
 
@@ -75,6 +75,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 
 import data
+from storage import join_url, read_json, write_bytes
 
 Q_SCALE = 2 ** 64  # q_sum unit: sigmoid values are summed as integers of 2**-64
 SUBMISSION_FILE = "submission.json"
@@ -136,9 +137,9 @@ class ArcEvaluator:
     def from_dataset(cls, url: str, **kwargs) -> "ArcEvaluator":
         """The evaluator of the ARC dataset at ``url`` (local path or fsspec URL)."""
         identifiers = data.read_identifiers(url)
-        puzzles_url = data.join_url(url, "test_puzzles.json")
+        puzzles_url = join_url(url, "test_puzzles.json")
         try:
-            test_puzzles = data._read_json(puzzles_url, "ARC test puzzles")
+            test_puzzles = read_json(puzzles_url, "ARC test puzzles", data.DatasetError)
         except FileNotFoundError:
             raise data.DatasetError(f"{puzzles_url} is missing: the ARC evaluator needs the "
                                     "test_puzzles.json that `python data.py build-arc` writes."
@@ -318,6 +319,6 @@ def write_submission(url: str, submission: dict) -> str:
     """Write ``submission`` as JSON to ``url`` (local or fsspec); a URL not ending in ".json" is
     a directory that gets "submission.json". Returns the file's URL."""
     if not url.endswith(".json"):
-        url = data.join_url(url, SUBMISSION_FILE)
-    data._write_bytes(url, json.dumps(submission).encode())
+        url = join_url(url, SUBMISSION_FILE)
+    write_bytes(url, json.dumps(submission).encode())
     return url

@@ -22,6 +22,7 @@ Reading
     total_train_steps(metadata, epochs, global_batch_size) -> int
 Remote arrays are copied once to ``cache_dir`` (default ``~/.cache/trm-data/<hash of url>``) and
 memory-mapped; a local root is memory-mapped in place. Every problem raises DatasetError.
+Files are read and written through storage.py (a failing write raises storage.StorageError).
 
 Batches (dicts of numpy arrays: ``inputs`` and ``labels`` int32 [rows, seq_len], labels -100
 where ignored, ``puzzle_identifiers`` int32 [rows]; rows = global_batch_size / process_count)
@@ -42,7 +43,8 @@ Building (each writes the reference format to any fsspec URL)
 ARC helpers for the evaluator: arc_identifier, parse_arc_identifier, augment_arc_grid,
 invert_arc_augmentation, encode_arc_pair, decode_arc_grid.
 
-This module imports numpy, fsspec and the standard library only (never torch or torch_xla).
+This module imports numpy, fsspec (through storage.py) and the standard library only (never
+torch or torch_xla).
 """
 from __future__ import annotations
 
@@ -58,10 +60,12 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
-import fsspec
 import numpy as np
+
+from storage import (StorageError, access_errors, filesystem, is_local, join_url, read_json, write_bytes,
+                     write_file)
 
 IGNORE_LABEL_ID = -100  # what labels equal to metadata.ignore_label_id become in batches
 SET_NAME = "all"  # the only set name the reference builders write
@@ -72,87 +76,6 @@ DEFAULT_CACHE_ROOT = os.path.join("~", ".cache", "trm-data")
 
 class DatasetError(ValueError):
     """A dataset cannot be read or built; the message names the path and what to do."""
-
-
-# --------------------------------------------------------------------------------------------
-# Storage: fsspec file systems, credentials, error messages
-# --------------------------------------------------------------------------------------------
-
-def filesystem(url: str):
-    """(fsspec file system, path inside it) for a URL or local path."""
-    options = {}
-    protocol = url.split("://", 1)[0] if "://" in url else "file"
-    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
-        # The emulator accepts no real credentials; real GCS uses the default credentials.
-        options["token"] = "anon"
-    return fsspec.core.url_to_fs(url, **options)
-
-
-def _is_local(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocol or "local" in protocol
-
-
-def join_url(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])
-
-
-def _storage_problem(exc: BaseException) -> Optional[str]:
-    """A sentence saying what went wrong talking to remote storage, or None if not that kind.
-
-    Recognised by class names and attributes so that this module needs neither google-auth
-    nor aiohttp.
-    """
-    modules = [cls.__module__ for cls in type(exc).__mro__]
-    if any(m.startswith("google.auth") for m in modules) or getattr(exc, "code", None) == 401:
-        return (f"no valid Google Cloud credentials ({exc}). Authenticate with "
-                "`gcloud auth application-default login`, or on a TPU VM give its service "
-                "account read access (roles/storage.objectViewer) to the bucket")
-    if str(exc).startswith("Forbidden") or getattr(exc, "code", None) == 403:
-        return (f"access denied ({exc}). Give the account you run as "
-                "roles/storage.objectViewer on the bucket (objectAdmin to write), "
-                "or check the bucket name")
-    if any(m.startswith("aiohttp") for m in modules) \
-            or isinstance(exc, (ConnectionError, TimeoutError)):
-        return (f"the storage service cannot be reached ({exc}). Check the network, the "
-                "bucket name, and STORAGE_EMULATOR_HOST if you use an emulator")
-    return None
-
-
-@contextlib.contextmanager
-def _storage_errors(url: str) -> Iterator[None]:
-    """Turn credential and connection failures into a DatasetError naming ``url``."""
-    try:
-        yield
-    except (DatasetError, FileNotFoundError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised unless recognised
-        problem = _storage_problem(exc)
-        if problem is None:
-            raise
-        raise DatasetError(f"Cannot access {url}: {problem}.") from exc
-
-
-def _read_json(url: str, what: str):
-    """Parsed JSON of the file at ``url``; FileNotFoundError if absent."""
-    fs, path = filesystem(url)
-    with _storage_errors(url):
-        with fs.open(path, "rb") as f:
-            text = f.read()
-    try:
-        return json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"{url} is not valid JSON ({exc}); rebuild or re-upload the "
-                           f"{what}.") from exc
-
-
-def _write_bytes(url: str, data: bytes) -> None:
-    fs, path = filesystem(url)
-    with _storage_errors(url):
-        if _is_local(fs):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with fs.open(path, "wb") as f:
-            f.write(data)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,7 +200,7 @@ def _cached_copy(fs, remote_path: str, url: str, cache_split_dir: str) -> tuple[
     Downloads go to a temporary file in the cache directory that is renamed into place once its
     size matches the remote size, so processes starting together never see a partial file.
     """
-    with _storage_errors(url):
+    with access_errors(url, DatasetError):
         info = fs.info(remote_path)
     remote_size = info.get("size")
     name = os.path.basename(remote_path)
@@ -290,7 +213,7 @@ def _cached_copy(fs, remote_path: str, url: str, cache_split_dir: str) -> tuple[
     os.close(fd)
     start = time.time()
     try:
-        with _storage_errors(url):
+        with access_errors(url, DatasetError):
             fs.get_file(remote_path, tmp_path)
         size = os.path.getsize(tmp_path)
         if remote_size is not None and size != remote_size:
@@ -322,7 +245,7 @@ def _load_npy(local_path: str, url: str, memory_map: bool) -> np.ndarray:
 def _missing_split_error(url: str, split: str, json_url: str) -> DatasetError:
     """The most useful explanation for a missing dataset.json."""
     fs, root_path = filesystem(url)
-    with _storage_errors(url):
+    with access_errors(url, DatasetError):
         root_exists = fs.exists(root_path)
         split_exists = root_exists and fs.exists(join_url(root_path, split))
     if not root_exists:
@@ -343,7 +266,7 @@ def read_metadata(url: str, split: str) -> Metadata:
         raise DatasetError(f"Unknown split {split!r} for {url}; use one of {SPLITS}.")
     json_url = join_url(url, split, "dataset.json")
     try:
-        metadata = Metadata.from_dict(_read_json(json_url, "dataset"), json_url)
+        metadata = Metadata.from_dict(read_json(json_url, "dataset", DatasetError), json_url)
     except FileNotFoundError:
         raise _missing_split_error(url, split, json_url) from None
     if len(metadata.sets) != 1:
@@ -361,7 +284,7 @@ def open_dataset(url: str, split: str, cache_dir: Optional[str] = None) -> Datas
     metadata = read_metadata(url, split)
     split_url = join_url(url, split)
     fs, split_path = filesystem(split_url)
-    local = _is_local(fs)
+    local = is_local(fs)
     cache_split_dir = os.path.join(cache_dir or _default_cache_dir(url), split)
     arrays, downloaded = {}, 0
     for name in ARRAY_NAMES:
@@ -453,7 +376,7 @@ def read_identifiers(url: str) -> list:
     """identifiers.json of the dataset at ``url``: the name of each puzzle identifier."""
     json_url = join_url(url, "identifiers.json")
     try:
-        names = _read_json(json_url, "identifiers list")
+        names = read_json(json_url, "identifiers list", DatasetError)
     except FileNotFoundError:
         raise DatasetError(f"{json_url} is missing; rebuild the dataset.") from None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -466,7 +389,7 @@ def identifiers_fingerprint(url: str) -> Optional[str]:
     it has none. Row i of a trained puzzle-embedding table belongs to identifier i: a model may
     only be evaluated or fine-tuned with its table on a dataset with the same fingerprint."""
     try:
-        names = _read_json(join_url(url, "identifiers.json"), "identifiers list")
+        names = read_json(join_url(url, "identifiers.json"), "identifiers list", DatasetError)
     except FileNotFoundError:
         return None
     return hashlib.sha256(json.dumps(names, separators=(",", ":")).encode()).hexdigest()[:16]
@@ -705,19 +628,15 @@ def write_split(url: str, split: str, metadata: Metadata, arrays: dict) -> None:
     for name in ("puzzle_identifiers", "puzzle_indices", "group_indices"):
         arrays[name] = arrays[name].astype(np.int32)
     _check_arrays(arrays, metadata, split_url)
-    fs, split_path = filesystem(split_url)
-    with _storage_errors(split_url):
-        if _is_local(fs):
-            os.makedirs(split_path, exist_ok=True)
-        for name in ARRAY_NAMES:
-            with fs.open(join_url(split_path, f"{metadata.sets[0]}__{name}.npy"), "wb") as f:
-                np.save(f, arrays[name])
-    _write_bytes(join_url(split_url, "dataset.json"), json.dumps(metadata.to_dict()).encode())
+    for name in ARRAY_NAMES:
+        write_file(join_url(split_url, f"{metadata.sets[0]}__{name}.npy"),
+                   lambda f, array=arrays[name]: np.save(f, array))
+    write_bytes(join_url(split_url, "dataset.json"), json.dumps(metadata.to_dict()).encode())
 
 
 def write_identifiers(url: str, names: Sequence[str]) -> None:
     """Write identifiers.json (identifier -> name; entry 0 is "<blank>") at the root ``url``."""
-    _write_bytes(join_url(url, "identifiers.json"), json.dumps(list(names)).encode())
+    write_bytes(join_url(url, "identifiers.json"), json.dumps(list(names)).encode())
 
 
 class _SplitAccumulator:
@@ -787,7 +706,7 @@ def read_puzzle_csv(url: str, min_difficulty: Optional[int] = None) -> tuple[lis
     fs, path = filesystem(url)
     questions, answers = [], []
     try:
-        with _storage_errors(url), fs.open(path, "rt", newline="") as f:
+        with access_errors(url, DatasetError), fs.open(path, "rt", newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
             if header is None or [h.strip().lower() for h in header[:4]] != \
@@ -1033,14 +952,14 @@ def load_arc_tasks(challenges_url: str, solutions_url: Optional[str]) -> dict:
     pair's); without that file, tests keep any "output" they carry, else a dummy 1x1 grid [[0]],
     as the reference does. The values stay raw JSON: test_puzzles.json repeats them verbatim."""
     try:
-        tasks = _read_json(challenges_url, "ARC challenges")
+        tasks = read_json(challenges_url, "ARC challenges", DatasetError)
     except FileNotFoundError:
         raise DatasetError(f"ARC challenges file {challenges_url} not found; check --input-prefix "
                            "and --subsets.") from None
     solutions = None
     if solutions_url is not None:
         try:
-            solutions = _read_json(solutions_url, "ARC solutions")
+            solutions = read_json(solutions_url, "ARC solutions", DatasetError)
         except FileNotFoundError:
             print(f"data: {solutions_url} not found; test outputs of {challenges_url} are dummies",
                   file=sys.stderr)
@@ -1210,7 +1129,7 @@ def build_arc(out: str, input_prefix: str,
             accumulator.write(out, split, vocab_size=ARC_FIRST_COLOUR + 10,
                               num_puzzle_identifiers=len(identifier_ids) + 1)
     write_identifiers(out, ["<blank>"] + list(identifier_ids))
-    _write_bytes(join_url(out, "test_puzzles.json"), json.dumps(test_tasks).encode())
+    write_bytes(join_url(out, "test_puzzles.json"), json.dumps(test_tasks).encode())
 
 
 def _add_arc_group(accumulator: _SplitAccumulator, pairs: list, plans: np.ndarray, ids: list,
@@ -1351,7 +1270,7 @@ def info(url: str) -> None:
     for split in SPLITS:
         json_url = join_url(url, split, "dataset.json")
         try:
-            metadata = Metadata.from_dict(_read_json(json_url, "dataset"), json_url)
+            metadata = Metadata.from_dict(read_json(json_url, "dataset", DatasetError), json_url)
         except FileNotFoundError:
             raise _missing_split_error(url, split, json_url) from None
         print(f"\n[{split}] {json.dumps(metadata.to_dict())}")
@@ -1359,7 +1278,7 @@ def info(url: str) -> None:
         headers = {}
         for name in ARRAY_NAMES:
             path = join_url(split_path, f"{metadata.sets[0]}__{name}.npy")
-            with _storage_errors(url):
+            with access_errors(url, DatasetError):
                 if not fs.exists(path):
                     print(f"  {name:20s} MISSING")
                     continue
@@ -1469,7 +1388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         elif args.command == "bench":
             bench(args.url, args.global_batch_size, args.steps, args.process_count,
                   args.cache_dir)
-    except DatasetError as exc:
+    except (DatasetError, StorageError) as exc:
         sys.exit(f"error: {exc}")
     if args.command.startswith("build-"):
         info(args.out)
