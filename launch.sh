@@ -6,7 +6,7 @@
 #
 #   export TRM_TPU=trm-pod TRM_ZONE=us-central2-b TRM_PROJECT=my-project TRM_BUCKET=my-trm-bucket
 #   bash launch.sh create --accelerator v4-64 --spot   # the TPU VM slice and the bucket, if missing
-#   python data.py build-sudoku --out gs://$TRM_BUCKET/data/sudoku-extreme-1k-aug-1000
+#   python build_data.py build-sudoku --out gs://$TRM_BUCKET/data/sudoku-extreme-1k-aug-1000
 #   export TRM_DATA=gs://$TRM_BUCKET/data/sudoku-extreme-1k-aug-1000
 #   bash launch.sh setup                 # venv ~/trm-venv with torch_xla[tpu] on every worker
 #   bash launch.sh deploy                # tracked files -> ~/trm on every worker, code hashes compared

@@ -788,8 +788,10 @@ def cli(argv: list[str] | None = None) -> Config:
     """The training configuration from the command line (a preset name, then overrides)."""
     config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
     if config.data.path == PRESETS["demo"][1].data.path and not os.path.exists(config.data.path):
+        import build_data
+
         print(f"building the demo dataset at {config.data.path}", flush=True)
-        data.build_demo(config.data.path, seed=0)
+        build_data.build_demo(config.data.path, seed=0)
     return config
 
 

@@ -1,5 +1,5 @@
 """Tests of arc_eval.py: hand-made votes with known pass@k, tie breaks, augmentation inversion,
-sharded voting, submission files and the evaluator on a dataset built by data.build_arc."""
+sharded voting, submission files and the evaluator on a dataset built by build_data.build_arc."""
 import gzip
 import json
 import os
@@ -8,6 +8,7 @@ import pickle
 import numpy as np
 import pytest
 
+import build_data
 import data
 from arc_eval import (VOTES_FORMAT, ArcEvaluator, decode_summary, encode_summary, grid_key, key_grid, sigmoid,
                       write_submission)
@@ -240,11 +241,11 @@ def test_sigmoid_is_stable():
 
 
 def test_built_dataset_end_to_end(tmp_path):
-    """On a dataset from data.build_arc, perfect predictions (the labels) pass everything, and
+    """On a dataset from build_data.build_arc, perfect predictions (the labels) pass everything, and
     the submission written through write_submission holds the solutions."""
     out = str(tmp_path / "arc")
-    data.build_arc(out, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
-                   test_sets=("evaluation",), num_aug=4, seed=1)
+    build_data.build_arc(out, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+                         test_sets=("evaluation",), num_aug=4, seed=1)
     evaluator = ArcEvaluator.from_dataset(out)
     test = data.open_dataset(out, "test")
     summaries = []

@@ -1,4 +1,5 @@
-"""Tests of data.py: reading (local and a GCS emulator), batches, builders, errors."""
+"""Tests of data.py and build_data.py: reading (local and a GCS emulator), batches, builders, errors,
+the command line."""
 import json
 import os
 import shutil
@@ -10,11 +11,20 @@ import fsspec
 import numpy as np
 import pytest
 
+import build_data
 import data
 from data import DatasetError
-from tests.data_fixtures import (ARC_EVALUATION, ARC_EVALUATION_SOLUTIONS, ARC_TRAINING,
-                                 arc_files, example_index, is_solved_sudoku, maze_csv,
-                                 sudoku_csv, write_synthetic)
+from tests.data_fixtures import (
+    ARC_EVALUATION,
+    ARC_EVALUATION_SOLUTIONS,
+    ARC_TRAINING,
+    arc_files,
+    example_index,
+    is_solved_sudoku,
+    maze_csv,
+    sudoku_csv,
+    write_synthetic,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +38,7 @@ def synthetic(tmp_path_factory):
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("demo"))
-    data.build_demo(root, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
+    build_data.build_demo(root, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
     return root
 
 
@@ -48,7 +58,7 @@ def test_local_dataset_is_memory_mapped_in_place(demo_root):
 
 
 def test_gcs_read_caches_once_and_matches_local(gcs_url, demo_root, tmp_path):
-    data.build_demo(gcs_url, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
+    build_data.build_demo(gcs_url, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
     cache = str(tmp_path / "cache")
     first = data.open_dataset(gcs_url, "train", cache_dir=cache)
     assert first.downloaded_bytes > 0
@@ -185,7 +195,7 @@ def test_eval_cap_is_a_fixed_sorted_subset(synthetic):
 # ----------------------------------------------------------------------------- builders
 
 def test_demo_labels_are_the_unique_solutions(demo_root):
-    solutions = data.all_sudoku_4x4()
+    solutions = build_data.all_sudoku_4x4()
     assert len(solutions) == 288
     for split in data.SPLITS:
         dataset = data.open_dataset(demo_root, split)
@@ -200,7 +210,7 @@ def test_demo_labels_are_the_unique_solutions(demo_root):
 
 
 def test_builders_are_reproducible(tmp_path, demo_root):
-    data.build_demo(str(tmp_path), train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
+    build_data.build_demo(str(tmp_path), train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
     for split in data.SPLITS:
         for name in data.ARRAY_NAMES:
             file = f"{split}/all__{name}.npy"
@@ -212,8 +222,8 @@ def test_build_sudoku(tmp_path):
     train_csv = sudoku_csv(str(tmp_path / "train.csv"), 6, seed=0)
     test_csv = sudoku_csv(str(tmp_path / "test.csv"), 5, seed=1)
     out = str(tmp_path / "sudoku")
-    data.build_sudoku(out, train_csv, test_csv, subsample_size=3, min_difficulty=1, num_aug=4,
-                      seed=0)
+    build_data.build_sudoku(out, train_csv, test_csv, subsample_size=3, min_difficulty=1, num_aug=4,
+                            seed=0)
     train, test = data.open_train_test(out)
     assert (train.num_groups, train.num_puzzles, test.num_examples) == (3, 15, 4)
     assert train.metadata.vocab_size == 11 and train.metadata.seq_len == 81
@@ -228,9 +238,9 @@ def test_build_sudoku(tmp_path):
 
 def test_build_maze(tmp_path):
     out = str(tmp_path / "maze")
-    data.build_maze(out, maze_csv(str(tmp_path / "tr.csv"), 3),
-                    maze_csv(str(tmp_path / "te.csv"), 2),
-                    aug=True)
+    build_data.build_maze(out, maze_csv(str(tmp_path / "tr.csv"), 3),
+                          maze_csv(str(tmp_path / "te.csv"), 2),
+                          aug=True)
     train, test = data.open_train_test(out)
     assert (train.num_groups, train.num_puzzles, test.num_puzzles) == (3, 24, 2)
     assert train.metadata.vocab_size == 6 and train.metadata.seq_len == 16
@@ -257,8 +267,8 @@ def test_arc_augmentation_inverts(transform_id):
 
 def test_build_arc(tmp_path):
     out = str(tmp_path / "arc")
-    data.build_arc(out, arc_files(str(tmp_path)), subsets=["training", "evaluation"],
-                   test_sets=["evaluation"], num_aug=6, seed=0)
+    build_data.build_arc(out, arc_files(str(tmp_path)), subsets=["training", "evaluation"],
+                         test_sets=["evaluation"], num_aug=6, seed=0)
     train, test = data.open_train_test(out)
     names = data.read_identifiers(out)
     # task_blank keeps no augmentation (all are duplicates); the others keep 6 each.
@@ -431,12 +441,12 @@ def test_error_credentials(monkeypatch, case):
 # ----------------------------------------------------------------------------- command line
 
 def test_cli_help_and_info(demo_root, capsys):
-    result = subprocess.run([sys.executable, data.__file__, "--help"], capture_output=True,
+    result = subprocess.run([sys.executable, build_data.__file__, "--help"], capture_output=True,
                             text=True, check=True)
     for command in ("build-sudoku", "build-maze", "build-arc", "build-demo", "info", "bench"):
         assert command in result.stdout
-    data.main(["info", demo_root])
+    build_data.main(["info", demo_root])
     printed = capsys.readouterr().out
     assert '"total_groups": 40' in printed and "(320, 16)" in printed and "label:" in printed
-    data.main(["bench", demo_root, "--global-batch-size", "16", "--steps", "5"])
+    build_data.main(["bench", demo_root, "--global-batch-size", "16", "--steps", "5"])
     assert "rows/s per host" in capsys.readouterr().out
