@@ -13,7 +13,7 @@ Command line:
     python build_data.py info URL      metadata, sizes and a sample
     python build_data.py bench URL     TrainBatches rows per second from the local cache
 
-This module imports numpy, the standard library, storage.py and data.py (never torch):
+This module imports numpy, the standard library, storage.py, data.py and arc.py (never torch):
 training does not import it.
 """
 from __future__ import annotations
@@ -33,19 +33,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from data import (
+from arc import (
     ARC_FIRST_COLOUR,
     ARC_GRID_SIZE,
+    arc_identifier,
+    augment_arc_grid,
+    dihedral_transform,
+    encode_arc_pair,
+)
+from data import (
     ARRAY_NAMES,
     SET_NAME,
     SPLITS,
     DatasetError,
     Metadata,
     TrainBatches,
-    arc_identifier,
-    augment_arc_grid,
-    dihedral_transform,
-    encode_arc_pair,
     open_dataset,
     read_identifiers,
     read_metadata,

@@ -35,8 +35,6 @@ where ignored, ``puzzle_identifiers`` int32 [rows]; rows = global_batch_size / p
 
 Writing (the builders in build_data.py use these; storage problems raise storage.StorageError)
     write_split(url, split, metadata, arrays), write_identifiers(url, names)
-ARC grids, for build_data.py and arc_eval.py: arc_identifier, parse_arc_identifier,
-augment_arc_grid, invert_arc_augmentation, encode_arc_pair, decode_arc_grid, dihedral_transform.
 
 This module imports numpy, fsspec (through storage.py) and the standard library only (never
 torch or torch_xla).
@@ -630,91 +628,3 @@ def write_identifiers(url: str, names: Sequence[str]) -> None:
     write_bytes(join_url(url, "identifiers.json"), json.dumps(list(names)).encode())
 
 
-# --------------------------------------------------------------------------------------------
-# Grids: the sequence encoding, augmentations, identifier names
-# --------------------------------------------------------------------------------------------
-
-ARC_GRID_SIZE = 30  # grids are placed on a 30x30 canvas: seq_len 900
-ARC_ID_SEPARATOR = "|||"  # identifier of an augmented task: "task|||t<transform>|||<colour map>"
-ARC_PAD, ARC_EOS, ARC_FIRST_COLOUR = 0, 1, 2  # tokens: pad, end of grid, colours 0..9 -> 2..11
-
-
-def dihedral_transform(grid: np.ndarray, transform_id: int) -> np.ndarray:
-    """One of the 8 symmetries of the square, numbered as in the reference: 0 identity,
-    1-3 rotations by 90/180/270 degrees, 4 left-right flip, 5 up-down flip, 6 transpose,
-    7 anti-transpose."""
-    if transform_id == 0:
-        return grid
-    if transform_id in (1, 2, 3):
-        return np.rot90(grid, k=transform_id)
-    if transform_id == 4:
-        return np.fliplr(grid)
-    if transform_id == 5:
-        return np.flipud(grid)
-    if transform_id == 6:
-        return grid.T
-    if transform_id == 7:
-        return np.fliplr(np.rot90(grid, k=1))
-    raise ValueError(f"dihedral transform id {transform_id} must lie in 0..7")
-
-
-DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)  # the rotations by 90 and 270 undo each other
-
-
-def arc_identifier(task: str, transform_id: int, colour_map: Sequence[int]) -> str:
-    """The reference's name of ``task`` augmented by a dihedral transform and colour map."""
-    colours = "".join(str(int(c)) for c in colour_map)
-    return f"{task}{ARC_ID_SEPARATOR}t{transform_id}{ARC_ID_SEPARATOR}{colours}"
-
-
-def parse_arc_identifier(name: str) -> tuple[str, int, np.ndarray]:
-    """(task, transform_id, colour_map) of an identifiers.json entry; an unaugmented task gives
-    the identity transform and colour map."""
-    if ARC_ID_SEPARATOR not in name:
-        return name, 0, np.arange(10, dtype=np.uint8)
-    task, transform, colours = name.rsplit(ARC_ID_SEPARATOR, 2)
-    return task, int(transform[1:]), np.array([int(c) for c in colours], dtype=np.uint8)
-
-
-def augment_arc_grid(grid: np.ndarray, transform_id: int, colour_map: Sequence[int]) -> np.ndarray:
-    """Recolour (colour c becomes colour_map[c]) then apply the dihedral transform."""
-    return dihedral_transform(np.asarray(colour_map, dtype=np.uint8)[grid], transform_id)
-
-
-def invert_arc_augmentation(grid: np.ndarray, transform_id: int,
-                            colour_map: Sequence[int]) -> np.ndarray:
-    """Undo augment_arc_grid: map a grid of the augmented task back to the original task."""
-    inverse_colours = np.argsort(np.asarray(colour_map)).astype(np.uint8)
-    return inverse_colours[dihedral_transform(np.asarray(grid), DIHEDRAL_INVERSE[transform_id])]
-
-
-def encode_arc_pair(inp: np.ndarray, out: np.ndarray, row: int = 0,
-                    col: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Both grids as 900-token sequences, their top-left corner at (row, col) of the canvas,
-    each closed by end-of-grid tokens below and to its right (where the canvas has room)."""
-    sequences = []
-    for grid in (inp, out):
-        rows, cols = grid.shape
-        canvas = np.full((ARC_GRID_SIZE, ARC_GRID_SIZE), ARC_PAD, np.uint8)
-        canvas[row:row + rows, col:col + cols] = grid + ARC_FIRST_COLOUR
-        if row + rows < ARC_GRID_SIZE:
-            canvas[row + rows, col:col + cols] = ARC_EOS
-        if col + cols < ARC_GRID_SIZE:
-            canvas[row:row + rows, col + cols] = ARC_EOS
-        sequences.append(canvas.ravel())
-    return sequences[0], sequences[1]
-
-
-def decode_arc_grid(sequence: np.ndarray) -> np.ndarray:
-    """The grid at the top-left of a 900-token sequence (a prediction, or an unshifted test
-    example): the largest top-left rectangle of colour tokens, as the reference crops."""
-    is_colour = (sequence.reshape(ARC_GRID_SIZE, ARC_GRID_SIZE) >= ARC_FIRST_COLOUR) & \
-                (sequence.reshape(ARC_GRID_SIZE, ARC_GRID_SIZE) < ARC_FIRST_COLOUR + 10)
-    leading = np.cumprod(is_colour, axis=1).sum(axis=1)  # colour cells before the first other
-    widths = np.minimum.accumulate(leading)
-    areas = widths * np.arange(1, ARC_GRID_SIZE + 1)
-    rows = int(np.argmax(areas)) + 1
-    cols = int(widths[rows - 1]) if areas[rows - 1] else 0
-    rows = rows if cols else 0
-    grid = sequence.reshape(ARC_GRID_SIZE, ARC_GRID_SIZE)[:rows, :cols]
-    return (grid - ARC_FIRST_COLOUR).astype(np.uint8)

@@ -44,7 +44,7 @@ import torch
 import tyro
 
 import data
-from arc_eval import REFERENCE_PASS_KS, VOTES_FILE, ArcEvaluator, decode_summary, encode_summary, write_submission
+from arc import REFERENCE_PASS_KS, VOTES_FILE, ArcEvaluator, decode_summary, encode_summary, write_submission
 from checkpoint import CheckpointWriter
 from model import TRM, TRMConfig
 from trainer import EVAL_METRICS, TRAIN_METRICS, Trainer

@@ -11,6 +11,7 @@ import fsspec
 import numpy as np
 import pytest
 
+import arc
 import build_data
 import data
 from data import DatasetError
@@ -247,7 +248,7 @@ def test_build_maze(tmp_path):
     first = train.inputs[0].reshape(4, 4)
     assert first[0, 0] == 1 + "# SGo".index("S")
     variants = {train.inputs[i].tobytes() for i in range(8)}
-    assert variants == {data.dihedral_transform(first, t).tobytes() for t in range(8)}
+    assert variants == {arc.dihedral_transform(first, t).tobytes() for t in range(8)}
 
 
 @pytest.mark.parametrize("transform_id", range(8))
@@ -255,12 +256,12 @@ def test_arc_augmentation_inverts(transform_id):
     rng = np.random.default_rng(transform_id)
     grid = rng.integers(0, 10, size=(3, 5)).astype(np.uint8)
     colour_map = np.concatenate([[0], rng.permutation(9) + 1])
-    augmented = data.augment_arc_grid(grid, transform_id, colour_map)
-    name = data.arc_identifier("abc", transform_id, colour_map)
-    task, parsed_transform, parsed_colours = data.parse_arc_identifier(name)
+    augmented = arc.augment_arc_grid(grid, transform_id, colour_map)
+    name = arc.arc_identifier("abc", transform_id, colour_map)
+    task, parsed_transform, parsed_colours = arc.parse_arc_identifier(name)
     assert (task, parsed_transform) == ("abc", transform_id)
     np.testing.assert_array_equal(
-        data.invert_arc_augmentation(augmented, parsed_transform, parsed_colours), grid)
+        arc.invert_arc_augmentation(augmented, parsed_transform, parsed_colours), grid)
     if transform_id == 1:  # numbering as the reference: 1 is a 90-degree rotation
         np.testing.assert_array_equal(augmented, np.rot90(colour_map[grid]))
 
@@ -279,16 +280,16 @@ def test_build_arc(tmp_path):
     # Test inputs decode and invert back to the original grids, in every variant.
     originals = [np.array(t["input"]) for t in ARC_EVALUATION["task_e"]["test"]]
     for puzzle in range(test.num_puzzles):
-        task, transform_id, colours = data.parse_arc_identifier(
+        task, transform_id, colours = arc.parse_arc_identifier(
             names[test.puzzle_identifiers[puzzle]])
         assert task == "task_e"
         for k, example in enumerate(range(test.puzzle_indices[puzzle],
                                           test.puzzle_indices[puzzle + 1])):
-            grid = data.decode_arc_grid(test.inputs[example])
+            grid = arc.decode_arc_grid(test.inputs[example])
             np.testing.assert_array_equal(
-                data.invert_arc_augmentation(grid, transform_id, colours), originals[k])
-            label = data.invert_arc_augmentation(data.decode_arc_grid(test.labels[example]),
-                                                 transform_id, colours)
+                arc.invert_arc_augmentation(grid, transform_id, colours), originals[k])
+            label = arc.invert_arc_augmentation(arc.decode_arc_grid(test.labels[example]),
+                                                transform_id, colours)
             np.testing.assert_array_equal(label, ARC_EVALUATION_SOLUTIONS["task_e"][k])
     # Train examples may be shifted on the canvas; their colour cells still invert.
     task_a = ARC_TRAINING["task_a"]
@@ -297,7 +298,7 @@ def test_build_arc(tmp_path):
     assert len(task_a_ids) == 7
     for identifier in task_a_ids:
         puzzle = int(np.flatnonzero(train.puzzle_identifiers == identifier)[0])
-        _, transform_id, colours = data.parse_arc_identifier(names[identifier])
+        _, transform_id, colours = arc.parse_arc_identifier(names[identifier])
         start = train.puzzle_indices[puzzle]
         assert train.puzzle_indices[puzzle + 1] - start == 3  # 2 train pairs + the test pair
         for example, pair in zip(range(start, start + 3), pairs):
@@ -305,7 +306,7 @@ def test_build_arc(tmp_path):
             rows, cols = np.nonzero(canvas >= 2)
             grid = canvas[rows.min():rows.max() + 1, cols.min():cols.max() + 1] - 2
             np.testing.assert_array_equal(
-                data.invert_arc_augmentation(grid, transform_id, colours), pair["input"])
+                arc.invert_arc_augmentation(grid, transform_id, colours), pair["input"])
     with open(os.path.join(out, "test_puzzles.json")) as f:
         assert list(json.load(f)) == ["task_e"]
 

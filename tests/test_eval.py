@@ -115,7 +115,7 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
     evaluation step and resumed scores the same as one that ran straight through, and
     `train.py eval --eval.arc-aggregate` votes over the saved evaluations of earlier steps."""
     import sharding
-    from arc_eval import ArcEvaluator, decode_summary, encode_summary
+    from arc import ArcEvaluator, decode_summary, encode_summary
 
     arc_path = str(tmp_path / "arc")
     build_data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
@@ -250,7 +250,7 @@ def test_evaluation_schedule_counts_epochs_and_ends_with_the_final_evaluation():
 
 @pytest.mark.parametrize("where", ["local", "gcs"])
 def test_saved_arc_votes_are_found_by_step_locally_and_on_gcs(where, tmp_path, request):
-    from arc_eval import ArcEvaluator
+    from arc import ArcEvaluator
 
     root = str(tmp_path / "eval") if where == "local" else request.getfixturevalue("gcs_url") + "/eval"
     votes = {step: {"votes": {("T", bytes([1, 1, step])): {b"\x01\x01\x07": [step, step * 2 ** 70 + 1]}},
