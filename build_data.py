@@ -27,7 +27,6 @@ import math
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,10 +46,10 @@ from data import (
     SPLITS,
     DatasetError,
     Metadata,
-    TrainBatches,
     open_dataset,
     read_identifiers,
     read_metadata,
+    train_rows_per_second,
     write_identifiers,
     write_split,
 )
@@ -635,14 +634,7 @@ def bench(url: str, global_batch_size: int = 768, steps: int = 200, process_coun
           cache_dir: str | None = None) -> float:
     """Rows per second that one host gets from TrainBatches (after the dataset is cached)."""
     dataset = open_dataset(url, "train", cache_dir)
-    batches = TrainBatches(dataset, global_batch_size, seed=0, process_index=0,
-                           process_count=process_count)
-    batches.batch(0)
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        batches.batch(step)
-    elapsed = time.perf_counter() - start
-    rows_per_second = steps * len(range(*batches.rows.indices(global_batch_size))) / elapsed
+    rows_per_second = train_rows_per_second(dataset, global_batch_size, process_count, steps)
     print(f"{url}: {rows_per_second:,.0f} rows/s per host ({steps} steps, global batch "
           f"{global_batch_size}, {process_count} host(s), seq_len {dataset.metadata.seq_len})")
     return rows_per_second

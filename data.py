@@ -32,6 +32,7 @@ where ignored, ``puzzle_identifiers`` int32 [rows]; rows = global_batch_size / p
     EvalBatches(dataset, global_batch_size, process_index=0, process_count=1,
                 max_examples=None, seed=0)
         len(), .batch(i) -> dict, .valid(i) -> bool [rows], .num_examples
+    train_rows_per_second(dataset, global_batch_size, ...) -> float   # TrainBatches' speed
 
 Writing (the builders in build_data.py use these; storage problems raise storage.StorageError)
     write_split(url, split, metadata, arrays), write_identifiers(url, names)
@@ -45,6 +46,7 @@ import contextlib
 import hashlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -599,6 +601,24 @@ class EvalBatches:
                                                          pad_values[key], np.int32)])
                      for key, value in batch.items()}
         return batch
+
+
+def train_rows_per_second(dataset: Dataset, global_batch_size: int, process_count: int = 1,
+                          steps: int = 200, runs: int = 1) -> float:
+    """Rows per second that host 0 of ``process_count`` gets from TrainBatches: the median of
+    ``runs`` timings of ``steps`` consecutive batches each, after one untimed batch."""
+    batches = TrainBatches(dataset, global_batch_size, seed=0, process_index=0,
+                           process_count=process_count)
+    batches.batch(0)
+    rows = global_batch_size // process_count
+    rates, step = [], 1
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(steps):
+            batches.batch(step)
+            step += 1
+        rates.append(steps * rows / (time.perf_counter() - start))
+    return statistics.median(rates)
 
 
 # --------------------------------------------------------------------------------------------
