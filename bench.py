@@ -263,17 +263,7 @@ def write_synthetic_dataset(root: str, preset: str, model: TRMConfig, seed: int 
 
 def data_rows_per_s(dataset: data.Dataset, global_batch: int, hosts: int, batches: int) -> float:
     """Rows per second host 0 of `hosts` gets from TrainBatches (median of 3 runs)."""
-    reader = data.TrainBatches(dataset, global_batch, seed=0, process_index=0, process_count=hosts)
-    reader.batch(0)
-    rows = global_batch // hosts
-    rates, step = [], 1
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(batches):
-            reader.batch(step)
-            step += 1
-        rates.append(batches * rows / (time.perf_counter() - start))
-    return statistics.median(rates)
+    return data.train_rows_per_second(dataset, global_batch, hosts, batches, runs=3)
 
 
 class StepThreadsClock:

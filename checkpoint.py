@@ -11,8 +11,8 @@ A checkpoint is a directory `{run_dir}/checkpoints/step_{N:08d}/`:
 
 Hosts write in parallel from a background thread; nothing crosses hosts but files, so a
 host that dies before finishing leaves no COMMITTED marker, and discovery skips the
-directory. This file imports torch, safetensors and data.py (fsspec), never torch_xla: exported
-models load anywhere.
+directory. Every read and write goes through storage.py (fsspec, with retries). This file
+imports torch, safetensors and storage.py, never torch_xla: exported models load anywhere.
 """
 from __future__ import annotations
 
@@ -29,59 +29,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from data import filesystem, join_url
+from storage import exists, filesystem, join_url, read_bytes, with_retries, write_bytes
 
 COMMIT_MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"step_(\d{8})$")
 
 
 class CheckpointError(RuntimeError):
-    pass
-
-
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)
-
-
-def with_retries(what: str, url: str, fn: Callable, attempts: int = 6, first_delay: float = 0.5):
-    """Run fn(); retry transient storage errors with exponential backoff. A permanent error
-    (or the last attempt) raises CheckpointError naming the URL and the cause."""
-    delay = first_delay
-    for attempt in range(1, attempts + 1):
-        try:
-            return fn()
-        except _PERMANENT as e:
-            raise CheckpointError(f"{what} {url} failed: {type(e).__name__}: {e}") from e
-        except Exception as e:  # network, 5xx, 429: worth another try
-            if attempt == attempts:
-                raise CheckpointError(f"{what} {url} failed after {attempts} attempts: "
-                                      f"{type(e).__name__}: {e}") from e
-            print(f"warning: {what} {url} failed ({type(e).__name__}: {e}); retrying in {delay:.1f}s",
-                  flush=True)
-            time.sleep(delay)
-            delay *= 2
-
-
-def write_bytes(url: str, payload: bytes) -> None:
-    def write():
-        fs, path = filesystem(url)
-        if "file" in fs.protocol:  # object stores have no directories to create
-            fs.makedirs(fs._parent(path), exist_ok=True)
-        with fs.open(path, "wb") as f:
-            f.write(payload)
-    with_retries("writing", url, write)
-
-
-def read_bytes(url: str) -> bytes:
-    def read():
-        fs, path = filesystem(url)
-        with fs.open(path, "rb") as f:
-            return f.read()
-    return with_retries("reading", url, read)
-
-
-def exists(url: str) -> bool:
-    fs, path = filesystem(url)
-    return with_retries("checking", url, lambda: fs.exists(path))
+    """A checkpoint is incomplete, unreadable or not committed (a failing read or write of
+    storage raises storage.StorageError)."""
 
 
 def step_dir(run_dir: str, step: int) -> str:
@@ -166,7 +122,8 @@ class CheckpointWriter:
                        "global_shape": list(shard.global_shape), "row_start": shard.row_start,
                        "rows": None if shard.row_start is None else shard.tensor.shape[0]}
                  for key, shard in shards.items()}
-        write_bytes(join_url(directory, f"{name}.safetensors"), safetensors_bytes(tensors) if tensors else b"")
+        write_bytes(join_url(directory, f"{name}.safetensors"),
+                    safetensors_bytes(tensors) if tensors else b"")
         write_bytes(join_url(directory, f"{name}.json"), json.dumps(index).encode())
 
     def _commit(self, step: int, state: dict) -> None:
@@ -176,7 +133,8 @@ class CheckpointWriter:
         fs, path = filesystem(directory)
         while True:
             fs.invalidate_cache(path)
-            present = {os.path.basename(p) for p in with_retries("listing", directory, lambda: fs.ls(path, detail=False))}
+            listed = with_retries("listing", directory, lambda: fs.ls(path, detail=False))
+            present = {os.path.basename(p) for p in listed}
             if expected <= present:
                 break
             if time.time() > deadline:
@@ -184,8 +142,10 @@ class CheckpointWriter:
                 raise CheckpointError(f"checkpoint {directory} not committed: no index from {missing} "
                                       f"after {self.commit_timeout_s:.0f}s (a host died or cannot write)")
             time.sleep(0.2)
-        write_bytes(join_url(directory, "state.json"), json.dumps(dict(state, hosts=self.process_count)).encode())
-        write_bytes(join_url(directory, COMMIT_MARKER), json.dumps({"step": step, "time": time.time()}).encode())
+        write_bytes(join_url(directory, "state.json"),
+                    json.dumps(dict(state, hosts=self.process_count)).encode())
+        write_bytes(join_url(directory, COMMIT_MARKER),
+                    json.dumps({"step": step, "time": time.time()}).encode())
 
     def _delete_old(self, newest: int) -> None:
         committed = [s for s, _ in list_checkpoints(self.run_dir, committed_only=True)]
@@ -198,7 +158,8 @@ class CheckpointWriter:
             try:
                 fs.rm(path, recursive=True)
             except Exception as e:  # a leftover directory costs storage, not correctness
-                print(f"warning: could not delete old checkpoint {step_dir(self.run_dir, s)}: {e}", flush=True)
+                print(f"warning: could not delete old checkpoint {step_dir(self.run_dir, s)}: {e}",
+                      flush=True)
 
 
 # -- discovery and reading ----------------------------------------------------------------------------
@@ -250,7 +211,8 @@ def read_checkpoint(url: str, row_range: Callable[[tuple], tuple[int, int]] | No
                 try:
                     handles[file] = safe_open(path, framework="pt")
                 except Exception as e:
-                    raise CheckpointError(f"{join_url(url, file)} is not a readable safetensors file: {e}") from e
+                    raise CheckpointError(f"{join_url(url, file)} is not a readable safetensors file: "
+                                          f"{e}") from e
             for key, entries in index.items():
                 if not names(key):
                     continue
@@ -279,7 +241,8 @@ def latest_checkpoint(run_dir: str, read: Callable[[str], tuple]) -> tuple[int, 
     committed = {step for step, _ in list_checkpoints(run_dir, committed_only=True)}
     for step, url in list_checkpoints(run_dir, committed_only=False):
         if step not in committed:
-            print(f"warning: skipping {url}: no {COMMIT_MARKER} marker (a save that did not finish)", flush=True)
+            print(f"warning: skipping {url}: no {COMMIT_MARKER} marker (a save that did not finish)",
+                  flush=True)
             continue
         try:
             return step, url, read(url)
@@ -318,6 +281,7 @@ def read_exported(url: str) -> tuple[dict[str, torch.Tensor], dict, str | None]:
         with safe_open(path, framework="pt") as handle:
             metadata = handle.metadata() or {}
             if "trm_config" not in metadata:
-                raise CheckpointError(f"{url} has no trm_config metadata: not a model exported by train.py export")
+                raise CheckpointError(f"{url} has no trm_config metadata: not a model exported by "
+                                      "train.py export")
             return ({k: handle.get_tensor(k) for k in handle.keys()}, json.loads(metadata["trm_config"]),
                     metadata.get("dataset_identifiers"))

@@ -1,4 +1,4 @@
-"""TRM puzzle datasets: the reference format via fsspec, deterministic multi-host batches, builders.
+"""TRM datasets: the reference format via fsspec (local or gs://), the local cache, multi-host batches.
 
 A dataset root (a local path or any fsspec URL such as ``gs://bucket/data/sudoku``) holds the
 format of the reference implementation (SamsungSAILMontreal/TinyRecursiveModels):
@@ -18,7 +18,8 @@ augmentations.
 Reading
     open_dataset(url, split, cache_dir=None) -> Dataset
     open_train_test(url, cache_dir=None) -> (Dataset, Dataset)   # also checks they agree
-    read_identifiers(url) -> list[str]
+    read_metadata(url, split) -> Metadata
+    read_identifiers(url) -> list[str]; identifiers_fingerprint(url) -> str | None
     total_train_steps(metadata, epochs, global_batch_size) -> int
 Remote arrays are copied once to ``cache_dir`` (default ``~/.cache/trm-data/<hash of url>``) and
 memory-mapped; a local root is memory-mapped in place. Every problem raises DatasetError.
@@ -31,37 +32,30 @@ where ignored, ``puzzle_identifiers`` int32 [rows]; rows = global_batch_size / p
     EvalBatches(dataset, global_batch_size, process_index=0, process_count=1,
                 max_examples=None, seed=0)
         len(), .batch(i) -> dict, .valid(i) -> bool [rows], .num_examples
+    train_rows_per_second(dataset, global_batch_size, ...) -> float   # TrainBatches' speed
 
-Building (each writes the reference format to any fsspec URL)
-    python data.py build-sudoku | build-maze | build-arc | build-demo --out URL ...
-    (build-arc writes, byte for byte, what the reference's dataset/build_arc_dataset.py writes
-    from the same files and options, seed 42 by default)
-    python data.py info URL      metadata, sizes and a sample
-    python data.py bench URL     TrainBatches rows per second from the local cache
+Writing (the builders in build_data.py use these; storage problems raise storage.StorageError)
     write_split(url, split, metadata, arrays), write_identifiers(url, names)
-ARC helpers for the evaluator: arc_identifier, parse_arc_identifier, augment_arc_grid,
-invert_arc_augmentation, encode_arc_pair, decode_arc_grid.
 
-This module imports numpy, fsspec and the standard library only (never torch or torch_xla).
+This module imports numpy, fsspec (through storage.py) and the standard library only (never
+torch or torch_xla).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import csv
 import hashlib
-import itertools
 import json
-import math
 import os
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Iterator, Optional, Sequence
 
-import fsspec
 import numpy as np
+
+from storage import access_errors, filesystem, is_local, join_url, read_json, write_bytes, write_file
 
 IGNORE_LABEL_ID = -100  # what labels equal to metadata.ignore_label_id become in batches
 SET_NAME = "all"  # the only set name the reference builders write
@@ -74,86 +68,6 @@ class DatasetError(ValueError):
     """A dataset cannot be read or built; the message names the path and what to do."""
 
 
-# --------------------------------------------------------------------------------------------
-# Storage: fsspec file systems, credentials, error messages
-# --------------------------------------------------------------------------------------------
-
-def filesystem(url: str):
-    """(fsspec file system, path inside it) for a URL or local path."""
-    options = {}
-    protocol = url.split("://", 1)[0] if "://" in url else "file"
-    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
-        # The emulator accepts no real credentials; real GCS uses the default credentials.
-        options["token"] = "anon"
-    return fsspec.core.url_to_fs(url, **options)
-
-
-def _is_local(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return "file" in protocol or "local" in protocol
-
-
-def join_url(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])
-
-
-def _storage_problem(exc: BaseException) -> Optional[str]:
-    """A sentence saying what went wrong talking to remote storage, or None if not that kind.
-
-    Recognised by class names and attributes so that this module needs neither google-auth
-    nor aiohttp.
-    """
-    modules = [cls.__module__ for cls in type(exc).__mro__]
-    if any(m.startswith("google.auth") for m in modules) or getattr(exc, "code", None) == 401:
-        return (f"no valid Google Cloud credentials ({exc}). Authenticate with "
-                "`gcloud auth application-default login`, or on a TPU VM give its service "
-                "account read access (roles/storage.objectViewer) to the bucket")
-    if str(exc).startswith("Forbidden") or getattr(exc, "code", None) == 403:
-        return (f"access denied ({exc}). Give the account you run as "
-                "roles/storage.objectViewer on the bucket (objectAdmin to write), "
-                "or check the bucket name")
-    if any(m.startswith("aiohttp") for m in modules) \
-            or isinstance(exc, (ConnectionError, TimeoutError)):
-        return (f"the storage service cannot be reached ({exc}). Check the network, the "
-                "bucket name, and STORAGE_EMULATOR_HOST if you use an emulator")
-    return None
-
-
-@contextlib.contextmanager
-def _storage_errors(url: str) -> Iterator[None]:
-    """Turn credential and connection failures into a DatasetError naming ``url``."""
-    try:
-        yield
-    except (DatasetError, FileNotFoundError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - re-raised unless recognised
-        problem = _storage_problem(exc)
-        if problem is None:
-            raise
-        raise DatasetError(f"Cannot access {url}: {problem}.") from exc
-
-
-def _read_json(url: str, what: str):
-    """Parsed JSON of the file at ``url``; FileNotFoundError if absent."""
-    fs, path = filesystem(url)
-    with _storage_errors(url):
-        with fs.open(path, "rb") as f:
-            text = f.read()
-    try:
-        return json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"{url} is not valid JSON ({exc}); rebuild or re-upload the "
-                           f"{what}.") from exc
-
-
-def _write_bytes(url: str, data: bytes) -> None:
-    fs, path = filesystem(url)
-    with _storage_errors(url):
-        if _is_local(fs):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with fs.open(path, "wb") as f:
-            f.write(data)
-
 
 # --------------------------------------------------------------------------------------------
 # Metadata and reading
@@ -165,7 +79,7 @@ class Metadata:
 
     pad_id: int
     """Token that fills unused input positions."""
-    ignore_label_id: Optional[int]
+    ignore_label_id: int | None
     """Label value that carries no loss (becomes -100 in batches); None if every label counts."""
     blank_identifier_id: int
     """Puzzle identifier of padding rows."""
@@ -186,14 +100,14 @@ class Metadata:
     """Names of the array sets in the split; the reference always writes ("all",)."""
 
     @classmethod
-    def from_dict(cls, data, url: str) -> "Metadata":
+    def from_dict(cls, data, url: str) -> Metadata:
         if not isinstance(data, dict):
             raise DatasetError(f"{url} must hold a JSON object, found {type(data).__name__}; "
                                "rebuild the dataset.")
         missing = [f.name for f in fields(cls) if f.name not in data]
         if missing:
             raise DatasetError(f"{url} lacks the field(s) {missing}; it is not a TRM dataset "
-                               "description. Rebuild the dataset with `python data.py build-...`.")
+                               "description. Rebuild the dataset with `python build_data.py build-...`.")
         values = {}
         for f in fields(cls):
             value = data[f.name]
@@ -277,7 +191,7 @@ def _cached_copy(fs, remote_path: str, url: str, cache_split_dir: str) -> tuple[
     Downloads go to a temporary file in the cache directory that is renamed into place once its
     size matches the remote size, so processes starting together never see a partial file.
     """
-    with _storage_errors(url):
+    with access_errors(url, DatasetError):
         info = fs.info(remote_path)
     remote_size = info.get("size")
     name = os.path.basename(remote_path)
@@ -290,7 +204,7 @@ def _cached_copy(fs, remote_path: str, url: str, cache_split_dir: str) -> tuple[
     os.close(fd)
     start = time.time()
     try:
-        with _storage_errors(url):
+        with access_errors(url, DatasetError):
             fs.get_file(remote_path, tmp_path)
         size = os.path.getsize(tmp_path)
         if remote_size is not None and size != remote_size:
@@ -322,12 +236,12 @@ def _load_npy(local_path: str, url: str, memory_map: bool) -> np.ndarray:
 def _missing_split_error(url: str, split: str, json_url: str) -> DatasetError:
     """The most useful explanation for a missing dataset.json."""
     fs, root_path = filesystem(url)
-    with _storage_errors(url):
+    with access_errors(url, DatasetError):
         root_exists = fs.exists(root_path)
         split_exists = root_exists and fs.exists(join_url(root_path, split))
     if not root_exists:
         return DatasetError(f"Dataset root {url} does not exist. Check the URL, or build a "
-                            "dataset there with `python data.py build-demo --out URL` "
+                            "dataset there with `python build_data.py build-demo --out URL` "
                             "(or build-sudoku, build-maze, build-arc).")
     if not split_exists:
         return DatasetError(f"Dataset split {join_url(url, split)} is missing: a dataset root "
@@ -343,7 +257,7 @@ def read_metadata(url: str, split: str) -> Metadata:
         raise DatasetError(f"Unknown split {split!r} for {url}; use one of {SPLITS}.")
     json_url = join_url(url, split, "dataset.json")
     try:
-        metadata = Metadata.from_dict(_read_json(json_url, "dataset"), json_url)
+        metadata = Metadata.from_dict(read_json(json_url, "dataset", DatasetError), json_url)
     except FileNotFoundError:
         raise _missing_split_error(url, split, json_url) from None
     if len(metadata.sets) != 1:
@@ -352,7 +266,7 @@ def read_metadata(url: str, split: str) -> Metadata:
     return metadata
 
 
-def open_dataset(url: str, split: str, cache_dir: Optional[str] = None) -> Dataset:
+def open_dataset(url: str, split: str, cache_dir: str | None = None) -> Dataset:
     """Open one split ("train" or "test") of the dataset rooted at ``url``.
 
     A remote split's arrays are copied to ``cache_dir/<split>/`` once (default
@@ -361,7 +275,7 @@ def open_dataset(url: str, split: str, cache_dir: Optional[str] = None) -> Datas
     metadata = read_metadata(url, split)
     split_url = join_url(url, split)
     fs, split_path = filesystem(split_url)
-    local = _is_local(fs)
+    local = is_local(fs)
     cache_split_dir = os.path.join(cache_dir or _default_cache_dir(url), split)
     arrays, downloaded = {}, 0
     for name in ARRAY_NAMES:
@@ -431,7 +345,7 @@ def _check_arrays(arrays: dict, metadata: Metadata, split_url: str) -> None:
                                    " (num_puzzle_identifiers of dataset.json)")
 
 
-def open_train_test(url: str, cache_dir: Optional[str] = None) -> tuple[Dataset, Dataset]:
+def open_train_test(url: str, cache_dir: str | None = None) -> tuple[Dataset, Dataset]:
     """Open both splits and check that a model built for the train split can run the test split."""
     train = open_dataset(url, "train", cache_dir)
     test = open_dataset(url, "test", cache_dir)
@@ -453,7 +367,7 @@ def read_identifiers(url: str) -> list:
     """identifiers.json of the dataset at ``url``: the name of each puzzle identifier."""
     json_url = join_url(url, "identifiers.json")
     try:
-        names = _read_json(json_url, "identifiers list")
+        names = read_json(json_url, "identifiers list", DatasetError)
     except FileNotFoundError:
         raise DatasetError(f"{json_url} is missing; rebuild the dataset.") from None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -461,12 +375,12 @@ def read_identifiers(url: str) -> list:
     return names
 
 
-def identifiers_fingerprint(url: str) -> Optional[str]:
+def identifiers_fingerprint(url: str) -> str | None:
     """A short hash of the dataset's identifier names in order (identifiers.json), or None when
     it has none. Row i of a trained puzzle-embedding table belongs to identifier i: a model may
     only be evaluated or fine-tuned with its table on a dataset with the same fingerprint."""
     try:
-        names = _read_json(join_url(url, "identifiers.json"), "identifiers list")
+        names = read_json(join_url(url, "identifiers.json"), "identifiers list", DatasetError)
     except FileNotFoundError:
         return None
     return hashlib.sha256(json.dumps(names, separators=(",", ":")).encode()).hexdigest()[:16]
@@ -641,7 +555,7 @@ class EvalBatches:
     """
 
     def __init__(self, dataset: Dataset, global_batch_size: int, process_index: int = 0,
-                 process_count: int = 1, max_examples: Optional[int] = None, seed: int = 0):
+                 process_count: int = 1, max_examples: int | None = None, seed: int = 0):
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.rows = _host_rows(global_batch_size, process_index, process_count)
@@ -689,6 +603,24 @@ class EvalBatches:
         return batch
 
 
+def train_rows_per_second(dataset: Dataset, global_batch_size: int, process_count: int = 1,
+                          steps: int = 200, runs: int = 1) -> float:
+    """Rows per second that host 0 of ``process_count`` gets from TrainBatches: the median of
+    ``runs`` timings of ``steps`` consecutive batches each, after one untimed batch."""
+    batches = TrainBatches(dataset, global_batch_size, seed=0, process_index=0,
+                           process_count=process_count)
+    batches.batch(0)
+    rows = global_batch_size // process_count
+    rates, step = [], 1
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(steps):
+            batches.batch(step)
+            step += 1
+        rates.append(steps * rows / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
 # --------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------
@@ -705,775 +637,14 @@ def write_split(url: str, split: str, metadata: Metadata, arrays: dict) -> None:
     for name in ("puzzle_identifiers", "puzzle_indices", "group_indices"):
         arrays[name] = arrays[name].astype(np.int32)
     _check_arrays(arrays, metadata, split_url)
-    fs, split_path = filesystem(split_url)
-    with _storage_errors(split_url):
-        if _is_local(fs):
-            os.makedirs(split_path, exist_ok=True)
-        for name in ARRAY_NAMES:
-            with fs.open(join_url(split_path, f"{metadata.sets[0]}__{name}.npy"), "wb") as f:
-                np.save(f, arrays[name])
-    _write_bytes(join_url(split_url, "dataset.json"), json.dumps(metadata.to_dict()).encode())
+    for name in ARRAY_NAMES:
+        write_file(join_url(split_url, f"{metadata.sets[0]}__{name}.npy"),
+                   lambda f, array=arrays[name]: np.save(f, array))
+    write_bytes(join_url(split_url, "dataset.json"), json.dumps(metadata.to_dict()).encode())
 
 
 def write_identifiers(url: str, names: Sequence[str]) -> None:
     """Write identifiers.json (identifier -> name; entry 0 is "<blank>") at the root ``url``."""
-    _write_bytes(join_url(url, "identifiers.json"), json.dumps(list(names)).encode())
+    write_bytes(join_url(url, "identifiers.json"), json.dumps(list(names)).encode())
 
 
-class _SplitAccumulator:
-    """Collects one split group by group; example rows go to local temporary files, so a
-    large dataset (ARC with 1000 augmentations is several GB) never sits in memory."""
-
-    def __init__(self, seq_len: int, workdir: str, split: str):
-        self.seq_len = seq_len
-        self._paths = {name: os.path.join(workdir, f"{split}_{name}.bin")
-                       for name in ("inputs", "labels")}
-        self._files = {name: open(path, "wb") for name, path in self._paths.items()}
-        self._puzzle_sizes: list = []
-        self._identifiers: list = []
-        self._group_sizes: list = []
-
-    def add_group(self, inputs: np.ndarray, labels: np.ndarray, puzzle_sizes: Sequence[int],
-                  identifiers: Sequence[int]) -> None:
-        """Append a group: ``inputs``/``labels`` [examples, seq_len] of its puzzles, one after
-        another, with each puzzle's number of examples and identifier."""
-        assert inputs.shape == labels.shape and inputs.shape[1] == self.seq_len
-        assert sum(puzzle_sizes) == len(inputs) and len(puzzle_sizes) == len(identifiers)
-        self._files["inputs"].write(np.ascontiguousarray(inputs, dtype=np.uint8).tobytes())
-        self._files["labels"].write(np.ascontiguousarray(labels, dtype=np.uint8).tobytes())
-        self._puzzle_sizes.extend(int(n) for n in puzzle_sizes)
-        self._identifiers.extend(int(i) for i in identifiers)
-        self._group_sizes.append(len(puzzle_sizes))
-
-    def write(self, url: str, split: str, vocab_size: int, num_puzzle_identifiers: int) -> Metadata:
-        """Write the collected split to ``url`` and return its metadata."""
-        for f in self._files.values():
-            f.close()
-        if not self._group_sizes:
-            raise DatasetError(f"The {split} split for {url} would be empty; check the source "
-                               "data and the filters (subsample size, minimum difficulty).")
-        num_examples = sum(self._puzzle_sizes)
-        rows = {name: np.memmap(path, dtype=np.uint8, mode="r",
-                                shape=(num_examples, self.seq_len))
-                for name, path in self._paths.items()}
-        metadata = Metadata(
-            pad_id=0, ignore_label_id=0, blank_identifier_id=0, vocab_size=vocab_size,
-            seq_len=self.seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
-            total_groups=len(self._group_sizes),
-            mean_puzzle_examples=num_examples / len(self._puzzle_sizes),
-            total_puzzles=len(self._puzzle_sizes), sets=(SET_NAME,))
-        write_split(url, split, metadata, {
-            "inputs": rows["inputs"], "labels": rows["labels"],
-            "puzzle_identifiers": np.array(self._identifiers, dtype=np.int32),
-            "puzzle_indices": np.concatenate(([0], np.cumsum(self._puzzle_sizes))),
-            "group_indices": np.concatenate(([0], np.cumsum(self._group_sizes)))})
-        return metadata
-
-
-# --------------------------------------------------------------------------------------------
-# Sudoku and Maze builders
-# --------------------------------------------------------------------------------------------
-
-# The public copies of the sources (the sapientinc datasets on Hugging Face).
-_HF = "https://huggingface.co/datasets/sapientinc"
-SUDOKU_CSV_URL = _HF + "/sudoku-extreme/resolve/main/{split}.csv"
-MAZE_CSV_URL = _HF + "/maze-30x30-hard-1k/resolve/main/{split}.csv"
-MAZE_CHARSET = "# SGo"  # wall, open, start, goal, path -> tokens 1..5 (0 is pad)
-
-
-def read_puzzle_csv(url: str, min_difficulty: Optional[int] = None) -> tuple[list, list]:
-    """(questions, answers) strings of a CSV with the columns source,question,answer,rating,
-    keeping rows rated at least ``min_difficulty``."""
-    fs, path = filesystem(url)
-    questions, answers = [], []
-    try:
-        with _storage_errors(url), fs.open(path, "rt", newline="") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            if header is None or [h.strip().lower() for h in header[:4]] != \
-                    ["source", "question", "answer", "rating"]:
-                raise DatasetError(f"{url} must be a CSV with the header "
-                                   f"source,question,answer,rating; found {header}.")
-            for line, row in enumerate(reader, start=2):
-                if len(row) < 4:
-                    raise DatasetError(f"{url} line {line} has {len(row)} columns, expected 4.")
-                _source, question, answer, rating = row[:4]
-                if len(question) != len(answer):
-                    raise DatasetError(f"{url} line {line}: question and answer differ in "
-                                       "length.")
-                if min_difficulty is None or int(rating) >= min_difficulty:
-                    questions.append(question)
-                    answers.append(answer)
-    except FileNotFoundError:
-        raise DatasetError(f"Source CSV {url} not found; pass a local file or a reachable "
-                           "URL.") from None
-    return questions, answers
-
-
-def _subsample(rng: np.random.Generator, items: list, size: Optional[int]) -> list:
-    if size is None or size >= len(items):
-        return items
-    return [items[i] for i in rng.choice(len(items), size=size, replace=False)]
-
-
-def shuffle_sudoku(puzzle: np.ndarray, solution: np.ndarray, rng: np.random.Generator,
-                   count: int) -> tuple[np.ndarray, np.ndarray]:
-    """``count`` validity-preserving variants of a Sudoku (flat n*n digits, 0 = blank, n = box²):
-    a digit permutation, an optional transpose, and shuffles of bands, rows within bands,
-    stacks and columns within stacks. Returns (puzzles, solutions), each [count, n*n]."""
-    n = math.isqrt(len(puzzle))
-    box = math.isqrt(n)
-    assert box * box == n and n * n == len(puzzle)
-    digit_maps = np.concatenate([np.zeros((count, 1), np.int64),
-                                 np.argsort(rng.random((count, n)), axis=1) + 1], axis=1)
-    transpose = rng.random(count) < 0.5
-
-    def line_permutations():
-        # Shuffle the bands (blocks of `box` lines) and the lines inside each band.
-        bands = np.argsort(rng.random((count, box)), axis=1)
-        within = np.argsort(rng.random((count, box, box)), axis=2)
-        return (bands[:, :, None] * box + within).reshape(count, n)
-
-    rows, cols = line_permutations(), line_permutations()
-    variants = []
-    for grid in (puzzle, solution):
-        grid = grid.reshape(n, n)
-        grids = np.where(transpose[:, None, None], grid.T[None], grid[None])
-        grids = grids[np.arange(count)[:, None, None], rows[:, :, None], cols[:, None, :]]
-        variants.append(np.take_along_axis(digit_maps, grids.reshape(count, -1), axis=1))
-    return variants[0].astype(np.uint8), variants[1].astype(np.uint8)
-
-
-def _digit_grids(strings: list, url: str, length: int) -> np.ndarray:
-    """[len(strings), length] digits of Sudoku strings ('.' or '0' = blank)."""
-    if any(len(s) != length for s in strings):
-        raise DatasetError(f"{url}: every question and answer must have {length} characters.")
-    flat = np.frombuffer("".join(strings).replace(".", "0").encode(), dtype=np.uint8)
-    if np.any((flat < ord("0")) | (flat > ord("9"))):
-        raise DatasetError(f"{url}: Sudoku cells must be digits or '.'.")
-    return (flat - ord("0")).reshape(len(strings), length)
-
-
-def build_sudoku(out: str, train_csv: str = SUDOKU_CSV_URL.format(split="train"),
-                 test_csv: str = SUDOKU_CSV_URL.format(split="test"),
-                 subsample_size: Optional[int] = None, min_difficulty: Optional[int] = None,
-                 num_aug: int = 0, seed: int = 0) -> None:
-    """Sudoku-Extreme in the reference format: tokens digit+1 (1 = blank), vocab 11, seq 81.
-
-    Train: optionally ``subsample_size`` random puzzles, each a group of itself plus ``num_aug``
-    shuffled variants. Test: every puzzle, unaugmented. ``min_difficulty`` filters both.
-    """
-    rng = np.random.default_rng(seed)
-    with tempfile.TemporaryDirectory() as workdir:
-        for split, csv_url in (("train", train_csv), ("test", test_csv)):
-            pairs = list(zip(*read_puzzle_csv(csv_url, min_difficulty)))
-            if split == "train":
-                pairs = _subsample(rng, pairs, subsample_size)
-            puzzles = _digit_grids([q for q, _ in pairs], csv_url, 81)
-            solutions = _digit_grids([a for _, a in pairs], csv_url, 81)
-            augmentations = num_aug if split == "train" else 0
-            accumulator = _SplitAccumulator(81, workdir, split)
-            for puzzle, solution in zip(puzzles, solutions):
-                inputs, labels = puzzle[None], solution[None]
-                if augmentations:
-                    more_inputs, more_labels = shuffle_sudoku(puzzle, solution, rng, augmentations)
-                    inputs = np.concatenate([inputs, more_inputs])
-                    labels = np.concatenate([labels, more_labels])
-                accumulator.add_group(inputs + 1, labels + 1, [1] * len(inputs), [0] * len(inputs))
-            accumulator.write(out, split, vocab_size=11, num_puzzle_identifiers=1)
-    write_identifiers(out, ["<blank>"])
-
-
-def dihedral_transform(grid: np.ndarray, transform_id: int) -> np.ndarray:
-    """One of the 8 symmetries of the square, numbered as in the reference: 0 identity,
-    1-3 rotations by 90/180/270 degrees, 4 left-right flip, 5 up-down flip, 6 transpose,
-    7 anti-transpose."""
-    if transform_id == 0:
-        return grid
-    if transform_id in (1, 2, 3):
-        return np.rot90(grid, k=transform_id)
-    if transform_id == 4:
-        return np.fliplr(grid)
-    if transform_id == 5:
-        return np.flipud(grid)
-    if transform_id == 6:
-        return grid.T
-    if transform_id == 7:
-        return np.fliplr(np.rot90(grid, k=1))
-    raise ValueError(f"dihedral transform id {transform_id} must lie in 0..7")
-
-
-DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)  # the rotations by 90 and 270 undo each other
-
-
-def build_maze(out: str, train_csv: str = MAZE_CSV_URL.format(split="train"),
-               test_csv: str = MAZE_CSV_URL.format(split="test"),
-               subsample_size: Optional[int] = None, min_difficulty: Optional[int] = None,
-               aug: bool = False, seed: int = 0) -> None:
-    """Maze-Hard in the reference format: characters "# SGo" -> tokens 1..5, vocab 6,
-    seq = grid cells. With ``aug`` each train maze is a group of its 8 dihedral variants."""
-    rng = np.random.default_rng(seed)
-    char_to_token = np.zeros(256, np.uint8)
-    char_to_token[[ord(c) for c in MAZE_CHARSET]] = np.arange(1, len(MAZE_CHARSET) + 1)
-    with tempfile.TemporaryDirectory() as workdir:
-        seq_len = None
-        for split, csv_url in (("train", train_csv), ("test", test_csv)):
-            pairs = list(zip(*read_puzzle_csv(csv_url, min_difficulty)))
-            if split == "train":
-                pairs = _subsample(rng, pairs, subsample_size)
-            if not pairs:
-                raise DatasetError(f"{csv_url} has no mazes left after filtering.")
-            side = math.isqrt(len(pairs[0][0]))
-            if seq_len is None:
-                seq_len = side * side
-            accumulator = _SplitAccumulator(seq_len, workdir, split)
-            for question, answer in pairs:
-                if len(question) != seq_len or set(question + answer) - set(MAZE_CHARSET):
-                    raise DatasetError(f"{csv_url}: every maze must be a {side}x{side} grid of "
-                                       f"the characters {MAZE_CHARSET!r}.")
-                grids = [char_to_token[np.frombuffer(s.encode(), np.uint8)].reshape(side, side)
-                         for s in (question, answer)]
-                transforms = range(8) if (aug and split == "train") else range(1)
-                inputs = np.stack([dihedral_transform(grids[0], t).ravel() for t in transforms])
-                labels = np.stack([dihedral_transform(grids[1], t).ravel() for t in transforms])
-                accumulator.add_group(inputs, labels, [1] * len(inputs), [0] * len(inputs))
-            accumulator.write(out, split, vocab_size=len(MAZE_CHARSET) + 1,
-                              num_puzzle_identifiers=1)
-    write_identifiers(out, ["<blank>"])
-
-
-# --------------------------------------------------------------------------------------------
-# ARC
-# --------------------------------------------------------------------------------------------
-
-ARC_GRID_SIZE = 30  # grids are placed on a 30x30 canvas: seq_len 900
-ARC_ID_SEPARATOR = "|||"  # identifier of an augmented task: "task|||t<transform>|||<colour map>"
-ARC_AUGMENT_RETRIES = 5  # tries per wanted augmentation before giving up on duplicates
-ARC_PAD, ARC_EOS, ARC_FIRST_COLOUR = 0, 1, 2  # tokens: pad, end of grid, colours 0..9 -> 2..11
-ARC_SEED = 42  # the reference builder's default: with it, its checkpoints' embeddings line up
-
-
-def arc_identifier(task: str, transform_id: int, colour_map: Sequence[int]) -> str:
-    """The reference's name of ``task`` augmented by a dihedral transform and colour map."""
-    colours = "".join(str(int(c)) for c in colour_map)
-    return f"{task}{ARC_ID_SEPARATOR}t{transform_id}{ARC_ID_SEPARATOR}{colours}"
-
-
-def parse_arc_identifier(name: str) -> tuple[str, int, np.ndarray]:
-    """(task, transform_id, colour_map) of an identifiers.json entry; an unaugmented task gives
-    the identity transform and colour map."""
-    if ARC_ID_SEPARATOR not in name:
-        return name, 0, np.arange(10, dtype=np.uint8)
-    task, transform, colours = name.rsplit(ARC_ID_SEPARATOR, 2)
-    return task, int(transform[1:]), np.array([int(c) for c in colours], dtype=np.uint8)
-
-
-def augment_arc_grid(grid: np.ndarray, transform_id: int, colour_map: Sequence[int]) -> np.ndarray:
-    """Recolour (colour c becomes colour_map[c]) then apply the dihedral transform."""
-    return dihedral_transform(np.asarray(colour_map, dtype=np.uint8)[grid], transform_id)
-
-
-def invert_arc_augmentation(grid: np.ndarray, transform_id: int,
-                            colour_map: Sequence[int]) -> np.ndarray:
-    """Undo augment_arc_grid: map a grid of the augmented task back to the original task."""
-    inverse_colours = np.argsort(np.asarray(colour_map)).astype(np.uint8)
-    return inverse_colours[dihedral_transform(np.asarray(grid), DIHEDRAL_INVERSE[transform_id])]
-
-
-def encode_arc_pair(inp: np.ndarray, out: np.ndarray, row: int = 0,
-                    col: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Both grids as 900-token sequences, their top-left corner at (row, col) of the canvas,
-    each closed by end-of-grid tokens below and to its right (where the canvas has room)."""
-    sequences = []
-    for grid in (inp, out):
-        rows, cols = grid.shape
-        canvas = np.full((ARC_GRID_SIZE, ARC_GRID_SIZE), ARC_PAD, np.uint8)
-        canvas[row:row + rows, col:col + cols] = grid + ARC_FIRST_COLOUR
-        if row + rows < ARC_GRID_SIZE:
-            canvas[row + rows, col:col + cols] = ARC_EOS
-        if col + cols < ARC_GRID_SIZE:
-            canvas[row:row + rows, col + cols] = ARC_EOS
-        sequences.append(canvas.ravel())
-    return sequences[0], sequences[1]
-
-
-def decode_arc_grid(sequence: np.ndarray) -> np.ndarray:
-    """The grid at the top-left of a 900-token sequence (a prediction, or an unshifted test
-    example): the largest top-left rectangle of colour tokens, as the reference crops."""
-    is_colour = (sequence.reshape(ARC_GRID_SIZE, ARC_GRID_SIZE) >= ARC_FIRST_COLOUR) & \
-                (sequence.reshape(ARC_GRID_SIZE, ARC_GRID_SIZE) < ARC_FIRST_COLOUR + 10)
-    leading = np.cumprod(is_colour, axis=1).sum(axis=1)  # colour cells before the first other
-    widths = np.minimum.accumulate(leading)
-    areas = widths * np.arange(1, ARC_GRID_SIZE + 1)
-    rows = int(np.argmax(areas)) + 1
-    cols = int(widths[rows - 1]) if areas[rows - 1] else 0
-    rows = rows if cols else 0
-    grid = sequence.reshape(ARC_GRID_SIZE, ARC_GRID_SIZE)[:rows, :cols]
-    return (grid - ARC_FIRST_COLOUR).astype(np.uint8)
-
-
-def _arc_grid(value, where: str) -> np.ndarray:
-    try:
-        grid = np.array(value)
-    except ValueError:  # ragged rows
-        grid = np.zeros(0)
-    if grid.ndim != 2 or not (1 <= grid.shape[0] <= ARC_GRID_SIZE) \
-            or not (1 <= grid.shape[1] <= ARC_GRID_SIZE) or grid.dtype.kind not in "iu" \
-            or grid.min() < 0 or grid.max() > 9:
-        raise DatasetError(f"{where}: an ARC grid must be a rectangular list of lists of colours "
-                           f"0..9, at most {ARC_GRID_SIZE}x{ARC_GRID_SIZE}.")
-    return grid.astype(np.uint8)
-
-
-def load_arc_tasks(challenges_url: str, solutions_url: Optional[str]) -> dict:
-    """{task: task} of one ARC-AGI challenges file (Kaggle layout) as its JSON values,
-    {"train": [{"input", "output"}], "test": [{"input", "output"}]}, in file order.
-
-    Each test pair's "output" comes from the solutions file (its n-th solution is the n-th test
-    pair's); without that file, tests keep any "output" they carry, else a dummy 1x1 grid [[0]],
-    as the reference does. The values stay raw JSON: test_puzzles.json repeats them verbatim."""
-    try:
-        tasks = _read_json(challenges_url, "ARC challenges")
-    except FileNotFoundError:
-        raise DatasetError(f"ARC challenges file {challenges_url} not found; check --input-prefix "
-                           "and --subsets.") from None
-    solutions = None
-    if solutions_url is not None:
-        try:
-            solutions = _read_json(solutions_url, "ARC solutions")
-        except FileNotFoundError:
-            print(f"data: {solutions_url} not found; test outputs of {challenges_url} are dummies",
-                  file=sys.stderr)
-    if not isinstance(tasks, dict):
-        raise DatasetError(f"{challenges_url} must map task names to tasks, found "
-                           f"{type(tasks).__name__}.")
-    if solutions is not None and not isinstance(solutions, dict):
-        raise DatasetError(f"{solutions_url} must map task names to lists of test outputs, found "
-                           f"{type(solutions).__name__}.")
-    for name, task in tasks.items():
-        where = f"{challenges_url} task {name!r}"
-        layout = ('expected {"train": [{"input", "output"}, ...], '
-                  '"test": [{"input"}, ...]}')
-        if not isinstance(task, dict) or not isinstance(task.get("test"), list) \
-                or not all(isinstance(e, dict) for e in task["test"]):
-            raise DatasetError(f"{where} is malformed: {layout}.")
-        unknown = [kind for kind in task if kind not in ("train", "test")]
-        if unknown:
-            raise DatasetError(f"{where} has the key(s) {unknown}; {layout}.")
-        if solutions is None:
-            for test in task["test"]:
-                test.setdefault("output", [[0]])
-            continue
-        if name not in solutions:
-            raise DatasetError(f"{solutions_url} has no solution for task {name!r}; add it or "
-                               "remove the task from the challenges file.")
-        if not isinstance(solutions[name], list) or len(solutions[name]) > len(task["test"]):
-            raise DatasetError(f"{solutions_url}: task {name!r} needs a list of at most "
-                               f"{len(task['test'])} test outputs (one per test input).")
-        for test, solution in zip(task["test"], solutions[name]):
-            test["output"] = solution
-    return tasks
-
-
-def _arc_task_pairs(task: dict, in_test_set: bool, where: str) -> dict:
-    """{"train": [(input, output)], "test": [...]} of a raw task: the pairs in the order of the
-    task's keys (so a task listing "test" first puts those pairs first, as the reference does).
-    A task of a test set sends its test pairs to the test split, any other task to train."""
-    pairs = {"train": [], "test": []}
-    for kind, examples in task.items():
-        split = "test" if kind == "test" and in_test_set else "train"
-        try:
-            pairs[split].extend((_arc_grid(e["input"], where), _arc_grid(e["output"], where))
-                                for e in examples)
-        except (KeyError, TypeError) as exc:
-            raise DatasetError(f"{where}: every {kind!r} pair needs an \"input\" and an "
-                               f"\"output\" grid (a test output may come from the solutions "
-                               f"file); found a problem with {exc!r}.") from exc
-    for split in ("train", "test") if in_test_set else ("train",):
-        if not pairs[split]:
-            raise DatasetError(f"{where} has no pairs for the {split} split; a task of a test set "
-                               "needs both train and test pairs.")
-    return pairs
-
-
-def _arc_variant_hash(examples: dict) -> bytes:
-    """Order-independent fingerprint of all (input, output) pairs of a task variant, over both
-    splits: two variants with the same multiset of pairs are duplicates."""
-    pairs = sorted(bytes(a.shape) + a.tobytes() + bytes(b.shape) + b.tobytes()
-                   for split_pairs in examples.values() for a, b in split_pairs)
-    return hashlib.sha256(b"".join(pairs)).digest()
-
-
-def _arc_variants(name: str, examples: dict, num_aug: int,
-                  rng: np.random.RandomState) -> tuple[list, np.ndarray]:
-    """The task and up to ``num_aug`` distinct augmentations of it: (identifiers, plans), where
-    plans[i] is uint8 [transform_id, colour_map[0..9]] of identifiers[i] (row 0, the task
-    itself, is the identity). Only the plans are kept: the grids are cheap to redo when
-    encoding, and full ARC with 1000 augmentations would otherwise hold a million grid sets.
-
-    An augmentation is a random dihedral transform then a random permutation of colours 1..9
-    (0, the background, stays), drawn with the reference's legacy calls in its order:
-    randint(0, 8), then permutation of the 9 colours. One that reproduces the task or an
-    earlier augmentation is dropped; at most ARC_AUGMENT_RETRIES * num_aug draws are made."""
-    identity = np.concatenate([[0], np.arange(10)]).astype(np.uint8)
-    identifiers, plans = [name], [identity]
-    seen = {_arc_variant_hash(examples)}
-    for _ in range(ARC_AUGMENT_RETRIES * num_aug):
-        if len(identifiers) > num_aug:
-            break
-        transform_id = rng.randint(0, 8)
-        colour_map = np.concatenate([[0], rng.permutation(9) + 1]).astype(np.uint8)
-        augmented = {split: [(augment_arc_grid(a, transform_id, colour_map),
-                              augment_arc_grid(b, transform_id, colour_map)) for a, b in pairs]
-                     for split, pairs in examples.items()}
-        fingerprint = _arc_variant_hash(augmented)
-        if fingerprint not in seen:
-            seen.add(fingerprint)
-            identifiers.append(arc_identifier(name, transform_id, colour_map))
-            plans.append(np.concatenate([[transform_id], colour_map]).astype(np.uint8))
-    if len(identifiers) <= num_aug:
-        print(f"data: ARC task {name} has only {len(identifiers)} distinct variants",
-              file=sys.stderr)
-    return identifiers, np.stack(plans)
-
-
-@dataclass
-class _ArcTask:
-    """One task of the build, in the order tasks are drawn."""
-
-    pairs: dict
-    """{"train": [(input, output)], "test": [...]}: the unaugmented pairs of each split."""
-    splits: tuple
-    """The splits the task contributes a group to: ("train",) or ("train", "test")."""
-    identifiers: list
-    """Names of the task and its kept augmentations (identifiers.json entries)."""
-    plans: np.ndarray
-    """uint8 [variants, 11]: transform id and colour map of each identifier."""
-
-
-def build_arc(out: str, input_prefix: str,
-              subsets: Sequence[str] = ("training", "evaluation", "concept"),
-              test_sets: Sequence[str] = ("evaluation",), num_aug: int = 1000,
-              seed: int = ARC_SEED) -> None:
-    """ARC-AGI in the reference format from ``{input_prefix}_{subset}_challenges.json`` (and
-    ``_solutions.json``) files; with the same files, subsets, test sets, ``num_aug`` and
-    ``seed``, every file is byte-identical to the reference's build_arc_dataset.py output.
-
-    Every task is a group: itself plus up to ``num_aug`` distinct augmentations, each a puzzle
-    with its own identifier. Tasks of ``test_sets`` put their train pairs in the train split and
-    their test pairs in the test split (and into test_puzzles.json); other tasks put all pairs
-    in the train split. In the train split every example but one random one per puzzle is
-    shifted to a random place on the canvas.
-
-    The random draws are the reference's legacy numpy calls, in its order, from one
-    RandomState(seed) (the stream of np.random.seed(seed)): per subset a shuffle of its tasks,
-    then each task's augmentation draws; after all tasks, split by split (train, then test),
-    group by group and puzzle by puzzle, the unshifted example and each shift.
-    """
-    if not any(name in subsets for name in test_sets):
-        raise DatasetError(f"none of the test sets {list(test_sets)} is among the subsets "
-                           f"{list(subsets)}; the test split would be empty. Add the test set to "
-                           "--subsets or name one of them with --test-sets.")
-    rng = np.random.RandomState(seed)
-    tasks, test_tasks = [], {}
-    for subset in subsets:
-        challenges_url = f"{input_prefix}_{subset}_challenges.json"
-        raw = load_arc_tasks(challenges_url, f"{input_prefix}_{subset}_solutions.json")
-        in_test_set = subset in test_sets
-        names = list(raw)
-        rng.shuffle(names)
-        for name in names:
-            if in_test_set:
-                test_tasks[name] = raw[name]
-            pairs = _arc_task_pairs(raw[name], in_test_set, f"{challenges_url} task {name!r}")
-            identifiers, plans = _arc_variants(name, pairs, num_aug, rng)
-            tasks.append(_ArcTask(pairs, ("train", "test") if in_test_set else ("train",),
-                                  identifiers, plans))
-    # The reference numbers identifiers in the order the splits first receive a group, then
-    # group by group. Every task feeds train, so train comes first. (When the first subset is
-    # a test set, the reference's order comes from iterating a Python set of the two splits,
-    # which varies with PYTHONHASHSEED; train first is one of its two outcomes.)
-    identifier_ids = {}
-    for split in SPLITS:
-        for task in tasks:
-            if split in task.splits:
-                for identifier in task.identifiers:
-                    identifier_ids.setdefault(identifier, len(identifier_ids) + 1)
-    with tempfile.TemporaryDirectory() as workdir:
-        for split in SPLITS:
-            accumulator = _SplitAccumulator(ARC_GRID_SIZE ** 2, workdir, split)
-            for task in tasks:
-                if split in task.splits:
-                    _add_arc_group(accumulator, task.pairs[split], task.plans,
-                                   [identifier_ids[i] for i in task.identifiers],
-                                   shift=split == "train", rng=rng)
-            accumulator.write(out, split, vocab_size=ARC_FIRST_COLOUR + 10,
-                              num_puzzle_identifiers=len(identifier_ids) + 1)
-    write_identifiers(out, ["<blank>"] + list(identifier_ids))
-    _write_bytes(join_url(out, "test_puzzles.json"), json.dumps(test_tasks).encode())
-
-
-def _add_arc_group(accumulator: _SplitAccumulator, pairs: list, plans: np.ndarray, ids: list,
-                   shift: bool, rng: np.random.RandomState) -> None:
-    """Encode one task's pairs of one split, in each variant of ``plans``, as one group."""
-    inputs, labels = [], []
-    for plan in plans:
-        transform_id, colour_map = int(plan[0]), plan[1:]
-        unshifted = rng.randint(0, len(pairs))  # one example per puzzle stays at the corner
-        for index, (a, b) in enumerate(pairs):
-            a = augment_arc_grid(a, transform_id, colour_map)
-            b = augment_arc_grid(b, transform_id, colour_map)
-            row = col = 0
-            if shift and index != unshifted:
-                row = rng.randint(0, ARC_GRID_SIZE - max(a.shape[0], b.shape[0]) + 1)
-                col = rng.randint(0, ARC_GRID_SIZE - max(a.shape[1], b.shape[1]) + 1)
-            encoded_input, encoded_label = encode_arc_pair(a, b, row, col)
-            inputs.append(encoded_input)
-            labels.append(encoded_label)
-    accumulator.add_group(np.stack(inputs), np.stack(labels), [len(pairs)] * len(plans), ids)
-
-
-# --------------------------------------------------------------------------------------------
-# Demo: 4x4 Sudoku, generated locally
-# --------------------------------------------------------------------------------------------
-
-def all_sudoku_4x4() -> np.ndarray:
-    """Every solved 4x4 Sudoku (2x2 boxes) as [288, 16] digits 1..4."""
-    lines = np.array(list(itertools.permutations(range(1, 5))), np.uint8)
-    grids = lines[:, None, :]  # [candidates, rows so far, 4]
-    for row in range(1, 4):
-        extended = np.concatenate([np.repeat(grids, len(lines), axis=0),
-                                   np.tile(lines, (len(grids), 1))[:, None, :]], axis=1)
-        columns_ok = np.all(extended[:, :row, :] != extended[:, row:row + 1, :], axis=(1, 2))
-        if row % 2 == 1:  # second row of a band: the band's boxes must hold 1..4
-            box_rows = extended[:, row - 1:row + 1, :].reshape(-1, 2, 2, 2).transpose(0, 2, 1, 3)
-            box_ok = np.all(np.sort(box_rows.reshape(-1, 2, 4), axis=2) == [1, 2, 3, 4],
-                            axis=(1, 2))
-            columns_ok &= box_ok
-        grids = extended[columns_ok]
-    return grids.reshape(len(grids), 16)
-
-
-def _unique_4x4_puzzle(solution: np.ndarray, blanks: int, rng: np.random.Generator,
-                       solutions: np.ndarray) -> np.ndarray:
-    """``solution`` with up to ``blanks`` cells emptied (0), keeping ``solution`` the only
-    completion."""
-    puzzle = solution.copy()
-    for cell in rng.permutation(16):
-        if np.sum(puzzle == 0) >= blanks:
-            break
-        trial = puzzle.copy()
-        trial[cell] = 0
-        givens = trial > 0
-        if np.sum(np.all(solutions[:, givens] == trial[givens], axis=1)) == 1:
-            puzzle = trial
-    return puzzle
-
-
-def build_demo(out: str, train_puzzles: int = 300, num_aug: int = 15, test_puzzles: int = 300,
-               min_blanks: int = 4, max_blanks: int = 10, seed: int = 0) -> None:
-    """4x4 Sudoku with a unique solution, in the Sudoku format (tokens digit+1, 1 = blank,
-    vocab 6, seq 16): ``train_puzzles`` groups of a puzzle and ``num_aug`` shuffled variants,
-    and ``test_puzzles`` further puzzles that appear nowhere in train. Small enough for a tiny
-    TRM to learn on a laptop CPU."""
-    if not 1 <= min_blanks <= max_blanks <= 12:
-        raise DatasetError(f"Need 1 <= min_blanks ({min_blanks}) <= max_blanks ({max_blanks}) "
-                           "<= 12 (a 4x4 Sudoku needs at least 4 givens).")
-    rng = np.random.default_rng(seed)
-    solutions = all_sudoku_4x4()
-
-    def random_puzzle():
-        solution = solutions[rng.integers(len(solutions))]
-        blanks = int(rng.integers(min_blanks, max_blanks + 1))
-        return _unique_4x4_puzzle(solution, blanks, rng, solutions), solution
-
-    seen = set()
-    with tempfile.TemporaryDirectory() as workdir:
-        train = _SplitAccumulator(16, workdir, "train")
-        for _ in range(train_puzzles):
-            puzzle, solution = random_puzzle()
-            inputs, labels = puzzle[None], solution[None]
-            if num_aug:
-                more_inputs, more_labels = shuffle_sudoku(puzzle, solution, rng, num_aug)
-                inputs = np.concatenate([inputs, more_inputs])
-                labels = np.concatenate([labels, more_labels])
-            seen.update(row.tobytes() for row in inputs)
-            train.add_group(inputs + 1, labels + 1, [1] * len(inputs), [0] * len(inputs))
-        test = _SplitAccumulator(16, workdir, "test")
-        made = 0
-        for _ in range(100 * test_puzzles):
-            if made == test_puzzles:
-                break
-            puzzle, solution = random_puzzle()
-            if puzzle.tobytes() in seen:
-                continue
-            seen.add(puzzle.tobytes())
-            test.add_group(puzzle[None] + 1, solution[None] + 1, [1], [0])
-            made += 1
-        for split, accumulator in (("train", train), ("test", test)):
-            accumulator.write(out, split, vocab_size=6, num_puzzle_identifiers=1)
-    write_identifiers(out, ["<blank>"])
-
-
-# --------------------------------------------------------------------------------------------
-# info, bench and the command line
-# --------------------------------------------------------------------------------------------
-
-def _npy_header(fs, path: str) -> tuple[tuple, np.dtype, int]:
-    """(shape, dtype, data offset) of a .npy file, reading only its header."""
-    with fs.open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0)
-        shape, _fortran_order, dtype = read_header(f)
-        return shape, dtype, f.tell()
-
-
-def _format_sequence(tokens: np.ndarray) -> str:
-    """Tokens as a square grid when the length is a square, else one line."""
-    width = len(str(int(tokens.max()))) if len(tokens) else 1
-    side = math.isqrt(len(tokens))
-    cells = [str(int(t)).rjust(width) for t in tokens]
-    if side * side != len(tokens):
-        return " ".join(cells)
-    return "\n".join("    " + " ".join(cells[r * side:(r + 1) * side]) for r in range(side))
-
-
-def info(url: str) -> None:
-    """Print each split's metadata, array sizes and first example, reading only headers and one
-    row (nothing is cached)."""
-    print(f"dataset {url}")
-    try:
-        names = read_identifiers(url)
-        print(f"identifiers.json: {len(names)} names, e.g. {names[:3]}")
-    except DatasetError as exc:
-        print(f"identifiers.json: unavailable ({exc})")
-    for split in SPLITS:
-        json_url = join_url(url, split, "dataset.json")
-        try:
-            metadata = Metadata.from_dict(_read_json(json_url, "dataset"), json_url)
-        except FileNotFoundError:
-            raise _missing_split_error(url, split, json_url) from None
-        print(f"\n[{split}] {json.dumps(metadata.to_dict())}")
-        fs, split_path = filesystem(join_url(url, split))
-        headers = {}
-        for name in ARRAY_NAMES:
-            path = join_url(split_path, f"{metadata.sets[0]}__{name}.npy")
-            with _storage_errors(url):
-                if not fs.exists(path):
-                    print(f"  {name:20s} MISSING")
-                    continue
-                headers[name] = _npy_header(fs, path)
-            shape, dtype, _ = headers[name]
-            print(f"  {name:20s} {str(dtype):6s} {str(shape):18s} "
-                  f"{math.prod(shape) * dtype.itemsize / 1e6:10.2f} MB")
-        if "inputs" in headers and "labels" in headers and headers["inputs"][0][0] > 0:
-            print("  example 0, input:")
-            for name in ("inputs", "labels"):
-                shape, dtype, offset = headers[name]
-                with fs.open(join_url(split_path, f"{metadata.sets[0]}__{name}.npy"), "rb") as f:
-                    f.seek(offset)
-                    row = np.frombuffer(f.read(shape[1] * dtype.itemsize), dtype=dtype)
-                if name == "labels":
-                    print("  label:")
-                print(_format_sequence(row))
-
-
-def bench(url: str, global_batch_size: int = 768, steps: int = 200, process_count: int = 1,
-          cache_dir: Optional[str] = None) -> float:
-    """Rows per second that one host gets from TrainBatches (after the dataset is cached)."""
-    dataset = open_dataset(url, "train", cache_dir)
-    batches = TrainBatches(dataset, global_batch_size, seed=0, process_index=0,
-                           process_count=process_count)
-    batches.batch(0)
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        batches.batch(step)
-    elapsed = time.perf_counter() - start
-    rows_per_second = steps * len(range(*batches.rows.indices(global_batch_size))) / elapsed
-    print(f"{url}: {rows_per_second:,.0f} rows/s per host ({steps} steps, global batch "
-          f"{global_batch_size}, {process_count} host(s), seq_len {dataset.metadata.seq_len})")
-    return rows_per_second
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="data.py", description="Build, inspect and benchmark TRM puzzle datasets "
-        "(local paths or fsspec URLs such as gs://bucket/path).")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name, help_text, seed=0):
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        if name.startswith("build-"):
-            sub.add_argument("--out", required=True, help="dataset root URL to write")
-            sub.add_argument("--seed", type=int, default=seed, help=f"random seed (default {seed})")
-        return sub
-
-    def csv_options(sub, default_url):
-        sub.add_argument("--train-csv", default=default_url.format(split="train"),
-                         help="train CSV (local file or URL; default: the public copy)")
-        sub.add_argument("--test-csv", default=default_url.format(split="test"),
-                         help="test CSV (local file or URL; default: the public copy)")
-        sub.add_argument("--subsample-size", type=int, default=None,
-                         help="keep this many random train puzzles")
-        sub.add_argument("--min-difficulty", type=int, default=None,
-                         help="keep puzzles rated at least this")
-
-    sub = command("build-sudoku", "Build Sudoku-Extreme from its CSV files.")
-    csv_options(sub, SUDOKU_CSV_URL)
-    sub.add_argument("--num-aug", type=int, default=0, help="shuffled variants per train puzzle")
-    sub = command("build-maze", "Build Maze-Hard from its CSV files.")
-    csv_options(sub, MAZE_CSV_URL)
-    sub.add_argument("--aug", action="store_true",
-                     help="add the 8 dihedral variants of each train maze")
-    sub = command("build-arc", "Build ARC-AGI from challenge/solution JSON files; with the "
-                  "same files and options the output equals the reference builder's.",
-                  seed=ARC_SEED)
-    sub.add_argument("--input-prefix", required=True,
-                     help="files are {prefix}_{subset}_challenges.json and _solutions.json")
-    sub.add_argument("--subsets", nargs="+", default=["training", "evaluation", "concept"])
-    sub.add_argument("--test-sets", nargs="+", default=["evaluation"],
-                     help="subsets whose test pairs form the test split")
-    sub.add_argument("--num-aug", type=int, default=1000, help="augmentations per task")
-    sub = command("build-demo", "Build a small 4x4 Sudoku dataset locally (no download).")
-    sub.add_argument("--train-puzzles", type=int, default=300)
-    sub.add_argument("--num-aug", type=int, default=15)
-    sub.add_argument("--test-puzzles", type=int, default=300)
-    sub.add_argument("--min-blanks", type=int, default=4)
-    sub.add_argument("--max-blanks", type=int, default=10)
-    sub = command("info", "Print a dataset's metadata, array sizes and first example.")
-    sub.add_argument("url")
-    sub = command("bench", "Measure training-batch rows per second on one host.")
-    sub.add_argument("url")
-    sub.add_argument("--global-batch-size", type=int, default=768)
-    sub.add_argument("--steps", type=int, default=200)
-    sub.add_argument("--process-count", type=int, default=1)
-    sub.add_argument("--cache-dir", default=None)
-
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "build-sudoku":
-            build_sudoku(args.out, args.train_csv, args.test_csv, args.subsample_size,
-                         args.min_difficulty, args.num_aug, args.seed)
-        elif args.command == "build-maze":
-            build_maze(args.out, args.train_csv, args.test_csv, args.subsample_size,
-                       args.min_difficulty, args.aug, args.seed)
-        elif args.command == "build-arc":
-            build_arc(args.out, args.input_prefix, args.subsets, args.test_sets, args.num_aug,
-                      args.seed)
-        elif args.command == "build-demo":
-            build_demo(args.out, args.train_puzzles, args.num_aug, args.test_puzzles,
-                       args.min_blanks, args.max_blanks, args.seed)
-        elif args.command == "info":
-            info(args.url)
-        elif args.command == "bench":
-            bench(args.url, args.global_batch_size, args.steps, args.process_count,
-                  args.cache_dir)
-    except DatasetError as exc:
-        sys.exit(f"error: {exc}")
-    if args.command.startswith("build-"):
-        info(args.out)
-
-
-if __name__ == "__main__":
-    main()

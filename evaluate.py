@@ -9,9 +9,9 @@ import time
 
 import torch
 
-import checkpoint
 import data
-from arc_eval import REFERENCE_PASS_KS, VOTES_FILE, decode_summary, encode_summary
+import storage
+from arc import REFERENCE_PASS_KS, VOTES_FILE, decode_summary, encode_summary
 from report import format_duration
 from trainer import EVAL_METRICS, Trainer
 
@@ -73,8 +73,8 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
 
 def save_arc_votes(eval_root: str, step: int, votes: dict) -> str:
     """Write an evaluation's merged ARC votes to {eval_root}/step_{step}/arc_votes.json.gz."""
-    url = data.join_url(eval_root, f"step_{step}", VOTES_FILE)
-    checkpoint.write_bytes(url, encode_summary(votes))
+    url = storage.join_url(eval_root, f"step_{step}", VOTES_FILE)
+    storage.write_bytes(url, encode_summary(votes))
     return url
 
 
@@ -82,10 +82,10 @@ def saved_arc_votes(eval_root: str, before_step: int) -> list[tuple[int, dict]]:
     """(step, votes) of every evaluation saved under eval_root at a step before `before_step`,
     oldest first. Later steps are left out: after a resume they belong to the interrupted
     launch and are evaluated (and overwritten) again."""
-    fs, path = data.filesystem(eval_root)
+    fs, path = storage.filesystem(eval_root)
     fs.invalidate_cache(path)
     pattern = re.compile(r"step_(\d+)/" + re.escape(VOTES_FILE) + "$")
-    found = checkpoint.with_retries("listing", eval_root, lambda: fs.glob(f"{path.rstrip('/')}/step_*/{VOTES_FILE}"))
+    found = storage.with_retries("listing", eval_root, lambda: fs.glob(f"{path.rstrip('/')}/step_*/{VOTES_FILE}"))
     steps = sorted({int(m.group(1)) for m in map(pattern.search, found) if m and int(m.group(1)) < before_step})
-    urls = [data.join_url(eval_root, f"step_{s}", VOTES_FILE) for s in steps]
-    return [(s, decode_summary(checkpoint.read_bytes(url), url)) for s, url in zip(steps, urls)]
+    urls = [storage.join_url(eval_root, f"step_{s}", VOTES_FILE) for s in steps]
+    return [(s, decode_summary(storage.read_bytes(url), url)) for s, url in zip(steps, urls)]

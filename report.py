@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import sys
 import tempfile
 import time
@@ -19,20 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-import checkpoint
-import data
+import storage
 from trainer import TRAIN_METRICS
-
-
-def upload_files(local_dir: str, url: str) -> None:
-    """Copy every file under a local directory to the same relative paths under `url`, whole
-    (object stores cannot append, so files that grow are uploaded again each time)."""
-    for root, _, files in os.walk(local_dir):
-        for name in files:
-            relative = os.path.relpath(os.path.join(root, name), local_dir)
-            with open(os.path.join(root, name), "rb") as f:
-                checkpoint.write_bytes(data.join_url(url, *relative.split(os.sep)), f.read())
-
 
 
 def format_duration(seconds: float) -> str:
@@ -68,7 +55,7 @@ class RunLog:
 
             # Event files grow by appending, which object stores cannot do (gcsfs silently
             # overwrites): write them locally and upload whole copies after each write.
-            self.tb_remote = data.join_url(config.run.dir, "tb")
+            self.tb_remote = storage.join_url(config.run.dir, "tb")
             self.tb_local = self.tb_remote if "://" not in config.run.dir else tempfile.mkdtemp(prefix="trm-tb-")
             self.tb = SummaryWriter(self.tb_local)
 
@@ -127,7 +114,7 @@ class RunLog:
     def _upload_tb(self) -> None:
         self.tb.flush()
         if self.tb_local != self.tb_remote:
-            upload_files(self.tb_local, self.tb_remote)
+            storage.upload_dir(self.tb_local, self.tb_remote)
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         self.evals.append(dict(result, step=step))
@@ -165,7 +152,7 @@ class Profile:
         and on every host but process 0."""
         self.on = bool(config.run.profile_steps) and main_host
         self.first, self.last = first_step, first_step + config.run.profile_steps - 1
-        self.remote = data.join_url(config.run.dir, "tb")
+        self.remote = storage.join_url(config.run.dir, "tb")
         self.sharding, self.say = sharding, say
         self.local = tempfile.mkdtemp(prefix="trm-profile-") if self.on else None
 
@@ -176,7 +163,7 @@ class Profile:
     def after_step(self, step: int) -> None:
         if self.on and step == self.last:
             self.sharding.stop_profile()
-            upload_files(self.local, self.remote)
+            storage.upload_dir(self.local, self.remote)
             self.say(f"XLA profile of steps {self.first}-{self.last} written to {self.remote}/plugins/profile")
 
 

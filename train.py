@@ -42,7 +42,8 @@ import tyro
 
 import checkpoint
 import data
-from arc_eval import ArcEvaluator, write_submission
+import storage
+from arc import ArcEvaluator, write_submission
 from checkpoint import CheckpointWriter
 from evaluate import evaluate
 from model import TRM, TRMConfig
@@ -302,7 +303,7 @@ def read_reference_checkpoint(url: str) -> dict[str, torch.Tensor]:
     """The state dict of a reference-implementation checkpoint (a torch.save file)."""
     import io
 
-    return torch.load(io.BytesIO(checkpoint.read_bytes(url)), map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(storage.read_bytes(url)), map_location="cpu", weights_only=True)
 
 
 def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers: str | None = None,
@@ -484,7 +485,7 @@ def restore_or_start(config: Config, identifiers: str | None, host: int, num_hos
             raise SystemExit(f"error: {e}")
         log.say(f"initial weights from {config.run.init_from}")
     if log.main_host:
-        checkpoint.write_bytes(data.join_url(config.run.dir, "config.json"),
+        storage.write_bytes(storage.join_url(config.run.dir, "config.json"),
                                json.dumps(dataclasses.asdict(config), indent=2).encode())
     log.config_text(config)
     return 0, restore, False
@@ -548,7 +549,7 @@ class Evaluations:
     def __init__(self, config: Config, trainer: Trainer, test_set: data.Dataset, log: RunLog, eval_steps: list[int]):
         self.config, self.trainer, self.test_set, self.log = config, trainer, test_set, log
         self.scheduled = set(eval_steps[:-1])  # the final one runs after the loop
-        self.root = data.join_url(config.run.dir, "eval")
+        self.root = storage.join_url(config.run.dir, "eval")
         self.arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
 
     def after_step(self, step: int) -> None:
@@ -558,8 +559,8 @@ class Evaluations:
     def catch_up(self, start_step: int, resumed: bool) -> None:
         """A SIGTERM at an evaluation step saves and stops before evaluating: evaluate the saved
         weights now, so the run (and its ARC vote over evaluations) misses no evaluation."""
-        done = data.join_url(self.root, f"step_{start_step}", "metrics.json")
-        if resumed and start_step in self.scheduled and not checkpoint.exists(done):
+        done = storage.join_url(self.root, f"step_{start_step}", "metrics.json")
+        if resumed and start_step in self.scheduled and not storage.exists(done):
             self.run(start_step, final=False)
 
     def run(self, step: int, final: bool) -> None:
@@ -572,10 +573,10 @@ class Evaluations:
                                       config.eval.arc_aggregate)
         self.log.evaluation(result, step, time.time() - started)
         if sharding.is_main_process():
-            out = data.join_url(self.root, f"step_{step}")
+            out = storage.join_url(self.root, f"step_{step}")
             if submission is not None:
                 self.log.say(f"ARC submission: {write_submission(out, submission)}")
-            checkpoint.write_bytes(data.join_url(out, "metrics.json"), json.dumps(dict(result, step=step),
+            storage.write_bytes(storage.join_url(out, "metrics.json"), json.dumps(dict(result, step=step),
                                                                                    indent=2).encode())
 
 
@@ -604,8 +605,10 @@ def cli(argv: list[str] | None = None) -> Config:
     """The training configuration from the command line (a preset name, then overrides)."""
     config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
     if config.data.path == PRESETS["demo"][1].data.path and not os.path.exists(config.data.path):
+        import build_data
+
         print(f"building the demo dataset at {config.data.path}", flush=True)
-        data.build_demo(config.data.path, seed=0)
+        build_data.build_demo(config.data.path, seed=0)
     return config
 
 
@@ -615,12 +618,12 @@ def export(source: tyro.conf.Positional[str], out: str) -> None:
     source: a run directory (its latest committed checkpoint) or one checkpoint directory.
     out: where to write, local or gs:// (e.g. gs://BUCKET/models/sudoku.safetensors).
     """
-    if checkpoint.exists(data.join_url(source, checkpoint.COMMIT_MARKER)):
+    if storage.exists(storage.join_url(source, checkpoint.COMMIT_MARKER)):
         url = source
     else:
         found = checkpoint.list_checkpoints(source)
         if not found:
-            raise SystemExit(f"error: no committed checkpoint in {source} (looked in {data.join_url(source, 'checkpoints')})")
+            raise SystemExit(f"error: no committed checkpoint in {source} (looked in {storage.join_url(source, 'checkpoints')})")
         url = found[0][1]
     checkpoint.export_model(url, out)
     print(f"exported the EMA weights of {url} to {out}", flush=True)
@@ -645,7 +648,7 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
         weights, model_config, trained_on = checkpoint.read_exported(source)
         config = with_overrides(dataclasses.replace(base, model=TRMConfig(**model_config)))
         return config, {f"model/{k}": v for k, v in weights.items()}, 0, trained_on
-    url = source if checkpoint.exists(data.join_url(source, checkpoint.COMMIT_MARKER)) else None
+    url = source if storage.exists(storage.join_url(source, checkpoint.COMMIT_MARKER)) else None
     if url is None and checkpoint.list_checkpoints(source):
         url = checkpoint.list_checkpoints(source)[0][1]
     if url is not None:
@@ -706,10 +709,10 @@ def evaluate_command(argv: list[str]) -> dict:
     started = time.time()
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
     result, submission = evaluate(trainer, batches, sharding.sync, arc, lambda *a: say(*a, flush=True),
-                                  data.join_url(config.run.dir, "eval"), step, config.eval.arc_aggregate)
-    out = data.join_url(config.run.dir, "eval", f"step_{step}")
+                                  storage.join_url(config.run.dir, "eval"), step, config.eval.arc_aggregate)
+    out = storage.join_url(config.run.dir, "eval", f"step_{step}")
     if sharding.is_main_process():
-        checkpoint.write_bytes(data.join_url(out, "metrics.json"), json.dumps(dict(result, source=source), indent=2).encode())
+        storage.write_bytes(storage.join_url(out, "metrics.json"), json.dumps(dict(result, source=source), indent=2).encode())
         if submission is not None:
             write_submission(out, submission)
     scores = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()

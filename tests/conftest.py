@@ -91,8 +91,8 @@ def gcs_url(gcs_server):
 @pytest.fixture(scope="session")
 def demo_path(tmp_path_factory):
     """A small 4x4-Sudoku demo dataset (100 groups of 8 puzzles, 40 held-out puzzles), built once."""
-    import data
+    import build_data
 
     path = str(tmp_path_factory.mktemp("demo"))
-    data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
+    build_data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
     return path

@@ -1,4 +1,4 @@
-"""Small data for tests/test_data.py: synthetic datasets and tiny source files for the builders."""
+"""Small data for the tests of data.py, build_data.py and arc.py: synthetic datasets, tiny builder sources."""
 import csv
 import json
 import os

@@ -13,8 +13,9 @@ from safetensors import safe_open
 
 import checkpoint
 import data
+import storage
 import train
-from checkpoint import Shard, CheckpointWriter
+from checkpoint import CheckpointWriter, Shard
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +50,8 @@ def sample_state(seed=0):
 
 
 def host_shards(state, p, count):
-    owners = checkpoint.assign_owners({k: v.numel() for k, v in state.items() if not k.startswith("carry/")}, count)
+    sizes = {k: v.numel() for k, v in state.items() if not k.startswith("carry/")}
+    owners = checkpoint.assign_owners(sizes, count)
     shards = {k: Shard(v, tuple(v.shape)) for k, v in state.items() if owners.get(k) == p}
     for k, v in state.items():
         if k.startswith("carry/") and v.ndim:
@@ -77,7 +79,7 @@ def test_round_trip_on_gcs_by_two_hosts(gcs_url):
     rows, _ = checkpoint.read_checkpoint(checkpoint.step_dir(gcs_url, 10), row_range=lambda shape: (4, 8))
     assert torch.equal(rows["carry/steps"], state["carry/steps"][4:])
     # Every file is a plain safetensors file.
-    fs, path = data.filesystem(checkpoint.step_dir(gcs_url, 10))
+    fs, path = storage.filesystem(checkpoint.step_dir(gcs_url, 10))
     for name in ("host_000.safetensors", "host_001.safetensors"):
         local = f"/tmp/{os.getpid()}-{name}"
         fs.get(f"{path}/{name}", local)
@@ -114,11 +116,11 @@ def test_transient_errors_are_retried_and_permanent_ones_name_the_url():
             raise ConnectionError("503 backend error")
         return "ok"
 
-    assert checkpoint.with_retries("writing", "gs://b/x", flaky, first_delay=0.01) == "ok" and len(calls) == 3
-    with pytest.raises(checkpoint.CheckpointError, match=r"writing gs://b/y failed: PermissionError: 403"):
-        checkpoint.with_retries("writing", "gs://b/y", lambda: (_ for _ in ()).throw(PermissionError("403")))
-    with pytest.raises(checkpoint.CheckpointError, match=r"gs://b/z failed after 2 attempts: TimeoutError"):
-        checkpoint.with_retries("reading", "gs://b/z", lambda: (_ for _ in ()).throw(TimeoutError()),
+    assert storage.with_retries("writing", "gs://b/x", flaky, first_delay=0.01) == "ok" and len(calls) == 3
+    with pytest.raises(storage.StorageError, match=r"writing gs://b/y failed: PermissionError: 403"):
+        storage.with_retries("writing", "gs://b/y", lambda: (_ for _ in ()).throw(PermissionError("403")))
+    with pytest.raises(storage.StorageError, match=r"gs://b/z failed after 2 attempts: TimeoutError"):
+        storage.with_retries("reading", "gs://b/z", lambda: (_ for _ in ()).throw(TimeoutError()),
                                 attempts=2, first_delay=0.01)
 
 
@@ -155,11 +157,12 @@ def start_writers(url, delays, timeout_s, fault_host=None):
     procs = []
     for p, delay in enumerate(delays):
         fault = kill_after_writing(7, p) if p == fault_host else ""
-        script = WRITER_SCRIPT.format(project=PROJECT_DIR, tests=os.path.join(PROJECT_DIR, "tests"), fault=fault)
+        script = WRITER_SCRIPT.format(project=PROJECT_DIR, tests=os.path.join(PROJECT_DIR, "tests"),
+                                      fault=fault)
         env = subprocess_env()
-        procs.append(subprocess.Popen([sys.executable, "-c", script, str(p), str(len(delays)), str(delay), url,
-                                       str(timeout_s)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        procs.append(subprocess.Popen([sys.executable, "-c", script, str(p), str(len(delays)), str(delay),
+                                       url, str(timeout_s)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     return procs
 
 
@@ -170,10 +173,10 @@ def test_multi_host_commit_waits_for_every_host(gcs_url):
         p.wait(timeout=60)
     time.sleep(1)
     assert procs[3].poll() is None and procs[0].poll() is None  # host 3 still sleeping, host 0 waiting
-    assert not checkpoint.exists(marker), "committed before host 3 wrote its part"
+    assert not storage.exists(marker), "committed before host 3 wrote its part"
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [o[1][-1500:] for o in outputs]
-    assert checkpoint.exists(marker)
+    assert storage.exists(marker)
     tensors, _ = checkpoint.read_checkpoint(checkpoint.step_dir(gcs_url, 7))
     assert all(torch.equal(tensors[k], v) for k, v in sample_state().items())
 
@@ -183,7 +186,7 @@ def test_a_host_killed_before_the_commit_leaves_no_marker(gcs_url):
     outputs = [p.communicate(timeout=120) for p in procs]
     assert procs[2].returncode == -signal.SIGKILL
     assert procs[0].returncode != 0 and "no index from ['host_002.json']" in outputs[0][1]
-    assert not checkpoint.exists(checkpoint.step_dir(gcs_url, 7) + "/COMMITTED")
+    assert not storage.exists(checkpoint.step_dir(gcs_url, 7) + "/COMMITTED")
     assert checkpoint.list_checkpoints(gcs_url) == []
 
 
@@ -200,7 +203,8 @@ def run_train_subprocess(args, timeout=600, kill_after_writing_step=None):
 
 def test_killed_during_a_save_resumes_and_matches_the_uninterrupted_run(demo_path, tmp_path):
     steps = ["--optim.max-steps", "12", "--run.ckpt-every", "4"]
-    uninterrupted = train.main(train.cli(run_args(demo_path, tmp_path / "straight", tmp_path / "cache", *steps)))
+    uninterrupted = train.main(train.cli(run_args(demo_path, tmp_path / "straight", tmp_path / "cache",
+                                                  *steps)))
 
     args = run_args(demo_path, tmp_path / "crashy", tmp_path / "cache", *steps)
     crashed = run_train_subprocess(args, kill_after_writing_step=8)
@@ -223,7 +227,8 @@ def test_killed_during_a_save_resumes_and_matches_the_uninterrupted_run(demo_pat
 
 def test_sigterm_saves_exits_0_and_the_relaunch_resumes(demo_path, tmp_path):
     args = run_args(demo_path, tmp_path / "run", tmp_path / "cache", "--optim.max-steps", "100000")
-    code = f"import sys; sys.path.insert(0, {PROJECT_DIR!r}); import train; sys.exit(train.command_line({args!r}))"
+    code = (f"import sys; sys.path.insert(0, {PROJECT_DIR!r}); import train; "
+            f"sys.exit(train.command_line({args!r}))")
     proc = subprocess.Popen([sys.executable, "-c", code], env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
@@ -248,8 +253,8 @@ def test_sigterm_saves_exits_0_and_the_relaunch_resumes(demo_path, tmp_path):
 def test_changed_config_refuses_to_resume_unless_allowed(demo_path, tmp_path):
     base = run_args(demo_path, tmp_path / "run", tmp_path / "cache", "--optim.max-steps", "2")
     train.main(train.cli(base))
-    with pytest.raises(SystemExit, match=r"(?s)created with another configuration:.*optim.lr: 0.001 in the run "
-                                         r"directory, 0.002 now.*--run.allow-config-change"):
+    with pytest.raises(SystemExit, match=r"(?s)created with another configuration:.*optim.lr: 0.001 in the "
+                                         r"run directory, 0.002 now.*--run.allow-config-change"):
         train.main(train.cli(base + ["--optim.lr", "0.002"]))
     result = train.main(train.cli(base + ["--optim.lr", "0.002", "--run.allow-config-change",
                                           "--optim.max-steps", "3"]))
@@ -263,10 +268,10 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     result = train.main(train.cli(run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "6",
                                            "--run.ckpt-every", "3")))
     assert [s for s, _ in checkpoint.list_checkpoints(run_dir)] == [6, 3]
-    assert json.loads(checkpoint.read_bytes(f"{run_dir}/config.json"))["model"]["hidden_size"] == 32
+    assert json.loads(storage.read_bytes(f"{run_dir}/config.json"))["model"]["hidden_size"] == 32
 
     # TensorBoard scalars, read back by tensorboard's own reader from a local copy of {run_dir}/tb.
-    fs, path = data.filesystem(f"{run_dir}/tb")
+    fs, path = storage.filesystem(f"{run_dir}/tb")
     fs.get(path, str(tmp_path / "tb"), recursive=True)
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
@@ -287,7 +292,8 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
         assert "torch_xla" not in sys.modules
         print("LOADED", sum(p.numel() for p in trm.parameters()))
     """)
-    loaded = subprocess.run([sys.executable, "-c", loader], env=subprocess_env(), capture_output=True, text=True)
+    loaded = subprocess.run([sys.executable, "-c", loader], env=subprocess_env(), capture_output=True,
+                            text=True)
     assert loaded.returncode == 0 and "LOADED" in loaded.stdout, loaded.stderr[-2000:]
 
     # Zero further steps from the exported EMA weights evaluate exactly like the run's own final evaluation.
@@ -307,7 +313,8 @@ def test_init_from_a_reference_checkpoint(demo_path, tmp_path):
     with torch.no_grad():
         reference_model.puzzle_embedding.weight.normal_()
     reference_file = tmp_path / "reference_step_1000"
-    torch.save({"_orig_mod." + k: v for k, v in model.reference_state_dict(reference_model).items()}, reference_file)
+    torch.save({"_orig_mod." + k: v for k, v in model.reference_state_dict(reference_model).items()},
+               reference_file)
     weights = train.load_initial_weights(str(reference_file), config.model)
     for name, value in reference_model.state_dict().items():
         assert torch.equal(weights[f"model/{name}"], value), name
@@ -322,10 +329,11 @@ def test_a_nan_stops_every_step_without_saving_over_the_last_good_checkpoint(dem
     # Continue with a learning rate that overflows the weights within a step or two.
     args = run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "12", "--optim.lr", "1e30",
                     "--run.allow-config-change", "--run.ckpt-every", "4", "--run.log-every", "4")
-    proc = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), *args], env=subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), *args],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "error: the training loss or metrics are not finite (steps 5-8: loss nan" in proc.stderr, proc.stderr[-2000:]
+    assert "error: the training loss or metrics are not finite (steps 5-8: loss nan" in proc.stderr, \
+        proc.stderr[-2000:]
     assert f"Last committed checkpoint: {checkpoint.step_dir(str(run_dir), 4)} (step 4)" in proc.stderr
     assert "Try a lower --optim.lr (now 1e+30)" in proc.stderr and "Traceback" not in proc.stderr
     assert [step for step, _ in checkpoint.list_checkpoints(str(run_dir))] == [4, 2]

@@ -1,4 +1,5 @@
-"""Tests of data.py: reading (local and a GCS emulator), batches, builders, errors."""
+"""Tests of data.py and build_data.py: reading (local and a GCS emulator), batches, builders, errors,
+the command line."""
 import json
 import os
 import shutil
@@ -10,11 +11,21 @@ import fsspec
 import numpy as np
 import pytest
 
+import arc
+import build_data
 import data
 from data import DatasetError
-from tests.data_fixtures import (ARC_EVALUATION, ARC_EVALUATION_SOLUTIONS, ARC_TRAINING,
-                                 arc_files, example_index, is_solved_sudoku, maze_csv,
-                                 sudoku_csv, write_synthetic)
+from tests.data_fixtures import (
+    ARC_EVALUATION,
+    ARC_EVALUATION_SOLUTIONS,
+    ARC_TRAINING,
+    arc_files,
+    example_index,
+    is_solved_sudoku,
+    maze_csv,
+    sudoku_csv,
+    write_synthetic,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +39,7 @@ def synthetic(tmp_path_factory):
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("demo"))
-    data.build_demo(root, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
+    build_data.build_demo(root, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
     return root
 
 
@@ -48,7 +59,7 @@ def test_local_dataset_is_memory_mapped_in_place(demo_root):
 
 
 def test_gcs_read_caches_once_and_matches_local(gcs_url, demo_root, tmp_path):
-    data.build_demo(gcs_url, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
+    build_data.build_demo(gcs_url, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
     cache = str(tmp_path / "cache")
     first = data.open_dataset(gcs_url, "train", cache_dir=cache)
     assert first.downloaded_bytes > 0
@@ -185,7 +196,7 @@ def test_eval_cap_is_a_fixed_sorted_subset(synthetic):
 # ----------------------------------------------------------------------------- builders
 
 def test_demo_labels_are_the_unique_solutions(demo_root):
-    solutions = data.all_sudoku_4x4()
+    solutions = build_data.all_sudoku_4x4()
     assert len(solutions) == 288
     for split in data.SPLITS:
         dataset = data.open_dataset(demo_root, split)
@@ -200,7 +211,7 @@ def test_demo_labels_are_the_unique_solutions(demo_root):
 
 
 def test_builders_are_reproducible(tmp_path, demo_root):
-    data.build_demo(str(tmp_path), train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
+    build_data.build_demo(str(tmp_path), train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
     for split in data.SPLITS:
         for name in data.ARRAY_NAMES:
             file = f"{split}/all__{name}.npy"
@@ -212,8 +223,8 @@ def test_build_sudoku(tmp_path):
     train_csv = sudoku_csv(str(tmp_path / "train.csv"), 6, seed=0)
     test_csv = sudoku_csv(str(tmp_path / "test.csv"), 5, seed=1)
     out = str(tmp_path / "sudoku")
-    data.build_sudoku(out, train_csv, test_csv, subsample_size=3, min_difficulty=1, num_aug=4,
-                      seed=0)
+    build_data.build_sudoku(out, train_csv, test_csv, subsample_size=3, min_difficulty=1, num_aug=4,
+                            seed=0)
     train, test = data.open_train_test(out)
     assert (train.num_groups, train.num_puzzles, test.num_examples) == (3, 15, 4)
     assert train.metadata.vocab_size == 11 and train.metadata.seq_len == 81
@@ -228,16 +239,16 @@ def test_build_sudoku(tmp_path):
 
 def test_build_maze(tmp_path):
     out = str(tmp_path / "maze")
-    data.build_maze(out, maze_csv(str(tmp_path / "tr.csv"), 3),
-                    maze_csv(str(tmp_path / "te.csv"), 2),
-                    aug=True)
+    build_data.build_maze(out, maze_csv(str(tmp_path / "tr.csv"), 3),
+                          maze_csv(str(tmp_path / "te.csv"), 2),
+                          aug=True)
     train, test = data.open_train_test(out)
     assert (train.num_groups, train.num_puzzles, test.num_puzzles) == (3, 24, 2)
     assert train.metadata.vocab_size == 6 and train.metadata.seq_len == 16
     first = train.inputs[0].reshape(4, 4)
     assert first[0, 0] == 1 + "# SGo".index("S")
     variants = {train.inputs[i].tobytes() for i in range(8)}
-    assert variants == {data.dihedral_transform(first, t).tobytes() for t in range(8)}
+    assert variants == {arc.dihedral_transform(first, t).tobytes() for t in range(8)}
 
 
 @pytest.mark.parametrize("transform_id", range(8))
@@ -245,20 +256,20 @@ def test_arc_augmentation_inverts(transform_id):
     rng = np.random.default_rng(transform_id)
     grid = rng.integers(0, 10, size=(3, 5)).astype(np.uint8)
     colour_map = np.concatenate([[0], rng.permutation(9) + 1])
-    augmented = data.augment_arc_grid(grid, transform_id, colour_map)
-    name = data.arc_identifier("abc", transform_id, colour_map)
-    task, parsed_transform, parsed_colours = data.parse_arc_identifier(name)
+    augmented = arc.augment_arc_grid(grid, transform_id, colour_map)
+    name = arc.arc_identifier("abc", transform_id, colour_map)
+    task, parsed_transform, parsed_colours = arc.parse_arc_identifier(name)
     assert (task, parsed_transform) == ("abc", transform_id)
     np.testing.assert_array_equal(
-        data.invert_arc_augmentation(augmented, parsed_transform, parsed_colours), grid)
+        arc.invert_arc_augmentation(augmented, parsed_transform, parsed_colours), grid)
     if transform_id == 1:  # numbering as the reference: 1 is a 90-degree rotation
         np.testing.assert_array_equal(augmented, np.rot90(colour_map[grid]))
 
 
 def test_build_arc(tmp_path):
     out = str(tmp_path / "arc")
-    data.build_arc(out, arc_files(str(tmp_path)), subsets=["training", "evaluation"],
-                   test_sets=["evaluation"], num_aug=6, seed=0)
+    build_data.build_arc(out, arc_files(str(tmp_path)), subsets=["training", "evaluation"],
+                         test_sets=["evaluation"], num_aug=6, seed=0)
     train, test = data.open_train_test(out)
     names = data.read_identifiers(out)
     # task_blank keeps no augmentation (all are duplicates); the others keep 6 each.
@@ -269,16 +280,16 @@ def test_build_arc(tmp_path):
     # Test inputs decode and invert back to the original grids, in every variant.
     originals = [np.array(t["input"]) for t in ARC_EVALUATION["task_e"]["test"]]
     for puzzle in range(test.num_puzzles):
-        task, transform_id, colours = data.parse_arc_identifier(
+        task, transform_id, colours = arc.parse_arc_identifier(
             names[test.puzzle_identifiers[puzzle]])
         assert task == "task_e"
         for k, example in enumerate(range(test.puzzle_indices[puzzle],
                                           test.puzzle_indices[puzzle + 1])):
-            grid = data.decode_arc_grid(test.inputs[example])
+            grid = arc.decode_arc_grid(test.inputs[example])
             np.testing.assert_array_equal(
-                data.invert_arc_augmentation(grid, transform_id, colours), originals[k])
-            label = data.invert_arc_augmentation(data.decode_arc_grid(test.labels[example]),
-                                                 transform_id, colours)
+                arc.invert_arc_augmentation(grid, transform_id, colours), originals[k])
+            label = arc.invert_arc_augmentation(arc.decode_arc_grid(test.labels[example]),
+                                                transform_id, colours)
             np.testing.assert_array_equal(label, ARC_EVALUATION_SOLUTIONS["task_e"][k])
     # Train examples may be shifted on the canvas; their colour cells still invert.
     task_a = ARC_TRAINING["task_a"]
@@ -287,7 +298,7 @@ def test_build_arc(tmp_path):
     assert len(task_a_ids) == 7
     for identifier in task_a_ids:
         puzzle = int(np.flatnonzero(train.puzzle_identifiers == identifier)[0])
-        _, transform_id, colours = data.parse_arc_identifier(names[identifier])
+        _, transform_id, colours = arc.parse_arc_identifier(names[identifier])
         start = train.puzzle_indices[puzzle]
         assert train.puzzle_indices[puzzle + 1] - start == 3  # 2 train pairs + the test pair
         for example, pair in zip(range(start, start + 3), pairs):
@@ -295,7 +306,7 @@ def test_build_arc(tmp_path):
             rows, cols = np.nonzero(canvas >= 2)
             grid = canvas[rows.min():rows.max() + 1, cols.min():cols.max() + 1] - 2
             np.testing.assert_array_equal(
-                data.invert_arc_augmentation(grid, transform_id, colours), pair["input"])
+                arc.invert_arc_augmentation(grid, transform_id, colours), pair["input"])
     with open(os.path.join(out, "test_puzzles.json")) as f:
         assert list(json.load(f)) == ["task_e"]
 
@@ -431,12 +442,12 @@ def test_error_credentials(monkeypatch, case):
 # ----------------------------------------------------------------------------- command line
 
 def test_cli_help_and_info(demo_root, capsys):
-    result = subprocess.run([sys.executable, data.__file__, "--help"], capture_output=True,
+    result = subprocess.run([sys.executable, build_data.__file__, "--help"], capture_output=True,
                             text=True, check=True)
     for command in ("build-sudoku", "build-maze", "build-arc", "build-demo", "info", "bench"):
         assert command in result.stdout
-    data.main(["info", demo_root])
+    build_data.main(["info", demo_root])
     printed = capsys.readouterr().out
     assert '"total_groups": 40' in printed and "(320, 16)" in printed and "label:" in printed
-    data.main(["bench", demo_root, "--global-batch-size", "16", "--steps", "5"])
+    build_data.main(["bench", demo_root, "--global-batch-size", "16", "--steps", "5"])
     assert "rows/s per host" in capsys.readouterr().out

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import build_data
 import data
 import evaluate
 import model
@@ -48,7 +49,8 @@ def test_standalone_eval_matches_the_runs_final_evaluation(demo_path, tmp_path, 
 
 def test_eval_refuses_a_dataset_the_checkpoint_does_not_fit(demo_path, tmp_path):
     run_dir = tmp_path / "run"
-    train.main(train.cli(["demo", "--data.path", demo_path, *small(run_dir, tmp_path / "cache", "--optim.max-steps", "1")]))
+    train.main(train.cli(["demo", "--data.path", demo_path,
+                          *small(run_dir, tmp_path / "cache", "--optim.max-steps", "1")]))
     # Same arrays, but the metadata claims more puzzle identifiers.
     other = tmp_path / "other"
     shutil.copytree(demo_path, other)
@@ -71,14 +73,15 @@ def test_eval_refuses_a_dataset_the_checkpoint_does_not_fit(demo_path, tmp_path)
 
 def test_arc_scores_and_submission_during_training_and_standalone(tmp_path, capsys):
     arc_path = str(tmp_path / "arc")
-    data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
-                   test_sets=("evaluation",), num_aug=3, seed=0)
+    build_data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+                         test_sets=("evaluation",), num_aug=3, seed=0)
     tiny_arc = ["--model.hidden-size", "32", "--model.num-heads", "2", "--model.puzzle-emb-ndim", "32",
                 "--model.H-cycles", "1", "--model.L-cycles", "1", "--model.L-layers", "1",
                 "--model.halt-max-steps", "2", "--model.forward-dtype", "float32"]
     run_dir = tmp_path / "run"
     trained = train.main(train.cli(["arc1", "--data.path", arc_path, "--optim.global-batch-size", "16",
-                                    *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2"), *tiny_arc]))
+                                    *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2"),
+                                    *tiny_arc]))
     final = trained["final"]
     assert set(final) >= {"pass@1", "pass@2", "pass@5", "pass@10"}
     assert 0 <= final["pass@1"] <= final["pass@2"] <= final["pass@5"] <= final["pass@10"] <= 1
@@ -94,7 +97,8 @@ def test_arc_scores_and_submission_during_training_and_standalone(tmp_path, caps
     assert result["pass@2"] == final["pass@2"] and result["exact_accuracy"] == final["exact_accuracy"]
     assert os.path.exists(run_dir / "eval" / "step_2" / "metrics.json")
     # The arc presets also vote over the run's evaluations; here there was one.
-    assert set(final) >= {f"{name}@{k}" for name in ("pass", "aggregated_pass") for k in (1, 2, 5, 10, 100, 1000)}
+    assert set(final) >= {f"{name}@{k}" for name in ("pass", "aggregated_pass")
+                          for k in (1, 2, 5, 10, 100, 1000)}
     assert final["aggregated_evaluations"] == 1
     assert all(final[f"aggregated_pass@{k}"] == final[f"pass@{k}"] for k in (1, 2, 5, 10, 100, 1000))
     assert "aggregated_pass@2" in out and "(aggregated over 1 evaluation)" in out
@@ -112,11 +116,11 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
     evaluation step and resumed scores the same as one that ran straight through, and
     `train.py eval --eval.arc-aggregate` votes over the saved evaluations of earlier steps."""
     import sharding
-    from arc_eval import ArcEvaluator, decode_summary, encode_summary
+    from arc import ArcEvaluator, decode_summary, encode_summary
 
     arc_path = str(tmp_path / "arc")
-    data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
-                   test_sets=("evaluation",), num_aug=3, seed=0)
+    build_data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+                         test_sets=("evaluation",), num_aug=3, seed=0)
     # 3 groups of 2 examples, batch 16: 24 epochs are 9 steps, evaluations at 3, 6 and 9.
     def args(run_dir):
         return ["arc1", "--data.path", arc_path, "--data.cache-dir", str(tmp_path / "cache"),
@@ -131,7 +135,8 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
     assert all(first[f"aggregated_pass@{k}"] == first[f"pass@{k}"] for k in PASS_KS)
     # The aggregated score is the vote over the three saved evaluations.
     evaluator = ArcEvaluator.from_dataset(arc_path)
-    saved = {step: (straight_dir / "eval" / f"step_{step}" / "arc_votes.json.gz").read_bytes() for step in (3, 6, 9)}
+    saved = {step: (straight_dir / "eval" / f"step_{step}" / "arc_votes.json.gz").read_bytes()
+             for step in (3, 6, 9)}
     votes = [decode_summary(payload) for payload in saved.values()]
     assert [v["voted_rows"] for v in votes] == [8, 8, 8]  # the test split's 8 rows each time
     by_hand = evaluator.result(ArcEvaluator.merge(votes), PASS_KS)
@@ -156,7 +161,8 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
         assert (resumed_dir / "eval" / f"step_{step}" / "arc_votes.json.gz").read_bytes() == saved[step], step
 
     # Standalone: the final checkpoint again (its own votes replace step 9's) plus steps 3 and 6.
-    eval_args = ["--init-from", str(straight_dir), "--data.path", arc_path, "--data.cache-dir", str(tmp_path / "cache")]
+    eval_args = ["--init-from", str(straight_dir), "--data.path", arc_path,
+                 "--data.cache-dir", str(tmp_path / "cache")]
     alone = train.evaluate_command(eval_args + ["--eval.no-arc-aggregate"])
     assert "aggregated_pass@2" not in alone and alone["pass@2"] == straight["final"]["pass@2"]
     again = train.evaluate_command(eval_args + ["--eval.arc-aggregate"])
@@ -168,7 +174,8 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
     test_batches = data.EvalBatches(data.open_dataset(arc_path, "test"), 16)
     for _ in range(5):
         batch = test_batches.batch(0)
-        perfect.update(batch, np.where(batch["labels"] < 0, 0, batch["labels"]), np.zeros(16), test_batches.valid(0))
+        perfect.update(batch, np.where(batch["labels"] < 0, 0, batch["labels"]), np.zeros(16),
+                       test_batches.valid(0))
     (straight_dir / "eval" / "step_1").mkdir()
     (straight_dir / "eval" / "step_1" / "arc_votes.json.gz").write_bytes(encode_summary(perfect.summary()))
     voted = train.evaluate_command(eval_args)  # the run's config: the arc preset aggregates
@@ -244,7 +251,7 @@ def test_evaluation_schedule_counts_epochs_and_ends_with_the_final_evaluation():
 
 @pytest.mark.parametrize("where", ["local", "gcs"])
 def test_saved_arc_votes_are_found_by_step_locally_and_on_gcs(where, tmp_path, request):
-    from arc_eval import ArcEvaluator
+    from arc import ArcEvaluator
 
     root = str(tmp_path / "eval") if where == "local" else request.getfixturevalue("gcs_url") + "/eval"
     votes = {step: {"votes": {("T", bytes([1, 1, step])): {b"\x01\x01\x07": [step, step * 2 ** 70 + 1]}},
@@ -297,8 +304,9 @@ def test_eval_of_a_reference_checkpoint_with_other_sizes_equals_the_same_weights
         # Fewer cycles and ACT steps than the preset keep it quick: flags apply to both the same.
         return train.evaluate_command(["sudoku-att", *init_from, "--data.path", dataset, "--data.cache-dir",
                                        str(tmp_path / "cache"), "--optim.global-batch-size", "16",
-                                       "--eval.max-examples", "16", "--model.H-cycles", "2", "--model.L-cycles",
-                                       "2", "--model.halt-max-steps", "3", "--run.dir", str(tmp_path / out)])
+                                       "--eval.max-examples", "16", "--model.H-cycles", "2",
+                                       "--model.L-cycles", "2", "--model.halt-max-steps", "3",
+                                       "--run.dir", str(tmp_path / out)])
 
     direct = evaluate_with("--init-from", ours_file, out="direct")
     from_reference = evaluate_with(f"--init-from={reference_file}", out="reference")
@@ -317,7 +325,8 @@ def test_eval_of_a_reference_checkpoint_with_other_sizes_equals_the_same_weights
 def test_weights_trained_on_other_identifiers_are_refused(demo_path, tmp_path):
     # Same shapes, other identifier names: the demo's table rows would belong to other puzzles.
     run_dir = tmp_path / "run"
-    train.main(train.cli(["demo", "--data.path", demo_path, *small(run_dir, tmp_path / "cache", "--optim.max-steps", "1")]))
+    train.main(train.cli(["demo", "--data.path", demo_path,
+                          *small(run_dir, tmp_path / "cache", "--optim.max-steps", "1")]))
     renamed = tmp_path / "renamed"
     shutil.copytree(demo_path, renamed)
     (renamed / "identifiers.json").write_text(json.dumps(["<another blank>"]))

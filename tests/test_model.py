@@ -309,6 +309,7 @@ def _train_steps(m, batches, lrs, device, shard=None):
 
 def test_sharded_xla_step_equals_cpu_eager(spmd_mesh):
     import torch_xla.debug.metrics as met
+
     import sharding
 
     torch.manual_seed(0)

@@ -1,15 +1,27 @@
-"""ARC pass@k evaluator: crop, undo the augmentation, vote across augmentations, score.
+"""ARC grids in one place: the 30x30 encoding, augmentations and their inverses, voting, pass@k.
 
-The evaluation of the reference implementation (SamsungSAILMontreal/TinyRecursiveModels,
-evaluators/arc.py), with votes summarised per distinct candidate so that hosts exchange small
-summaries instead of predictions.
+Grids (numpy uint8 arrays of colours 0..9, at most 30x30)
+    encode_arc_pair(input, output, row=0, col=0) -> (900 tokens, 900 tokens)
+        tokens: 0 pad, 1 end of grid, colours 0..9 -> 2..11, the grids' top-left at (row, col)
+    decode_arc_grid(sequence) -> grid        the largest top-left rectangle of colour tokens
+    dihedral_transform(grid, transform_id)   the 8 symmetries of the square, numbered as the
+                                             reference numbers them; DIHEDRAL_INVERSE undoes them
+    augment_arc_grid(grid, transform_id, colour_map) / invert_arc_augmentation(...)
+    arc_identifier(task, transform_id, colour_map) -> "task|||t<id>|||<colours>", the
+        reference's name of an augmented task; parse_arc_identifier(name) is its inverse
+The builder (build_data.build_arc) writes datasets with these; the evaluator below reads them.
+
+The evaluator is the evaluation of the reference implementation (SamsungSAILMontreal/
+TinyRecursiveModels, evaluators/arc.py): crop, undo the augmentation, vote across augmentations,
+score; with votes summarised per distinct candidate so that hosts exchange small summaries
+instead of predictions.
 
 For each evaluated row (an augmented test input of an ARC task and the model's prediction after
 the final ACT step):
   1. the prediction is cropped to the largest top-left rectangle of colour tokens (no pad, no
-     end-of-grid), as the reference crops (``data.decode_arc_grid``);
-  2. the augmentation recorded in the row's identifier name (``data.parse_arc_identifier``:
-     dihedral transform and colour permutation) is undone (``data.invert_arc_augmentation``);
+     end-of-grid), as the reference crops (``decode_arc_grid``);
+  2. the augmentation recorded in the row's identifier name (``parse_arc_identifier``:
+     dihedral transform and colour permutation) is undone (``invert_arc_augmentation``);
   3. the row's test input is found the reference's way: its input sequence is cropped and
      de-augmented the same way, and the resulting grid must equal the ``input`` of one of the
      task's test pairs in ``test_puzzles.json`` (test inputs are never shifted on the canvas);
@@ -64,17 +76,113 @@ them but never uses them). Two identical test inputs of one task share one pool,
 reference. A test input without votes gets 1x1 grids [[0]] in the submission (the reference
 leaves it out, which misaligns the task's list with its test inputs).
 
-This module imports numpy, the standard library and data.py only.
+This module imports numpy, the standard library, storage.py and data.py (for reading a
+dataset's identifiers) only: never torch.
 """
 from __future__ import annotations
 
 import gzip
 import json
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-import data
+from data import DatasetError, read_identifiers
+from storage import join_url, read_json, write_bytes
+
+# --------------------------------------------------------------------------------------------
+# Grids: the sequence encoding, augmentations, identifier names
+# --------------------------------------------------------------------------------------------
+
+ARC_GRID_SIZE = 30  # grids are placed on a 30x30 canvas: seq_len 900
+ARC_ID_SEPARATOR = "|||"  # identifier of an augmented task: "task|||t<transform>|||<colour map>"
+ARC_PAD, ARC_EOS, ARC_FIRST_COLOUR = 0, 1, 2  # tokens: pad, end of grid, colours 0..9 -> 2..11
+
+
+def dihedral_transform(grid: np.ndarray, transform_id: int) -> np.ndarray:
+    """One of the 8 symmetries of the square, numbered as in the reference: 0 identity,
+    1-3 rotations by 90/180/270 degrees, 4 left-right flip, 5 up-down flip, 6 transpose,
+    7 anti-transpose."""
+    if transform_id == 0:
+        return grid
+    if transform_id in (1, 2, 3):
+        return np.rot90(grid, k=transform_id)
+    if transform_id == 4:
+        return np.fliplr(grid)
+    if transform_id == 5:
+        return np.flipud(grid)
+    if transform_id == 6:
+        return grid.T
+    if transform_id == 7:
+        return np.fliplr(np.rot90(grid, k=1))
+    raise ValueError(f"dihedral transform id {transform_id} must lie in 0..7")
+
+
+DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)  # the rotations by 90 and 270 undo each other
+
+
+def arc_identifier(task: str, transform_id: int, colour_map: Sequence[int]) -> str:
+    """The reference's name of ``task`` augmented by a dihedral transform and colour map."""
+    colours = "".join(str(int(c)) for c in colour_map)
+    return f"{task}{ARC_ID_SEPARATOR}t{transform_id}{ARC_ID_SEPARATOR}{colours}"
+
+
+def parse_arc_identifier(name: str) -> tuple[str, int, np.ndarray]:
+    """(task, transform_id, colour_map) of an identifiers.json entry; an unaugmented task gives
+    the identity transform and colour map."""
+    if ARC_ID_SEPARATOR not in name:
+        return name, 0, np.arange(10, dtype=np.uint8)
+    task, transform, colours = name.rsplit(ARC_ID_SEPARATOR, 2)
+    return task, int(transform[1:]), np.array([int(c) for c in colours], dtype=np.uint8)
+
+
+def augment_arc_grid(grid: np.ndarray, transform_id: int, colour_map: Sequence[int]) -> np.ndarray:
+    """Recolour (colour c becomes colour_map[c]) then apply the dihedral transform."""
+    return dihedral_transform(np.asarray(colour_map, dtype=np.uint8)[grid], transform_id)
+
+
+def invert_arc_augmentation(grid: np.ndarray, transform_id: int,
+                            colour_map: Sequence[int]) -> np.ndarray:
+    """Undo augment_arc_grid: map a grid of the augmented task back to the original task."""
+    inverse_colours = np.argsort(np.asarray(colour_map)).astype(np.uint8)
+    return inverse_colours[dihedral_transform(np.asarray(grid), DIHEDRAL_INVERSE[transform_id])]
+
+
+def encode_arc_pair(inp: np.ndarray, out: np.ndarray, row: int = 0,
+                    col: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Both grids as 900-token sequences, their top-left corner at (row, col) of the canvas,
+    each closed by end-of-grid tokens below and to its right (where the canvas has room)."""
+    sequences = []
+    for grid in (inp, out):
+        rows, cols = grid.shape
+        canvas = np.full((ARC_GRID_SIZE, ARC_GRID_SIZE), ARC_PAD, np.uint8)
+        canvas[row:row + rows, col:col + cols] = grid + ARC_FIRST_COLOUR
+        if row + rows < ARC_GRID_SIZE:
+            canvas[row + rows, col:col + cols] = ARC_EOS
+        if col + cols < ARC_GRID_SIZE:
+            canvas[row:row + rows, col + cols] = ARC_EOS
+        sequences.append(canvas.ravel())
+    return sequences[0], sequences[1]
+
+
+def decode_arc_grid(sequence: np.ndarray) -> np.ndarray:
+    """The grid at the top-left of a 900-token sequence (a prediction, or an unshifted test
+    example): the largest top-left rectangle of colour tokens, as the reference crops."""
+    is_colour = (sequence.reshape(ARC_GRID_SIZE, ARC_GRID_SIZE) >= ARC_FIRST_COLOUR) & \
+                (sequence.reshape(ARC_GRID_SIZE, ARC_GRID_SIZE) < ARC_FIRST_COLOUR + 10)
+    leading = np.cumprod(is_colour, axis=1).sum(axis=1)  # colour cells before the first other
+    widths = np.minimum.accumulate(leading)
+    areas = widths * np.arange(1, ARC_GRID_SIZE + 1)
+    rows = int(np.argmax(areas)) + 1
+    cols = int(widths[rows - 1]) if areas[rows - 1] else 0
+    rows = rows if cols else 0
+    grid = sequence.reshape(ARC_GRID_SIZE, ARC_GRID_SIZE)[:rows, :cols]
+    return (grid - ARC_FIRST_COLOUR).astype(np.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# The evaluator
+# --------------------------------------------------------------------------------------------
 
 Q_SCALE = 2 ** 64  # q_sum unit: sigmoid values are summed as integers of 2**-64
 SUBMISSION_FILE = "submission.json"
@@ -133,16 +241,16 @@ class ArcEvaluator:
         self._summary = _empty_summary()
 
     @classmethod
-    def from_dataset(cls, url: str, **kwargs) -> "ArcEvaluator":
+    def from_dataset(cls, url: str, **kwargs) -> ArcEvaluator:
         """The evaluator of the ARC dataset at ``url`` (local path or fsspec URL)."""
-        identifiers = data.read_identifiers(url)
-        puzzles_url = data.join_url(url, "test_puzzles.json")
+        identifiers = read_identifiers(url)
+        puzzles_url = join_url(url, "test_puzzles.json")
         try:
-            test_puzzles = data._read_json(puzzles_url, "ARC test puzzles")
+            test_puzzles = read_json(puzzles_url, "ARC test puzzles", DatasetError)
         except FileNotFoundError:
-            raise data.DatasetError(f"{puzzles_url} is missing: the ARC evaluator needs the "
-                                    "test_puzzles.json that `python data.py build-arc` writes."
-                                    ) from None
+            raise DatasetError(f"{puzzles_url} is missing: the ARC evaluator needs the "
+                               "test_puzzles.json that `python build_data.py build-arc` writes."
+                               ) from None
         return cls(identifiers, test_puzzles, **kwargs)
 
     # ---------------------------------------------------------------------------------------
@@ -164,7 +272,7 @@ class ArcEvaluator:
                 raise ValueError(f"puzzle identifier {identifier} is outside identifiers.json "
                                  f"(0..{len(self.identifiers) - 1}); evaluate with the dataset "
                                  "the evaluator was built from.")
-            parsed = data.parse_arc_identifier(self.identifiers[identifier])
+            parsed = parse_arc_identifier(self.identifiers[identifier])
             self._parsed[identifier] = parsed
         return parsed
 
@@ -172,11 +280,11 @@ class ArcEvaluator:
         """(task, grid): the grid at the top-left of a 900-token sequence of puzzle
         ``identifier``, cropped and mapped back to the unaugmented task."""
         task, transform_id, colour_map = self._augmentation(int(identifier))
-        grid = data.decode_arc_grid(np.asarray(sequence))
-        return task, data.invert_arc_augmentation(grid, transform_id, colour_map)
+        grid = decode_arc_grid(np.asarray(sequence))
+        return task, invert_arc_augmentation(grid, transform_id, colour_map)
 
     def update(self, batch: dict, preds: np.ndarray, q_halt_logits: np.ndarray,
-               valid: Optional[np.ndarray] = None) -> None:
+               valid: np.ndarray | None = None) -> None:
         """Add one vote per real row of a batch (this host's rows)."""
         inputs = np.asarray(batch["inputs"])
         identifiers = np.asarray(batch["puzzle_identifiers"]).reshape(-1)
@@ -318,6 +426,6 @@ def write_submission(url: str, submission: dict) -> str:
     """Write ``submission`` as JSON to ``url`` (local or fsspec); a URL not ending in ".json" is
     a directory that gets "submission.json". Returns the file's URL."""
     if not url.endswith(".json"):
-        url = data.join_url(url, SUBMISSION_FILE)
-    data._write_bytes(url, json.dumps(submission).encode())
+        url = join_url(url, SUBMISSION_FILE)
+    write_bytes(url, json.dumps(submission).encode())
     return url

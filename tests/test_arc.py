@@ -1,5 +1,5 @@
-"""Tests of arc_eval.py: hand-made votes with known pass@k, tie breaks, augmentation inversion,
-sharded voting, submission files and the evaluator on a dataset built by data.build_arc."""
+"""Tests of arc.py: hand-made votes with known pass@k, tie breaks, augmentation inversion,
+sharded voting, submission files and the evaluator on a dataset built by build_data.build_arc."""
 import gzip
 import json
 import os
@@ -8,9 +8,19 @@ import pickle
 import numpy as np
 import pytest
 
+import arc
+import build_data
 import data
-from arc_eval import (VOTES_FORMAT, ArcEvaluator, decode_summary, encode_summary, grid_key, key_grid, sigmoid,
-                      write_submission)
+from arc import (
+    VOTES_FORMAT,
+    ArcEvaluator,
+    decode_summary,
+    encode_summary,
+    grid_key,
+    key_grid,
+    sigmoid,
+    write_submission,
+)
 from tests.data_fixtures import ARC_EVALUATION, ARC_EVALUATION_SOLUTIONS, arc_files
 
 # ------------------------------------------------------------------------------------------
@@ -41,7 +51,7 @@ def identifier_names():
     for task in TEST_PUZZLES:
         for transform_id, colours in AUGMENTATIONS:
             names.append(task if transform_id == 0 and (colours == np.arange(10)).all()
-                         else data.arc_identifier(task, transform_id, colours))
+                         else arc.arc_identifier(task, transform_id, colours))
     return names
 
 
@@ -52,10 +62,10 @@ def make_row(task, test_index, aug_index, predicted, logit):
     """One evaluation row: the augmented test input and an augmented predicted grid."""
     transform_id, colours = AUGMENTATIONS[aug_index]
     name = IDENTIFIERS[1 + list(TEST_PUZZLES).index(task) * len(AUGMENTATIONS) + aug_index]
-    assert data.parse_arc_identifier(name)[0] == task
+    assert arc.parse_arc_identifier(name)[0] == task
     test_input = G(TEST_PUZZLES[task]["test"][test_index]["input"])
-    inputs, preds = data.encode_arc_pair(data.augment_arc_grid(test_input, transform_id, colours),
-                                         data.augment_arc_grid(G(predicted), transform_id, colours))
+    inputs, preds = arc.encode_arc_pair(arc.augment_arc_grid(test_input, transform_id, colours),
+                                        arc.augment_arc_grid(G(predicted), transform_id, colours))
     return IDENTIFIERS.index(name), inputs, preds, logit
 
 
@@ -172,13 +182,13 @@ def test_inversion_round_trips(transform_id):
     rng = np.random.default_rng(transform_id)
     grid = rng.integers(0, 10, size=(3, 5)).astype(np.uint8)  # not square: catches transposes
     colours = rng.permutation(10)
-    augmented = data.augment_arc_grid(grid, transform_id, colours)
-    np.testing.assert_array_equal(data.invert_arc_augmentation(augmented, transform_id, colours),
+    augmented = arc.augment_arc_grid(grid, transform_id, colours)
+    np.testing.assert_array_equal(arc.invert_arc_augmentation(augmented, transform_id, colours),
                                   grid)
     # Through the evaluator: encode on the canvas, crop, invert.
-    name = data.arc_identifier("T", transform_id, colours)
+    name = arc.arc_identifier("T", transform_id, colours)
     evaluator = ArcEvaluator(["<blank>", name], {})
-    _, sequence = data.encode_arc_pair(augmented, augmented)
+    _, sequence = arc.encode_arc_pair(augmented, augmented)
     task, original = evaluator.original_grid(sequence, 1)
     assert task == "T"
     np.testing.assert_array_equal(original, grid)
@@ -188,7 +198,7 @@ def test_crop_stops_at_pad_and_end_of_grid():
     evaluator = ArcEvaluator(["<blank>", "T"], {})
     canvas = np.zeros((30, 30), np.int32)
     canvas[:3, :4] = 2 + np.arange(12).reshape(3, 4) % 10
-    canvas[1, 3] = data.ARC_EOS  # shrinks the width from row 1 on: 3x3 beats 1x4
+    canvas[1, 3] = arc.ARC_EOS  # shrinks the width from row 1 on: 3x3 beats 1x4
     _, grid = evaluator.original_grid(canvas.ravel(), 1)
     np.testing.assert_array_equal(grid, (np.arange(12).reshape(3, 4) % 10)[:3, :3])
     _, empty = evaluator.original_grid(np.zeros(900, np.int32), 1)
@@ -214,7 +224,7 @@ def test_skipped_unmatched_and_reset():
     valid[3] = True
     # A row of task A whose input is no test input of A: counted as unmatched.
     row = make_row("A", 0, 1, [[1]], 0.0)
-    batch["inputs"][4] = data.encode_arc_pair(G([[1, 1]]), G([[1]]))[0]
+    batch["inputs"][4] = arc.encode_arc_pair(G([[1, 1]]), G([[1]]))[0]
     batch["puzzle_identifiers"][4] = row[0]
     valid[4] = True
     evaluator.update(batch, preds, logits, valid)
@@ -240,11 +250,11 @@ def test_sigmoid_is_stable():
 
 
 def test_built_dataset_end_to_end(tmp_path):
-    """On a dataset from data.build_arc, perfect predictions (the labels) pass everything, and
-    the submission written through write_submission holds the solutions."""
+    """On a dataset from build_data.build_arc, perfect predictions (the labels) pass everything,
+    and the submission written through write_submission holds the solutions."""
     out = str(tmp_path / "arc")
-    data.build_arc(out, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
-                   test_sets=("evaluation",), num_aug=4, seed=1)
+    build_data.build_arc(out, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+                         test_sets=("evaluation",), num_aug=4, seed=1)
     evaluator = ArcEvaluator.from_dataset(out)
     test = data.open_dataset(out, "test")
     summaries = []
@@ -323,7 +333,8 @@ def test_saved_votes_round_trip_exactly():
 
 
 def test_unreadable_votes_name_the_file():
-    with pytest.raises(ValueError, match="gs://b/eval/step_3/arc_votes.json.gz is not a readable ARC votes file"):
+    with pytest.raises(ValueError,
+                       match="gs://b/eval/step_3/arc_votes.json.gz is not a readable ARC votes file"):
         decode_summary(b"not gzip", "gs://b/eval/step_3/arc_votes.json.gz")
     with pytest.raises(ValueError, match="format 'other'"):
         decode_summary(gzip.compress(json.dumps({"format": "other"}).encode()))

@@ -1,0 +1,723 @@
+"""Builders of TRM datasets in the reference format (Sudoku, Maze, ARC, the demo), and their command line.
+
+Each builder writes a dataset root (a local path or any fsspec URL) that data.py reads:
+    build_sudoku(out, train_csv, test_csv, subsample_size, min_difficulty, num_aug, seed)
+    build_maze(out, train_csv, test_csv, subsample_size, min_difficulty, aug, seed)
+    build_arc(out, input_prefix, subsets, test_sets, num_aug, seed=ARC_SEED)
+        writes, byte for byte, what the reference's dataset/build_arc_dataset.py writes from
+        the same files and options (seed 42 by default)
+    build_demo(out, ...)   4x4 Sudoku generated locally, small enough to train on a laptop CPU
+
+Command line:
+    python build_data.py build-sudoku | build-maze | build-arc | build-demo --out URL ...
+    python build_data.py info URL      metadata, sizes and a sample
+    python build_data.py bench URL     TrainBatches rows per second from the local cache
+
+This module imports numpy, the standard library, storage.py, data.py and arc.py (never torch):
+training does not import it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import itertools
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from arc import (
+    ARC_FIRST_COLOUR,
+    ARC_GRID_SIZE,
+    arc_identifier,
+    augment_arc_grid,
+    dihedral_transform,
+    encode_arc_pair,
+)
+from data import (
+    ARRAY_NAMES,
+    SET_NAME,
+    SPLITS,
+    DatasetError,
+    Metadata,
+    open_dataset,
+    read_identifiers,
+    read_metadata,
+    train_rows_per_second,
+    write_identifiers,
+    write_split,
+)
+from storage import StorageError, access_errors, filesystem, join_url, read_json, write_bytes
+
+# --------------------------------------------------------------------------------------------
+# Collecting a split
+# --------------------------------------------------------------------------------------------
+
+class _SplitAccumulator:
+    """Collects one split group by group; example rows go to local temporary files, so a
+    large dataset (ARC with 1000 augmentations is several GB) never sits in memory."""
+
+    def __init__(self, seq_len: int, workdir: str, split: str):
+        self.seq_len = seq_len
+        self._paths = {name: os.path.join(workdir, f"{split}_{name}.bin")
+                       for name in ("inputs", "labels")}
+        self._files = {name: open(path, "wb") for name, path in self._paths.items()}
+        self._puzzle_sizes: list = []
+        self._identifiers: list = []
+        self._group_sizes: list = []
+
+    def add_group(self, inputs: np.ndarray, labels: np.ndarray, puzzle_sizes: Sequence[int],
+                  identifiers: Sequence[int]) -> None:
+        """Append a group: ``inputs``/``labels`` [examples, seq_len] of its puzzles, one after
+        another, with each puzzle's number of examples and identifier."""
+        assert inputs.shape == labels.shape and inputs.shape[1] == self.seq_len
+        assert sum(puzzle_sizes) == len(inputs) and len(puzzle_sizes) == len(identifiers)
+        self._files["inputs"].write(np.ascontiguousarray(inputs, dtype=np.uint8).tobytes())
+        self._files["labels"].write(np.ascontiguousarray(labels, dtype=np.uint8).tobytes())
+        self._puzzle_sizes.extend(int(n) for n in puzzle_sizes)
+        self._identifiers.extend(int(i) for i in identifiers)
+        self._group_sizes.append(len(puzzle_sizes))
+
+    def write(self, url: str, split: str, vocab_size: int, num_puzzle_identifiers: int) -> Metadata:
+        """Write the collected split to ``url`` and return its metadata."""
+        for f in self._files.values():
+            f.close()
+        if not self._group_sizes:
+            raise DatasetError(f"The {split} split for {url} would be empty; check the source "
+                               "data and the filters (subsample size, minimum difficulty).")
+        num_examples = sum(self._puzzle_sizes)
+        rows = {name: np.memmap(path, dtype=np.uint8, mode="r",
+                                shape=(num_examples, self.seq_len))
+                for name, path in self._paths.items()}
+        metadata = Metadata(
+            pad_id=0, ignore_label_id=0, blank_identifier_id=0, vocab_size=vocab_size,
+            seq_len=self.seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
+            total_groups=len(self._group_sizes),
+            mean_puzzle_examples=num_examples / len(self._puzzle_sizes),
+            total_puzzles=len(self._puzzle_sizes), sets=(SET_NAME,))
+        write_split(url, split, metadata, {
+            "inputs": rows["inputs"], "labels": rows["labels"],
+            "puzzle_identifiers": np.array(self._identifiers, dtype=np.int32),
+            "puzzle_indices": np.concatenate(([0], np.cumsum(self._puzzle_sizes))),
+            "group_indices": np.concatenate(([0], np.cumsum(self._group_sizes)))})
+        return metadata
+
+
+# --------------------------------------------------------------------------------------------
+# Sudoku and Maze builders
+# --------------------------------------------------------------------------------------------
+
+# The public copies of the sources (the sapientinc datasets on Hugging Face).
+_HF = "https://huggingface.co/datasets/sapientinc"
+SUDOKU_CSV_URL = _HF + "/sudoku-extreme/resolve/main/{split}.csv"
+MAZE_CSV_URL = _HF + "/maze-30x30-hard-1k/resolve/main/{split}.csv"
+MAZE_CHARSET = "# SGo"  # wall, open, start, goal, path -> tokens 1..5 (0 is pad)
+
+
+def read_puzzle_csv(url: str, min_difficulty: int | None = None) -> tuple[list, list]:
+    """(questions, answers) strings of a CSV with the columns source,question,answer,rating,
+    keeping rows rated at least ``min_difficulty``."""
+    fs, path = filesystem(url)
+    questions, answers = [], []
+    try:
+        with access_errors(url, DatasetError), fs.open(path, "rt", newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None or [h.strip().lower() for h in header[:4]] != \
+                    ["source", "question", "answer", "rating"]:
+                raise DatasetError(f"{url} must be a CSV with the header "
+                                   f"source,question,answer,rating; found {header}.")
+            for line, row in enumerate(reader, start=2):
+                if len(row) < 4:
+                    raise DatasetError(f"{url} line {line} has {len(row)} columns, expected 4.")
+                _source, question, answer, rating = row[:4]
+                if len(question) != len(answer):
+                    raise DatasetError(f"{url} line {line}: question and answer differ in "
+                                       "length.")
+                if min_difficulty is None or int(rating) >= min_difficulty:
+                    questions.append(question)
+                    answers.append(answer)
+    except FileNotFoundError:
+        raise DatasetError(f"Source CSV {url} not found; pass a local file or a reachable "
+                           "URL.") from None
+    return questions, answers
+
+
+def _subsample(rng: np.random.Generator, items: list, size: int | None) -> list:
+    if size is None or size >= len(items):
+        return items
+    return [items[i] for i in rng.choice(len(items), size=size, replace=False)]
+
+
+def shuffle_sudoku(puzzle: np.ndarray, solution: np.ndarray, rng: np.random.Generator,
+                   count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` validity-preserving variants of a Sudoku (flat n*n digits, 0 = blank, n = box²):
+    a digit permutation, an optional transpose, and shuffles of bands, rows within bands,
+    stacks and columns within stacks. Returns (puzzles, solutions), each [count, n*n]."""
+    n = math.isqrt(len(puzzle))
+    box = math.isqrt(n)
+    assert box * box == n and n * n == len(puzzle)
+    digit_maps = np.concatenate([np.zeros((count, 1), np.int64),
+                                 np.argsort(rng.random((count, n)), axis=1) + 1], axis=1)
+    transpose = rng.random(count) < 0.5
+
+    def line_permutations():
+        # Shuffle the bands (blocks of `box` lines) and the lines inside each band.
+        bands = np.argsort(rng.random((count, box)), axis=1)
+        within = np.argsort(rng.random((count, box, box)), axis=2)
+        return (bands[:, :, None] * box + within).reshape(count, n)
+
+    rows, cols = line_permutations(), line_permutations()
+    variants = []
+    for grid in (puzzle, solution):
+        grid = grid.reshape(n, n)
+        grids = np.where(transpose[:, None, None], grid.T[None], grid[None])
+        grids = grids[np.arange(count)[:, None, None], rows[:, :, None], cols[:, None, :]]
+        variants.append(np.take_along_axis(digit_maps, grids.reshape(count, -1), axis=1))
+    return variants[0].astype(np.uint8), variants[1].astype(np.uint8)
+
+
+def _digit_grids(strings: list, url: str, length: int) -> np.ndarray:
+    """[len(strings), length] digits of Sudoku strings ('.' or '0' = blank)."""
+    if any(len(s) != length for s in strings):
+        raise DatasetError(f"{url}: every question and answer must have {length} characters.")
+    flat = np.frombuffer("".join(strings).replace(".", "0").encode(), dtype=np.uint8)
+    if np.any((flat < ord("0")) | (flat > ord("9"))):
+        raise DatasetError(f"{url}: Sudoku cells must be digits or '.'.")
+    return (flat - ord("0")).reshape(len(strings), length)
+
+
+def build_sudoku(out: str, train_csv: str = SUDOKU_CSV_URL.format(split="train"),
+                 test_csv: str = SUDOKU_CSV_URL.format(split="test"),
+                 subsample_size: int | None = None, min_difficulty: int | None = None,
+                 num_aug: int = 0, seed: int = 0) -> None:
+    """Sudoku-Extreme in the reference format: tokens digit+1 (1 = blank), vocab 11, seq 81.
+
+    Train: optionally ``subsample_size`` random puzzles, each a group of itself plus ``num_aug``
+    shuffled variants. Test: every puzzle, unaugmented. ``min_difficulty`` filters both.
+    """
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as workdir:
+        for split, csv_url in (("train", train_csv), ("test", test_csv)):
+            pairs = list(zip(*read_puzzle_csv(csv_url, min_difficulty)))
+            if split == "train":
+                pairs = _subsample(rng, pairs, subsample_size)
+            puzzles = _digit_grids([q for q, _ in pairs], csv_url, 81)
+            solutions = _digit_grids([a for _, a in pairs], csv_url, 81)
+            augmentations = num_aug if split == "train" else 0
+            accumulator = _SplitAccumulator(81, workdir, split)
+            for puzzle, solution in zip(puzzles, solutions):
+                inputs, labels = puzzle[None], solution[None]
+                if augmentations:
+                    more_inputs, more_labels = shuffle_sudoku(puzzle, solution, rng, augmentations)
+                    inputs = np.concatenate([inputs, more_inputs])
+                    labels = np.concatenate([labels, more_labels])
+                accumulator.add_group(inputs + 1, labels + 1, [1] * len(inputs), [0] * len(inputs))
+            accumulator.write(out, split, vocab_size=11, num_puzzle_identifiers=1)
+    write_identifiers(out, ["<blank>"])
+
+
+def build_maze(out: str, train_csv: str = MAZE_CSV_URL.format(split="train"),
+               test_csv: str = MAZE_CSV_URL.format(split="test"),
+               subsample_size: int | None = None, min_difficulty: int | None = None,
+               aug: bool = False, seed: int = 0) -> None:
+    """Maze-Hard in the reference format: characters "# SGo" -> tokens 1..5, vocab 6,
+    seq = grid cells. With ``aug`` each train maze is a group of its 8 dihedral variants."""
+    rng = np.random.default_rng(seed)
+    char_to_token = np.zeros(256, np.uint8)
+    char_to_token[[ord(c) for c in MAZE_CHARSET]] = np.arange(1, len(MAZE_CHARSET) + 1)
+    with tempfile.TemporaryDirectory() as workdir:
+        seq_len = None
+        for split, csv_url in (("train", train_csv), ("test", test_csv)):
+            pairs = list(zip(*read_puzzle_csv(csv_url, min_difficulty)))
+            if split == "train":
+                pairs = _subsample(rng, pairs, subsample_size)
+            if not pairs:
+                raise DatasetError(f"{csv_url} has no mazes left after filtering.")
+            side = math.isqrt(len(pairs[0][0]))
+            if seq_len is None:
+                seq_len = side * side
+            accumulator = _SplitAccumulator(seq_len, workdir, split)
+            for question, answer in pairs:
+                if len(question) != seq_len or set(question + answer) - set(MAZE_CHARSET):
+                    raise DatasetError(f"{csv_url}: every maze must be a {side}x{side} grid of "
+                                       f"the characters {MAZE_CHARSET!r}.")
+                grids = [char_to_token[np.frombuffer(s.encode(), np.uint8)].reshape(side, side)
+                         for s in (question, answer)]
+                transforms = range(8) if (aug and split == "train") else range(1)
+                inputs = np.stack([dihedral_transform(grids[0], t).ravel() for t in transforms])
+                labels = np.stack([dihedral_transform(grids[1], t).ravel() for t in transforms])
+                accumulator.add_group(inputs, labels, [1] * len(inputs), [0] * len(inputs))
+            accumulator.write(out, split, vocab_size=len(MAZE_CHARSET) + 1,
+                              num_puzzle_identifiers=1)
+    write_identifiers(out, ["<blank>"])
+
+
+# --------------------------------------------------------------------------------------------
+# ARC builder
+# --------------------------------------------------------------------------------------------
+
+ARC_AUGMENT_RETRIES = 5  # tries per wanted augmentation before giving up on duplicates
+ARC_SEED = 42  # the reference builder's default: with it, its checkpoints' embeddings line up
+
+
+def _arc_grid(value, where: str) -> np.ndarray:
+    try:
+        grid = np.array(value)
+    except ValueError:  # ragged rows
+        grid = np.zeros(0)
+    if grid.ndim != 2 or not (1 <= grid.shape[0] <= ARC_GRID_SIZE) \
+            or not (1 <= grid.shape[1] <= ARC_GRID_SIZE) or grid.dtype.kind not in "iu" \
+            or grid.min() < 0 or grid.max() > 9:
+        raise DatasetError(f"{where}: an ARC grid must be a rectangular list of lists of colours "
+                           f"0..9, at most {ARC_GRID_SIZE}x{ARC_GRID_SIZE}.")
+    return grid.astype(np.uint8)
+
+
+def load_arc_tasks(challenges_url: str, solutions_url: str | None) -> dict:
+    """{task: task} of one ARC-AGI challenges file (Kaggle layout) as its JSON values,
+    {"train": [{"input", "output"}], "test": [{"input", "output"}]}, in file order.
+
+    Each test pair's "output" comes from the solutions file (its n-th solution is the n-th test
+    pair's); without that file, tests keep any "output" they carry, else a dummy 1x1 grid [[0]],
+    as the reference does. The values stay raw JSON: test_puzzles.json repeats them verbatim."""
+    try:
+        tasks = read_json(challenges_url, "ARC challenges", DatasetError)
+    except FileNotFoundError:
+        raise DatasetError(f"ARC challenges file {challenges_url} not found; check --input-prefix "
+                           "and --subsets.") from None
+    solutions = None
+    if solutions_url is not None:
+        try:
+            solutions = read_json(solutions_url, "ARC solutions", DatasetError)
+        except FileNotFoundError:
+            print(f"data: {solutions_url} not found; test outputs of {challenges_url} are dummies",
+                  file=sys.stderr)
+    if not isinstance(tasks, dict):
+        raise DatasetError(f"{challenges_url} must map task names to tasks, found "
+                           f"{type(tasks).__name__}.")
+    if solutions is not None and not isinstance(solutions, dict):
+        raise DatasetError(f"{solutions_url} must map task names to lists of test outputs, found "
+                           f"{type(solutions).__name__}.")
+    for name, task in tasks.items():
+        where = f"{challenges_url} task {name!r}"
+        layout = ('expected {"train": [{"input", "output"}, ...], '
+                  '"test": [{"input"}, ...]}')
+        if not isinstance(task, dict) or not isinstance(task.get("test"), list) \
+                or not all(isinstance(e, dict) for e in task["test"]):
+            raise DatasetError(f"{where} is malformed: {layout}.")
+        unknown = [kind for kind in task if kind not in ("train", "test")]
+        if unknown:
+            raise DatasetError(f"{where} has the key(s) {unknown}; {layout}.")
+        if solutions is None:
+            for test in task["test"]:
+                test.setdefault("output", [[0]])
+            continue
+        if name not in solutions:
+            raise DatasetError(f"{solutions_url} has no solution for task {name!r}; add it or "
+                               "remove the task from the challenges file.")
+        if not isinstance(solutions[name], list) or len(solutions[name]) > len(task["test"]):
+            raise DatasetError(f"{solutions_url}: task {name!r} needs a list of at most "
+                               f"{len(task['test'])} test outputs (one per test input).")
+        for test, solution in zip(task["test"], solutions[name]):
+            test["output"] = solution
+    return tasks
+
+
+def _arc_task_pairs(task: dict, in_test_set: bool, where: str) -> dict:
+    """{"train": [(input, output)], "test": [...]} of a raw task: the pairs in the order of the
+    task's keys (so a task listing "test" first puts those pairs first, as the reference does).
+    A task of a test set sends its test pairs to the test split, any other task to train."""
+    pairs = {"train": [], "test": []}
+    for kind, examples in task.items():
+        split = "test" if kind == "test" and in_test_set else "train"
+        try:
+            pairs[split].extend((_arc_grid(e["input"], where), _arc_grid(e["output"], where))
+                                for e in examples)
+        except (KeyError, TypeError) as exc:
+            raise DatasetError(f"{where}: every {kind!r} pair needs an \"input\" and an "
+                               f"\"output\" grid (a test output may come from the solutions "
+                               f"file); found a problem with {exc!r}.") from exc
+    for split in ("train", "test") if in_test_set else ("train",):
+        if not pairs[split]:
+            raise DatasetError(f"{where} has no pairs for the {split} split; a task of a test set "
+                               "needs both train and test pairs.")
+    return pairs
+
+
+def _arc_variant_hash(examples: dict) -> bytes:
+    """Order-independent fingerprint of all (input, output) pairs of a task variant, over both
+    splits: two variants with the same multiset of pairs are duplicates."""
+    pairs = sorted(bytes(a.shape) + a.tobytes() + bytes(b.shape) + b.tobytes()
+                   for split_pairs in examples.values() for a, b in split_pairs)
+    return hashlib.sha256(b"".join(pairs)).digest()
+
+
+def _arc_variants(name: str, examples: dict, num_aug: int,
+                  rng: np.random.RandomState) -> tuple[list, np.ndarray]:
+    """The task and up to ``num_aug`` distinct augmentations of it: (identifiers, plans), where
+    plans[i] is uint8 [transform_id, colour_map[0..9]] of identifiers[i] (row 0, the task
+    itself, is the identity). Only the plans are kept: the grids are cheap to redo when
+    encoding, and full ARC with 1000 augmentations would otherwise hold a million grid sets.
+
+    An augmentation is a random dihedral transform then a random permutation of colours 1..9
+    (0, the background, stays), drawn with the reference's legacy calls in its order:
+    randint(0, 8), then permutation of the 9 colours. One that reproduces the task or an
+    earlier augmentation is dropped; at most ARC_AUGMENT_RETRIES * num_aug draws are made."""
+    identity = np.concatenate([[0], np.arange(10)]).astype(np.uint8)
+    identifiers, plans = [name], [identity]
+    seen = {_arc_variant_hash(examples)}
+    for _ in range(ARC_AUGMENT_RETRIES * num_aug):
+        if len(identifiers) > num_aug:
+            break
+        transform_id = rng.randint(0, 8)
+        colour_map = np.concatenate([[0], rng.permutation(9) + 1]).astype(np.uint8)
+        augmented = {split: [(augment_arc_grid(a, transform_id, colour_map),
+                              augment_arc_grid(b, transform_id, colour_map)) for a, b in pairs]
+                     for split, pairs in examples.items()}
+        fingerprint = _arc_variant_hash(augmented)
+        if fingerprint not in seen:
+            seen.add(fingerprint)
+            identifiers.append(arc_identifier(name, transform_id, colour_map))
+            plans.append(np.concatenate([[transform_id], colour_map]).astype(np.uint8))
+    if len(identifiers) <= num_aug:
+        print(f"data: ARC task {name} has only {len(identifiers)} distinct variants",
+              file=sys.stderr)
+    return identifiers, np.stack(plans)
+
+
+@dataclass
+class _ArcTask:
+    """One task of the build, in the order tasks are drawn."""
+
+    pairs: dict
+    """{"train": [(input, output)], "test": [...]}: the unaugmented pairs of each split."""
+    splits: tuple
+    """The splits the task contributes a group to: ("train",) or ("train", "test")."""
+    identifiers: list
+    """Names of the task and its kept augmentations (identifiers.json entries)."""
+    plans: np.ndarray
+    """uint8 [variants, 11]: transform id and colour map of each identifier."""
+
+
+def build_arc(out: str, input_prefix: str,
+              subsets: Sequence[str] = ("training", "evaluation", "concept"),
+              test_sets: Sequence[str] = ("evaluation",), num_aug: int = 1000,
+              seed: int = ARC_SEED) -> None:
+    """ARC-AGI in the reference format from ``{input_prefix}_{subset}_challenges.json`` (and
+    ``_solutions.json``) files; with the same files, subsets, test sets, ``num_aug`` and
+    ``seed``, every file is byte-identical to the reference's build_arc_dataset.py output.
+
+    Every task is a group: itself plus up to ``num_aug`` distinct augmentations, each a puzzle
+    with its own identifier. Tasks of ``test_sets`` put their train pairs in the train split and
+    their test pairs in the test split (and into test_puzzles.json); other tasks put all pairs
+    in the train split. In the train split every example but one random one per puzzle is
+    shifted to a random place on the canvas.
+
+    The random draws are the reference's legacy numpy calls, in its order, from one
+    RandomState(seed) (the stream of np.random.seed(seed)): per subset a shuffle of its tasks,
+    then each task's augmentation draws; after all tasks, split by split (train, then test),
+    group by group and puzzle by puzzle, the unshifted example and each shift.
+    """
+    if not any(name in subsets for name in test_sets):
+        raise DatasetError(f"none of the test sets {list(test_sets)} is among the subsets "
+                           f"{list(subsets)}; the test split would be empty. Add the test set to "
+                           "--subsets or name one of them with --test-sets.")
+    rng = np.random.RandomState(seed)
+    tasks, test_tasks = [], {}
+    for subset in subsets:
+        challenges_url = f"{input_prefix}_{subset}_challenges.json"
+        raw = load_arc_tasks(challenges_url, f"{input_prefix}_{subset}_solutions.json")
+        in_test_set = subset in test_sets
+        names = list(raw)
+        rng.shuffle(names)
+        for name in names:
+            if in_test_set:
+                test_tasks[name] = raw[name]
+            pairs = _arc_task_pairs(raw[name], in_test_set, f"{challenges_url} task {name!r}")
+            identifiers, plans = _arc_variants(name, pairs, num_aug, rng)
+            tasks.append(_ArcTask(pairs, ("train", "test") if in_test_set else ("train",),
+                                  identifiers, plans))
+    # The reference numbers identifiers in the order the splits first receive a group, then
+    # group by group. Every task feeds train, so train comes first. (When the first subset is
+    # a test set, the reference's order comes from iterating a Python set of the two splits,
+    # which varies with PYTHONHASHSEED; train first is one of its two outcomes.)
+    identifier_ids = {}
+    for split in SPLITS:
+        for task in tasks:
+            if split in task.splits:
+                for identifier in task.identifiers:
+                    identifier_ids.setdefault(identifier, len(identifier_ids) + 1)
+    with tempfile.TemporaryDirectory() as workdir:
+        for split in SPLITS:
+            accumulator = _SplitAccumulator(ARC_GRID_SIZE ** 2, workdir, split)
+            for task in tasks:
+                if split in task.splits:
+                    _add_arc_group(accumulator, task.pairs[split], task.plans,
+                                   [identifier_ids[i] for i in task.identifiers],
+                                   shift=split == "train", rng=rng)
+            accumulator.write(out, split, vocab_size=ARC_FIRST_COLOUR + 10,
+                              num_puzzle_identifiers=len(identifier_ids) + 1)
+    write_identifiers(out, ["<blank>"] + list(identifier_ids))
+    write_bytes(join_url(out, "test_puzzles.json"), json.dumps(test_tasks).encode())
+
+
+def _add_arc_group(accumulator: _SplitAccumulator, pairs: list, plans: np.ndarray, ids: list,
+                   shift: bool, rng: np.random.RandomState) -> None:
+    """Encode one task's pairs of one split, in each variant of ``plans``, as one group."""
+    inputs, labels = [], []
+    for plan in plans:
+        transform_id, colour_map = int(plan[0]), plan[1:]
+        unshifted = rng.randint(0, len(pairs))  # one example per puzzle stays at the corner
+        for index, (a, b) in enumerate(pairs):
+            a = augment_arc_grid(a, transform_id, colour_map)
+            b = augment_arc_grid(b, transform_id, colour_map)
+            row = col = 0
+            if shift and index != unshifted:
+                row = rng.randint(0, ARC_GRID_SIZE - max(a.shape[0], b.shape[0]) + 1)
+                col = rng.randint(0, ARC_GRID_SIZE - max(a.shape[1], b.shape[1]) + 1)
+            encoded_input, encoded_label = encode_arc_pair(a, b, row, col)
+            inputs.append(encoded_input)
+            labels.append(encoded_label)
+    accumulator.add_group(np.stack(inputs), np.stack(labels), [len(pairs)] * len(plans), ids)
+
+
+# --------------------------------------------------------------------------------------------
+# Demo: 4x4 Sudoku, generated locally
+# --------------------------------------------------------------------------------------------
+
+def all_sudoku_4x4() -> np.ndarray:
+    """Every solved 4x4 Sudoku (2x2 boxes) as [288, 16] digits 1..4."""
+    lines = np.array(list(itertools.permutations(range(1, 5))), np.uint8)
+    grids = lines[:, None, :]  # [candidates, rows so far, 4]
+    for row in range(1, 4):
+        extended = np.concatenate([np.repeat(grids, len(lines), axis=0),
+                                   np.tile(lines, (len(grids), 1))[:, None, :]], axis=1)
+        columns_ok = np.all(extended[:, :row, :] != extended[:, row:row + 1, :], axis=(1, 2))
+        if row % 2 == 1:  # second row of a band: the band's boxes must hold 1..4
+            box_rows = extended[:, row - 1:row + 1, :].reshape(-1, 2, 2, 2).transpose(0, 2, 1, 3)
+            box_ok = np.all(np.sort(box_rows.reshape(-1, 2, 4), axis=2) == [1, 2, 3, 4],
+                            axis=(1, 2))
+            columns_ok &= box_ok
+        grids = extended[columns_ok]
+    return grids.reshape(len(grids), 16)
+
+
+def _unique_4x4_puzzle(solution: np.ndarray, blanks: int, rng: np.random.Generator,
+                       solutions: np.ndarray) -> np.ndarray:
+    """``solution`` with up to ``blanks`` cells emptied (0), keeping ``solution`` the only
+    completion."""
+    puzzle = solution.copy()
+    for cell in rng.permutation(16):
+        if np.sum(puzzle == 0) >= blanks:
+            break
+        trial = puzzle.copy()
+        trial[cell] = 0
+        givens = trial > 0
+        if np.sum(np.all(solutions[:, givens] == trial[givens], axis=1)) == 1:
+            puzzle = trial
+    return puzzle
+
+
+def build_demo(out: str, train_puzzles: int = 300, num_aug: int = 15, test_puzzles: int = 300,
+               min_blanks: int = 4, max_blanks: int = 10, seed: int = 0) -> None:
+    """4x4 Sudoku with a unique solution, in the Sudoku format (tokens digit+1, 1 = blank,
+    vocab 6, seq 16): ``train_puzzles`` groups of a puzzle and ``num_aug`` shuffled variants,
+    and ``test_puzzles`` further puzzles that appear nowhere in train. Small enough for a tiny
+    TRM to learn on a laptop CPU."""
+    if not 1 <= min_blanks <= max_blanks <= 12:
+        raise DatasetError(f"Need 1 <= min_blanks ({min_blanks}) <= max_blanks ({max_blanks}) "
+                           "<= 12 (a 4x4 Sudoku needs at least 4 givens).")
+    rng = np.random.default_rng(seed)
+    solutions = all_sudoku_4x4()
+
+    def random_puzzle():
+        solution = solutions[rng.integers(len(solutions))]
+        blanks = int(rng.integers(min_blanks, max_blanks + 1))
+        return _unique_4x4_puzzle(solution, blanks, rng, solutions), solution
+
+    seen = set()
+    with tempfile.TemporaryDirectory() as workdir:
+        train = _SplitAccumulator(16, workdir, "train")
+        for _ in range(train_puzzles):
+            puzzle, solution = random_puzzle()
+            inputs, labels = puzzle[None], solution[None]
+            if num_aug:
+                more_inputs, more_labels = shuffle_sudoku(puzzle, solution, rng, num_aug)
+                inputs = np.concatenate([inputs, more_inputs])
+                labels = np.concatenate([labels, more_labels])
+            seen.update(row.tobytes() for row in inputs)
+            train.add_group(inputs + 1, labels + 1, [1] * len(inputs), [0] * len(inputs))
+        test = _SplitAccumulator(16, workdir, "test")
+        made = 0
+        for _ in range(100 * test_puzzles):
+            if made == test_puzzles:
+                break
+            puzzle, solution = random_puzzle()
+            if puzzle.tobytes() in seen:
+                continue
+            seen.add(puzzle.tobytes())
+            test.add_group(puzzle[None] + 1, solution[None] + 1, [1], [0])
+            made += 1
+        for split, accumulator in (("train", train), ("test", test)):
+            accumulator.write(out, split, vocab_size=6, num_puzzle_identifiers=1)
+    write_identifiers(out, ["<blank>"])
+
+
+# --------------------------------------------------------------------------------------------
+# info, bench and the command line
+# --------------------------------------------------------------------------------------------
+
+def _npy_header(fs, path: str) -> tuple[tuple, np.dtype, int]:
+    """(shape, dtype, data offset) of a .npy file, reading only its header."""
+    with fs.open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, _fortran_order, dtype = read_header(f)
+        return shape, dtype, f.tell()
+
+
+def _format_sequence(tokens: np.ndarray) -> str:
+    """Tokens as a square grid when the length is a square, else one line."""
+    width = len(str(int(tokens.max()))) if len(tokens) else 1
+    side = math.isqrt(len(tokens))
+    cells = [str(int(t)).rjust(width) for t in tokens]
+    if side * side != len(tokens):
+        return " ".join(cells)
+    return "\n".join("    " + " ".join(cells[r * side:(r + 1) * side]) for r in range(side))
+
+
+def info(url: str) -> None:
+    """Print each split's metadata, array sizes and first example, reading only headers and one
+    row (nothing is cached)."""
+    print(f"dataset {url}")
+    try:
+        names = read_identifiers(url)
+        print(f"identifiers.json: {len(names)} names, e.g. {names[:3]}")
+    except DatasetError as exc:
+        print(f"identifiers.json: unavailable ({exc})")
+    for split in SPLITS:
+        metadata = read_metadata(url, split)
+        print(f"\n[{split}] {json.dumps(metadata.to_dict())}")
+        fs, split_path = filesystem(join_url(url, split))
+        headers = {}
+        for name in ARRAY_NAMES:
+            path = join_url(split_path, f"{metadata.sets[0]}__{name}.npy")
+            with access_errors(url, DatasetError):
+                if not fs.exists(path):
+                    print(f"  {name:20s} MISSING")
+                    continue
+                headers[name] = _npy_header(fs, path)
+            shape, dtype, _ = headers[name]
+            print(f"  {name:20s} {str(dtype):6s} {str(shape):18s} "
+                  f"{math.prod(shape) * dtype.itemsize / 1e6:10.2f} MB")
+        if "inputs" in headers and "labels" in headers and headers["inputs"][0][0] > 0:
+            print("  example 0, input:")
+            for name in ("inputs", "labels"):
+                shape, dtype, offset = headers[name]
+                with fs.open(join_url(split_path, f"{metadata.sets[0]}__{name}.npy"), "rb") as f:
+                    f.seek(offset)
+                    row = np.frombuffer(f.read(shape[1] * dtype.itemsize), dtype=dtype)
+                if name == "labels":
+                    print("  label:")
+                print(_format_sequence(row))
+
+
+def bench(url: str, global_batch_size: int = 768, steps: int = 200, process_count: int = 1,
+          cache_dir: str | None = None) -> float:
+    """Rows per second that one host gets from TrainBatches (after the dataset is cached)."""
+    dataset = open_dataset(url, "train", cache_dir)
+    rows_per_second = train_rows_per_second(dataset, global_batch_size, process_count, steps)
+    print(f"{url}: {rows_per_second:,.0f} rows/s per host ({steps} steps, global batch "
+          f"{global_batch_size}, {process_count} host(s), seq_len {dataset.metadata.seq_len})")
+    return rows_per_second
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="build_data.py", description="Build, inspect and benchmark TRM puzzle datasets "
+        "(local paths or fsspec URLs such as gs://bucket/path).")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name, help_text, seed=0):
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        if name.startswith("build-"):
+            sub.add_argument("--out", required=True, help="dataset root URL to write")
+            sub.add_argument("--seed", type=int, default=seed, help=f"random seed (default {seed})")
+        return sub
+
+    def csv_options(sub, default_url):
+        sub.add_argument("--train-csv", default=default_url.format(split="train"),
+                         help="train CSV (local file or URL; default: the public copy)")
+        sub.add_argument("--test-csv", default=default_url.format(split="test"),
+                         help="test CSV (local file or URL; default: the public copy)")
+        sub.add_argument("--subsample-size", type=int, default=None,
+                         help="keep this many random train puzzles")
+        sub.add_argument("--min-difficulty", type=int, default=None,
+                         help="keep puzzles rated at least this")
+
+    sub = command("build-sudoku", "Build Sudoku-Extreme from its CSV files.")
+    csv_options(sub, SUDOKU_CSV_URL)
+    sub.add_argument("--num-aug", type=int, default=0, help="shuffled variants per train puzzle")
+    sub = command("build-maze", "Build Maze-Hard from its CSV files.")
+    csv_options(sub, MAZE_CSV_URL)
+    sub.add_argument("--aug", action="store_true",
+                     help="add the 8 dihedral variants of each train maze")
+    sub = command("build-arc", "Build ARC-AGI from challenge/solution JSON files; with the "
+                  "same files and options the output equals the reference builder's.",
+                  seed=ARC_SEED)
+    sub.add_argument("--input-prefix", required=True,
+                     help="files are {prefix}_{subset}_challenges.json and _solutions.json")
+    sub.add_argument("--subsets", nargs="+", default=["training", "evaluation", "concept"])
+    sub.add_argument("--test-sets", nargs="+", default=["evaluation"],
+                     help="subsets whose test pairs form the test split")
+    sub.add_argument("--num-aug", type=int, default=1000, help="augmentations per task")
+    sub = command("build-demo", "Build a small 4x4 Sudoku dataset locally (no download).")
+    sub.add_argument("--train-puzzles", type=int, default=300)
+    sub.add_argument("--num-aug", type=int, default=15)
+    sub.add_argument("--test-puzzles", type=int, default=300)
+    sub.add_argument("--min-blanks", type=int, default=4)
+    sub.add_argument("--max-blanks", type=int, default=10)
+    sub = command("info", "Print a dataset's metadata, array sizes and first example.")
+    sub.add_argument("url")
+    sub = command("bench", "Measure training-batch rows per second on one host.")
+    sub.add_argument("url")
+    sub.add_argument("--global-batch-size", type=int, default=768)
+    sub.add_argument("--steps", type=int, default=200)
+    sub.add_argument("--process-count", type=int, default=1)
+    sub.add_argument("--cache-dir", default=None)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build-sudoku":
+            build_sudoku(args.out, args.train_csv, args.test_csv, args.subsample_size,
+                         args.min_difficulty, args.num_aug, args.seed)
+        elif args.command == "build-maze":
+            build_maze(args.out, args.train_csv, args.test_csv, args.subsample_size,
+                       args.min_difficulty, args.aug, args.seed)
+        elif args.command == "build-arc":
+            build_arc(args.out, args.input_prefix, args.subsets, args.test_sets, args.num_aug,
+                      args.seed)
+        elif args.command == "build-demo":
+            build_demo(args.out, args.train_puzzles, args.num_aug, args.test_puzzles,
+                       args.min_blanks, args.max_blanks, args.seed)
+        elif args.command == "info":
+            info(args.url)
+        elif args.command == "bench":
+            bench(args.url, args.global_batch_size, args.steps, args.process_count,
+                  args.cache_dir)
+    except (DatasetError, StorageError) as exc:
+        sys.exit(f"error: {exc}")
+    if args.command.startswith("build-"):
+        info(args.out)
+
+
+if __name__ == "__main__":
+    main()

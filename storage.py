@@ -1,0 +1,197 @@
+"""Files at any fsspec URL (local or gs://): reads and writes with retries, errors that say what to do.
+
+    filesystem(url) -> (fs, path)     join_url(url, *parts) -> url     is_local(fs) -> bool
+    read_bytes(url) -> bytes          write_bytes(url, payload)        exists(url) -> bool
+    write_file(url, write)            write(f) fills the file's binary handle (e.g. np.save)
+    upload_dir(local_dir, url)        copy every file under a local directory, whole files
+    with_retries(what, url, fn)       fn() with retries; what the functions above use
+    read_json(url, what, error)       one attempt: FileNotFoundError passes, for the caller to
+                                      explain what is missing
+    access_errors(url, error)         context manager: credential, permission and network
+                                      failures become ``error("Cannot access URL: ...")``
+    cloud_problem(exc) -> str | None  the sentence behind those messages
+
+Writes create missing local parent directories (object stores have none). Retried operations
+retry everything but permanent errors (missing files, permissions, bad values) with exponential
+backoff and raise StorageError naming the operation, the URL and the cause. An emulator named by
+STORAGE_EMULATOR_HOST is reached anonymously; real GCS uses the default credentials.
+
+This module imports fsspec and the standard library only.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+
+import fsspec
+
+
+class StorageError(OSError):
+    """Reading or writing a URL failed; the message names the operation, the URL and the cause."""
+
+
+# Errors that another attempt cannot fix.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)
+
+
+def filesystem(url: str):
+    """(fsspec file system, path inside it) for a URL or local path."""
+    options = {}
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        # The emulator accepts no real credentials; real GCS uses the default credentials.
+        options["token"] = "anon"
+    return fsspec.core.url_to_fs(url, **options)
+
+
+def is_local(fs) -> bool:
+    """Whether an fsspec file system is the local disk."""
+    protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+def join_url(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+# --------------------------------------------------------------------------------------------
+# What went wrong
+# --------------------------------------------------------------------------------------------
+
+def _diagnosis(exc: BaseException) -> tuple[str, str] | None:
+    """(what went wrong, what to do) for a credential, permission or connection failure of
+    remote storage, or None if ``exc`` is not one.
+
+    Recognised by class names and attributes so that this module needs neither google-auth
+    nor aiohttp.
+    """
+    modules = [cls.__module__ for cls in type(exc).__mro__]
+    if any(m.startswith("google.auth") for m in modules) or getattr(exc, "code", None) == 401:
+        return ("no valid Google Cloud credentials",
+                "Authenticate with `gcloud auth application-default login`, or on a TPU VM give "
+                "its service account read access (roles/storage.objectViewer) to the bucket")
+    if str(exc).startswith("Forbidden") or getattr(exc, "code", None) == 403:
+        return ("access denied",
+                "Give the account you run as roles/storage.objectViewer on the bucket "
+                "(objectAdmin to write), or check the bucket name")
+    if any(m.startswith("aiohttp") for m in modules) \
+            or isinstance(exc, (ConnectionError, TimeoutError)):
+        return ("the storage service cannot be reached",
+                "Check the network, the bucket name, and STORAGE_EMULATOR_HOST if you use an "
+                "emulator")
+    return None
+
+
+def cloud_problem(exc: BaseException) -> str | None:
+    """A sentence saying what went wrong talking to remote storage and what to do, or None if
+    ``exc`` is not that kind of failure."""
+    diagnosis = _diagnosis(exc)
+    return None if diagnosis is None else f"{diagnosis[0]} ({exc}). {diagnosis[1]}"
+
+
+@contextlib.contextmanager
+def access_errors(url: str, error: type[Exception] = StorageError) -> Iterator[None]:
+    """Turn credential, permission and connection failures inside the block into
+    ``error("Cannot access {url}: {cloud_problem}.")``; other exceptions (FileNotFoundError
+    included) pass unchanged. For single attempts whose caller explains missing files itself."""
+    try:
+        yield
+    except (FileNotFoundError, StorageError, error):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised unless recognised
+        problem = cloud_problem(exc)
+        if problem is None:
+            raise
+        raise error(f"Cannot access {url}: {problem}.") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Retried operations
+# --------------------------------------------------------------------------------------------
+
+def with_retries(what: str, url: str, fn: Callable, attempts: int = 6, first_delay: float = 0.5):
+    """Run fn(); retry transient storage errors with exponential backoff. A permanent error
+    (or the last attempt) raises StorageError naming the URL and the cause, and for
+    credential, permission and connection failures what to do."""
+    delay = first_delay
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except _PERMANENT as e:
+            raise StorageError(_failure(f"{what} {url} failed", e)) from e
+        except Exception as e:  # network, 5xx, 429: worth another try
+            if attempt == attempts:
+                raise StorageError(_failure(f"{what} {url} failed after {attempts} attempts", e)) from e
+            print(f"warning: {what} {url} failed ({type(e).__name__}: {e}); retrying in {delay:.1f}s",
+                  flush=True)
+            time.sleep(delay)
+            delay *= 2
+
+
+def _failure(context: str, exc: BaseException) -> str:
+    message = f"{context}: {type(exc).__name__}: {exc}"
+    diagnosis = _diagnosis(exc)
+    return message if diagnosis is None else f"{message}; {diagnosis[0]}. {diagnosis[1]}"
+
+
+def write_file(url: str, write: Callable) -> None:
+    """Create or replace the file at ``url`` (local parent directories included) and call
+    ``write(f)`` with its binary handle; retried from the start on a transient failure."""
+    def attempt():
+        fs, path = filesystem(url)
+        if is_local(fs):  # object stores have no directories to create
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with fs.open(path, "wb") as f:
+            write(f)
+    with_retries("writing", url, attempt)
+
+
+def write_bytes(url: str, payload: bytes) -> None:
+    write_file(url, lambda f: f.write(payload))
+
+
+def read_bytes(url: str) -> bytes:
+    def read():
+        fs, path = filesystem(url)
+        with fs.open(path, "rb") as f:
+            return f.read()
+    return with_retries("reading", url, read)
+
+
+def exists(url: str) -> bool:
+    fs, path = filesystem(url)
+    return with_retries("checking", url, lambda: fs.exists(path))
+
+
+def upload_dir(local_dir: str, url: str) -> int:
+    """Copy every file under ``local_dir`` (subdirectories included) to the same relative path
+    under ``url``, whole files, each with write_bytes. Returns the number of files copied."""
+    copied = 0
+    for root, _, files in os.walk(local_dir):
+        for name in sorted(files):
+            relative = os.path.relpath(os.path.join(root, name), local_dir)
+            with open(os.path.join(root, name), "rb") as f:
+                write_bytes(join_url(url, *relative.split(os.sep)), f.read())
+            copied += 1
+    return copied
+
+
+# --------------------------------------------------------------------------------------------
+# Single attempts
+# --------------------------------------------------------------------------------------------
+
+def read_json(url: str, what: str = "file", error: type[Exception] = StorageError):
+    """The parsed JSON file at ``url``, read in one attempt (gcsfs retries transient HTTP errors
+    itself). FileNotFoundError if absent; ``error`` if it cannot be accessed (see
+    access_errors) or is not valid JSON (naming ``what`` to rebuild or re-upload)."""
+    fs, path = filesystem(url)
+    with access_errors(url, error):
+        with fs.open(path, "rb") as f:
+            text = f.read()
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{url} is not valid JSON ({exc}); rebuild or re-upload the {what}.") from exc

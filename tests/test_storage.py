@@ -1,0 +1,41 @@
+"""Tests of storage.py: local writes, upload_dir, and the messages of failing operations."""
+import os
+
+import pytest
+
+import storage
+
+
+def test_write_bytes_creates_local_parents_and_reads_back(tmp_path):
+    url = str(tmp_path / "a" / "b" / "file.bin")
+    storage.write_bytes(url, b"payload")
+    assert storage.exists(url) and storage.read_bytes(url) == b"payload"
+    assert not storage.exists(str(tmp_path / "a" / "missing"))
+
+
+def test_upload_dir_copies_every_file_with_its_relative_path(tmp_path, gcs_url):
+    local = tmp_path / "profile"
+    (local / "plugins" / "profile" / "run").mkdir(parents=True)
+    (local / "events.out").write_bytes(b"1")
+    (local / "plugins" / "profile" / "run" / "host.xplane.pb").write_bytes(b"2")
+    for target in (str(tmp_path / "copy"), gcs_url):
+        assert storage.upload_dir(str(local), target) == 2
+        assert storage.read_bytes(storage.join_url(target, "events.out")) == b"1"
+        nested = storage.join_url(target, "plugins", "profile", "run", "host.xplane.pb")
+        assert storage.read_bytes(nested) == b"2"
+    assert sorted(os.listdir(tmp_path / "copy")) == ["events.out", "plugins"]
+
+
+def test_failures_name_the_url_and_what_to_do():
+    def forbidden():
+        raise OSError("Forbidden: b/x\nno storage.objects.create access")
+
+    with pytest.raises(storage.StorageError, match=r"(?s)writing gs://b/x failed after 2 attempts: OSError: "
+                                                   r"Forbidden.*access denied.*roles/storage.objectViewer"):
+        storage.with_retries("writing", "gs://b/x", forbidden, attempts=2, first_delay=0.01)
+    with pytest.raises(storage.StorageError, match=r"(?s)Cannot access gs://b/x: access denied \(Forbidden"):
+        with storage.access_errors("gs://b/x"):
+            forbidden()
+    with pytest.raises(FileNotFoundError):  # the caller explains what is missing
+        with storage.access_errors("gs://b/x"):
+            raise FileNotFoundError("b/x")
