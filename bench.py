@@ -10,7 +10,7 @@ CPU fallbacks, device-to-host transfers, data rate).
 Without a TPU it runs on a virtual CPU mesh of 8 devices (like `train.py --run.device cpu`); on
 a TPU VM it measures the TPU (`--device tpu`). Each preset is measured on a synthetic dataset of
 its shape (random tokens, the preset's seq_len and vocabulary) written to a temporary directory,
-with the real `train.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then
+with the real `trainer.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then
 `--steps` timed steps, each started on an idle device. Times are medians over the timed steps.
 
 Columns (the JSON file has these and more, with units in the names; see `bench_preset`):
@@ -68,6 +68,7 @@ import tyro
 
 import data
 import train
+import trainer as trainer_module  # `trainer` names the Trainer instance below
 from model import TRM, TRMConfig, swiglu_width
 
 PresetName = Literal["sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2"]
@@ -333,8 +334,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
     import torch_xla.core.xla_model as xm
 
     mesh = sharding.data_mesh()
-    counters_start = train.xla_counters()
-    trainer = train.Trainer(config, sharding, mesh)
+    counters_start = sharding.xla_counters()
+    trainer = trainer_module.Trainer(config, sharding, mesh)
     batches = data.TrainBatches(dataset, batch, seed=0, process_index=sharding.process_index(),
                                 process_count=sharding.process_count())
     trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
@@ -348,12 +349,12 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         return batch
 
     prefetched = train.PrefetchedBatches(load, 1, warmup + steps)  # as train.main reads batches
-    window_sums = torch.zeros(len(train.TRAIN_METRICS)).to(trainer.device)
+    window_sums = torch.zeros(len(trainer_module.TRAIN_METRICS)).to(trainer.device)
     samples, clock = [], StepThreadsClock()
     for step in range(1, warmup + steps + 1):
         xm.wait_device_ops()  # every step starts on an idle device (see the barrier below)
         settle_ms = settle() * 1e3
-        before, device_before = train.xla_counters(), _device_time_ns()
+        before, device_before = sharding.xla_counters(), _device_time_ns()
         clock.refresh()
         h0, p0, t0 = clock.ns(), time.process_time(), time.perf_counter()
         global_batch = prefetched.get(step)
@@ -364,7 +365,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         c4, t4 = time.thread_time(), time.perf_counter()
         h4, p4 = clock.ns(), time.process_time()
         executions_at_return = _device_time_ns()[0]
-        after = train.xla_counters()
+        after = sharding.xla_counters()
         b0 = time.perf_counter()
         window_sums.cpu()  # an output of the step: ready once the step has run on the device
         xm.wait_device_ops()
@@ -390,7 +391,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
             "fallbacks": sum(after["fallbacks"].values()) - sum(before["fallbacks"].values()),
         })
     prefetched.close()
-    counters_end = train.xla_counters()
+    counters_end = sharding.xla_counters()
     parameters = sum(p.numel() for p in trainer.model.parameters())
     del trainer, window_sums
     timed = samples[warmup:]
