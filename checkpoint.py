@@ -254,15 +254,31 @@ def latest_checkpoint(run_dir: str, read: Callable[[str], tuple]) -> tuple[int, 
 # -- export ------------------------------------------------------------------------------------------
 
 
-def export_model(checkpoint_url: str, out_url: str) -> dict:
-    """The EMA weights (and the buffers, which have no average) of a checkpoint as one
-    model.safetensors whose metadata holds the model config; returns that config."""
+def resolve_checkpoint(source: str) -> str | None:
+    """The checkpoint a URL names: itself when it is a committed checkpoint directory, else the
+    latest committed checkpoint of the run directory it is; None when there is none."""
+    if exists(join_url(source, COMMIT_MARKER)):
+        return source
+    found = list_checkpoints(source)
+    return found[0][1] if found else None
+
+
+def read_ema_weights(checkpoint_url: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the model's state dict with the EMA's average in place of each averaged tensor, under
+    our names without the `model/` prefix; the checkpoint's state.json) of a checkpoint."""
     tensors, state = read_checkpoint(checkpoint_url, names=lambda n: n.startswith(("model/", "ema/")))
     weights = {}
     for key, value in tensors.items():
         if key.startswith("model/"):
             name = key.removeprefix("model/")
             weights[name] = tensors.get(f"ema/{name}", value)
+    return weights, state
+
+
+def export_model(checkpoint_url: str, out_url: str) -> dict:
+    """The EMA weights (and the buffers, which have no average) of a checkpoint as one
+    model.safetensors whose metadata holds the model config; returns that config."""
+    weights, state = read_ema_weights(checkpoint_url)
     model_config = state["config"]["model"]
     metadata = {"trm_config": json.dumps(model_config), "step": str(state["step"])}
     if state.get("dataset_identifiers"):

@@ -304,41 +304,40 @@ class TRM(nn.Module):
         super().__init__()
         self.config = config
         self.exploration_seed = exploration_seed
-        c = config
-        self.embed_scale = math.sqrt(c.hidden_size)
+        self.embed_scale = math.sqrt(config.hidden_size)
         self.token_embedding = nn.Parameter(
-            truncated_normal_(torch.empty(c.vocab_size, c.hidden_size), std=1 / self.embed_scale))
-        if c.pos_encodings == "learned":
+            truncated_normal_(torch.empty(config.vocab_size, config.hidden_size), std=1 / self.embed_scale))
+        if config.pos_encodings == "learned":
             self.position_embedding = nn.Parameter(
-                truncated_normal_(torch.empty(c.total_len, c.hidden_size), std=1 / self.embed_scale))
-        if c.pos_encodings == "rope":
-            cos, sin = rope_tables(c.hidden_size // c.num_heads, c.total_len, c.rope_theta)
+                truncated_normal_(torch.empty(config.total_len, config.hidden_size), std=1 / self.embed_scale))
+        if config.pos_encodings == "rope":
+            cos, sin = rope_tables(config.hidden_size // config.num_heads, config.total_len, config.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        if c.puzzle_emb_ndim > 0:
-            self.puzzle_embedding = SparseEmbedding(c.num_puzzle_identifiers, c.puzzle_emb_ndim)
-        self.blocks = nn.ModuleList([Block(c) for _ in range(c.L_layers)])
-        self.lm_head = Linear(c.hidden_size, c.vocab_size)
-        self.q_head = Linear(c.hidden_size, 2, bias=True)
+        if config.puzzle_emb_ndim > 0:
+            self.puzzle_embedding = SparseEmbedding(config.num_puzzle_identifiers, config.puzzle_emb_ndim)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.L_layers)])
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.q_head = Linear(config.hidden_size, 2, bias=True)
         with torch.no_grad():  # Q head starts near "never halt" (sigmoid(-5) ≈ 0.007)
             self.q_head.weight.zero_()
             self.q_head.bias.fill_(-5.0)
-        self.register_buffer("H_init", truncated_normal_(torch.empty(c.hidden_size, dtype=c.dtype), std=1.0))
-        self.register_buffer("L_init", truncated_normal_(torch.empty(c.hidden_size, dtype=c.dtype), std=1.0))
+        self.register_buffer("H_init", truncated_normal_(torch.empty(config.hidden_size, dtype=config.dtype), std=1.0))
+        self.register_buffer("L_init", truncated_normal_(torch.empty(config.hidden_size, dtype=config.dtype), std=1.0))
 
     # -- the network --------------------------------------------------------------------------
 
     def embed(self, inputs: torch.Tensor, puzzle_identifiers: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        x = F.embedding(inputs.to(torch.int32), self.token_embedding.to(c.dtype))
-        if c.puzzle_emb_ndim > 0:
-            rows = self.puzzle_embedding(puzzle_identifiers).to(c.dtype)
-            rows = F.pad(rows, (0, c.prefix_len * c.hidden_size - c.puzzle_emb_ndim))
-            x = torch.cat([rows.view(-1, c.prefix_len, c.hidden_size), x], dim=1)
-        elif c.prefix_len:
-            x = F.pad(x, (0, 0, c.prefix_len, 0))
-        if c.pos_encodings == "learned":
-            x = 0.707106781 * (x + self.position_embedding.to(c.dtype))  # keeps the variance
+        config = self.config
+        x = F.embedding(inputs.to(torch.int32), self.token_embedding.to(config.dtype))
+        if config.puzzle_emb_ndim > 0:
+            rows = self.puzzle_embedding(puzzle_identifiers).to(config.dtype)
+            rows = F.pad(rows, (0, config.prefix_len * config.hidden_size - config.puzzle_emb_ndim))
+            x = torch.cat([rows.view(-1, config.prefix_len, config.hidden_size), x], dim=1)
+        elif config.prefix_len:
+            x = F.pad(x, (0, 0, config.prefix_len, 0))
+        if config.pos_encodings == "learned":
+            x = 0.707106781 * (x + self.position_embedding.to(config.dtype))  # keeps the variance
         return self.embed_scale * x
 
     def net(self, z: torch.Tensor, injection: torch.Tensor) -> torch.Tensor:
@@ -351,16 +350,16 @@ class TRM(nn.Module):
 
     def recurse(self, z_H, z_L, x):
         """One ACT step: H_cycles-1 recursions without gradient, then one with it."""
-        c = self.config
+        config = self.config
         with torch.no_grad():
-            for _ in range(c.H_cycles - 1):
-                for _ in range(c.L_cycles):
+            for _ in range(config.H_cycles - 1):
+                for _ in range(config.L_cycles):
                     z_L = self.net(z_L, z_H + x)
                 z_H = self.net(z_H, z_L)
-        for _ in range(c.L_cycles):
+        for _ in range(config.L_cycles):
             z_L = self.net(z_L, z_H + x)
         z_H = self.net(z_H, z_L)
-        logits = self.lm_head(z_H)[:, c.prefix_len:]
+        logits = self.lm_head(z_H)[:, config.prefix_len:]
         q = self.q_head(z_H[:, 0]).float()
         return z_H, z_L, logits, q[..., 0], q[..., 1]
 
@@ -368,12 +367,12 @@ class TRM(nn.Module):
 
     def initial_carry(self, batch: dict[str, torch.Tensor]) -> Carry:
         """A carry whose rows are all halted, so the first step loads the whole batch."""
-        c = self.config
+        config = self.config
         size, device = batch["inputs"].shape[0], batch["inputs"].device
-        state_shape = (size, c.total_len, c.hidden_size)
+        state_shape = (size, config.total_len, config.hidden_size)
         return Carry(
-            z_H=torch.zeros(state_shape, dtype=c.dtype, device=device),
-            z_L=torch.zeros(state_shape, dtype=c.dtype, device=device),
+            z_H=torch.zeros(state_shape, dtype=config.dtype, device=device),
+            z_L=torch.zeros(state_shape, dtype=config.dtype, device=device),
             steps=torch.zeros(size, dtype=torch.int32, device=device),
             halted=torch.ones(size, dtype=torch.bool, device=device),
             current_data={k: torch.zeros_like(v) for k, v in batch.items()},
@@ -381,7 +380,7 @@ class TRM(nn.Module):
         )
 
     def forward(self, carry: Carry, batch: dict[str, torch.Tensor]) -> tuple[Carry, dict[str, torch.Tensor]]:
-        c = self.config
+        config = self.config
         # Rows that halted at the previous step start over on the new batch's example.
         reset = carry.halted
         z_H = torch.where(reset.view(-1, 1, 1), self.H_init, carry.z_H)
@@ -396,20 +395,20 @@ class TRM(nn.Module):
 
         with torch.no_grad():
             steps = steps + 1
-            halted = steps >= c.halt_max_steps
-            if self.training and c.halt_max_steps > 1:
-                halted = halted | (q_halt > 0 if c.no_ACT_continue else q_halt > q_continue)
+            halted = steps >= config.halt_max_steps
+            if self.training and config.halt_max_steps > 1:
+                halted = halted | (q_halt > 0 if config.no_ACT_continue else q_halt > q_continue)
                 # Exploration: some rows must run a random minimum of 2..halt_max_steps steps.
                 rows = torch.arange(steps.shape[0], device=steps.device)
                 seed, counter = self.exploration_seed, carry.rng_counter
-                explore = hashed_uniform(seed, counter, rows, 0) < c.halt_exploration_prob
+                explore = hashed_uniform(seed, counter, rows, 0) < config.halt_exploration_prob
                 draw = hashed_uniform(seed, counter, rows, 1)
-                min_steps = 2 + (draw * (c.halt_max_steps - 1)).to(torch.int32)
+                min_steps = 2 + (draw * (config.halt_max_steps - 1)).to(torch.int32)
                 halted = halted & (steps >= torch.where(explore, min_steps, 0))
-                if not c.no_ACT_continue:
+                if not config.no_ACT_continue:
                     # The reference's bootstrapped target: Q of the next step from the new state.
                     _, _, _, next_halt, next_continue = self.recurse(z_H, z_L, x)
-                    is_last = steps >= c.halt_max_steps
+                    is_last = steps >= config.halt_max_steps
                     outputs["target_q_continue"] = torch.sigmoid(
                         torch.where(is_last, next_halt, torch.maximum(next_halt, next_continue)))
 

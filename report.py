@@ -92,20 +92,20 @@ class RunLog:
             self.start_window(self.window_sums.device)
 
     def _report_train(self, sums, step, steps, seconds, lr):
-        o = self.config.optim
-        m = summarize(TRAIN_METRICS, sums.cpu().numpy(), steps, o.global_batch_size)
+        batch_size = self.config.optim.global_batch_size
+        row = summarize(TRAIN_METRICS, sums.cpu().numpy(), steps, batch_size)
         rate = steps / max(seconds, 1e-9)
-        m.update(step=step, lr=lr, loss=m["lm_loss"] + 0.5 * m["q_halt_loss"], steps_per_s=rate,
-                 examples_per_s=rate * o.global_batch_size)
-        self.history.append(m)
-        bad = sorted((k for k, v in m.items() if not math.isfinite(v)), key=lambda k: k != "loss")
+        row.update(step=step, lr=lr, loss=row["lm_loss"] + 0.5 * row["q_halt_loss"], steps_per_s=rate,
+                 examples_per_s=rate * batch_size)
+        self.history.append(row)
+        bad = sorted((k for k, v in row.items() if not math.isfinite(v)), key=lambda k: k != "loss")
         if bad and self.nonfinite is None:
-            self.nonfinite = f"steps {step - steps + 1}-{step}: " + ", ".join(f"{k} {m[k]}" for k in bad)
-        self.say(f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.1f}%)  loss {m['loss']:.4f}  "
-                 f"exact {m['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
-                 f"{m['examples_per_s']:.0f} ex/s  ETA {format_duration((self.total_steps - step) / rate)}")
+            self.nonfinite = f"steps {step - steps + 1}-{step}: " + ", ".join(f"{k} {row[k]}" for k in bad)
+        self.say(f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.1f}%)  loss {row['loss']:.4f}  "
+                 f"exact {row['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
+                 f"{row['examples_per_s']:.0f} ex/s  ETA {format_duration((self.total_steps - step) / rate)}")
         if self.tb:
-            for k, v in m.items():
+            for k, v in row.items():
                 if k != "step":
                     self.tb.add_scalar(f"train/{k}", v, step)
             self.tb.add_scalar("xla/compiles", self.sharding.xla_counters()["compiles"], step)

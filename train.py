@@ -618,13 +618,10 @@ def export(source: tyro.conf.Positional[str], out: str) -> None:
     source: a run directory (its latest committed checkpoint) or one checkpoint directory.
     out: where to write, local or gs:// (e.g. gs://BUCKET/models/sudoku.safetensors).
     """
-    if storage.exists(storage.join_url(source, checkpoint.COMMIT_MARKER)):
-        url = source
-    else:
-        found = checkpoint.list_checkpoints(source)
-        if not found:
-            raise SystemExit(f"error: no committed checkpoint in {source} (looked in {storage.join_url(source, 'checkpoints')})")
-        url = found[0][1]
+    url = checkpoint.resolve_checkpoint(source)
+    if url is None:
+        raise SystemExit(f"error: no committed checkpoint in {source} "
+                         f"(looked in {storage.join_url(source, 'checkpoints')})")
     checkpoint.export_model(url, out)
     print(f"exported the EMA weights of {url} to {out}", flush=True)
 
@@ -648,12 +645,10 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
         weights, model_config, trained_on = checkpoint.read_exported(source)
         config = with_overrides(dataclasses.replace(base, model=TRMConfig(**model_config)))
         return config, {f"model/{k}": v for k, v in weights.items()}, 0, trained_on
-    url = source if storage.exists(storage.join_url(source, checkpoint.COMMIT_MARKER)) else None
-    if url is None and checkpoint.list_checkpoints(source):
-        url = checkpoint.list_checkpoints(source)[0][1]
+    url = checkpoint.resolve_checkpoint(source)
     if url is not None:
-        tensors, state = checkpoint.read_checkpoint(url, names=lambda n: n.startswith(("model/", "ema/")))
-        weights = {k: tensors.get(f"ema/{k.removeprefix('model/')}", v) for k, v in tensors.items() if k.startswith("model/")}
+        ema, state = checkpoint.read_ema_weights(url)
+        weights = {f"model/{k}": v for k, v in ema.items()}
         return with_overrides(config_from_dict(state["config"])), weights, state["step"], state.get("dataset_identifiers")
     # A reference checkpoint: its table must fit the dataset as it is (no resizing for evaluation).
     from model import load_reference_state_dict
