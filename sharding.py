@@ -129,8 +129,7 @@ def host_batch_to_global(host_batch: dict[str, np.ndarray], mesh: xs.Mesh) -> di
     [p·B/P, (p+1)·B/P)); with `minibatch=True` the runtime places the slice on this host's
     devices without any cross-host traffic. Each key gets a spec of its own rank: a spec of the
     wrong rank would silently leave that tensor replicated. All keys go in one transfer call
-    with specs built once (0.22 ms of host time instead of 0.52 ms through three calls of
-    xm.send_cpu_data_to_device, for an ARC-shaped batch on the CPU mesh).
+    with specs built once (cheaper in host time than one xm.send_cpu_data_to_device per key).
     """
     local_devices = xr.addressable_runtime_device_count()
     tensors, shardings = [], []

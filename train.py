@@ -142,8 +142,8 @@ class RunConfig:
     compile_cache_dir: str = resumable("~/.cache/trm-xla")
     """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
     capture_step: bool = resumable(True)
-    """Trace the training step once and replay it as one XLA computation (a few ms of host time
-    per step instead of re-tracing ~50-150 ms of Python); False re-traces every step."""
+    """Trace the training step once and replay it as one XLA computation (host time per step:
+    README, Speed); False re-traces every step."""
     profile_steps: int = resumable(0)
     """Capture an XLA profile of this many steps (from the 10th step of this launch) into
     {run.dir}/tb/plugins/profile for TensorBoard's profile tab; 0 = off."""
@@ -215,7 +215,8 @@ def check_batch_layout(global_batch_size: int, num_devices: int, num_hosts: int)
     if global_batch_size % num_devices:
         raise ConfigError(
             f"optim.global_batch_size={global_batch_size} does not divide over the {num_devices} devices "
-            f"of this slice; use a multiple of {num_devices} (e.g. {math.ceil(global_batch_size / num_devices) * num_devices})")
+            f"of this slice; use a multiple of {num_devices} "
+            f"(e.g. {math.ceil(global_batch_size / num_devices) * num_devices})")
     if global_batch_size % num_hosts:
         raise ConfigError(f"optim.global_batch_size={global_batch_size} does not divide over {num_hosts} hosts")
 
@@ -449,7 +450,8 @@ def main(config: Config) -> dict:
     xla = sharding.xla_counters()
     fallbacks = f" {xla['fallbacks']}" if xla["fallbacks"] else ""
     log.say(f"XLA: {xla['compiles']} graphs compiled ({xla['compile_seconds']:.1f}s), "
-            f"{sum(xla['fallbacks'].values())} aten:: CPU fallbacks{fallbacks}, {xla['transfers']} device-to-host transfers")
+            f"{sum(xla['fallbacks'].values())} aten:: CPU fallbacks{fallbacks}, "
+            f"{xla['transfers']} device-to-host transfers")
     return {"history": log.history, "evals": log.evals, "final": log.evals[-1] if log.evals else None,
             "xla": xla, "checkpoint_transfers": checkpoints.transfers, "preempted": preempted,
             "start_step": start_step}
@@ -649,7 +651,8 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     if url is not None:
         ema, state = checkpoint.read_ema_weights(url)
         weights = {f"model/{k}": v for k, v in ema.items()}
-        return with_overrides(config_from_dict(state["config"])), weights, state["step"], state.get("dataset_identifiers")
+        config = with_overrides(config_from_dict(state["config"]))
+        return config, weights, state["step"], state.get("dataset_identifiers")
     # A reference checkpoint: its table must fit the dataset as it is (no resizing for evaluation).
     from model import load_reference_state_dict
 
@@ -707,7 +710,8 @@ def evaluate_command(argv: list[str]) -> dict:
                                   storage.join_url(config.run.dir, "eval"), step, config.eval.arc_aggregate)
     out = storage.join_url(config.run.dir, "eval", f"step_{step}")
     if sharding.is_main_process():
-        storage.write_bytes(storage.join_url(out, "metrics.json"), json.dumps(dict(result, source=source), indent=2).encode())
+        metrics = json.dumps(dict(result, source=source), indent=2).encode()
+        storage.write_bytes(storage.join_url(out, "metrics.json"), metrics)
         if submission is not None:
             write_submission(out, submission)
     scores = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()
