@@ -1,8 +1,8 @@
 """The training step traced once into one XLA computation and replayed every step.
 
 Lazy tensors re-trace the whole step in Python every step, which takes far longer than the step
-takes on a TPU (README, Speed). Here the unchanged project code (TRM forward, loss, backward, AdamATan2, SignSGD, EMA, carry sharding)
-runs once on placeholder tensors; the resulting graph is lowered to an HLO computation
+takes on a TPU (README, Speed). Here the unchanged project code (TRM forward, loss, backward,
+AdamATan2, SignSGD, EMA, carry sharding) runs once on placeholder tensors; the resulting graph is lowered to an HLO computation
 (torch_xla's LoweringContext, as torch_xla.experimental.scan / assume_pure_torch do). Each later
 step binds the real tensors to that computation (one `_xla_user_computation` IR node), swaps
 the outputs into the training state, and marks the old state buffers as donated so XLA
