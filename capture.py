@@ -2,11 +2,12 @@
 
 Lazy tensors re-trace the whole step in Python every step, which takes far longer than the step
 takes on a TPU (README, Speed). Here the unchanged project code (TRM forward, loss, backward,
-AdamATan2, SignSGD, EMA, carry sharding) runs once on placeholder tensors; the resulting graph is lowered to an HLO computation
-(torch_xla's LoweringContext, as torch_xla.experimental.scan / assume_pure_torch do). Each later
-step binds the real tensors to that computation (one `_xla_user_computation` IR node), swaps
-the outputs into the training state, and marks the old state buffers as donated so XLA
-updates them in place (same input/output aliasing as the in-place optimizer updates).
+AdamATan2, SignSGD, EMA, carry sharding) runs once on placeholder tensors; the resulting graph
+is lowered to an HLO computation (torch_xla's LoweringContext, as torch_xla.experimental.scan /
+assume_pure_torch do). Each later step binds the real tensors to that computation (one
+`_xla_user_computation` IR node), swaps the outputs into the training state, and marks the old
+state buffers as donated so XLA updates them in place (same input/output aliasing as the
+in-place optimizer updates).
 
 Rules the traced step must keep (it does today):
   * everything that changes between steps is a tensor in the state, the carry, the batch or
