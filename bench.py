@@ -11,7 +11,9 @@ Without a TPU it runs on a virtual CPU mesh of 8 devices (like `train.py --run.d
 a TPU VM it measures the TPU (`--device tpu`). Each preset is measured on a synthetic dataset of
 its shape (random tokens, the preset's seq_len and vocabulary) written to a temporary directory,
 with the real `train.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then
-`--steps` timed steps, each started on an idle device. Times are medians over the timed steps.
+`--steps` timed steps, each started on an idle device, at the preset's learning rates after
+warmup. Times are medians over the timed steps. bench.py exits non-zero, naming the preset and
+the step, when a step's training loss is not finite (after printing the table and the JSON).
 
 Columns (the JSON file has these and more, with units in the names; see `bench_preset`):
   params         trainable parameters (the puzzle-embedding table, a SignSGD buffer, not counted)
@@ -43,6 +45,9 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
                  batch split over the slice's hosts
   host/peak      host ms / dev@peak ms (cpu/peak: cpu ms / dev@peak ms): above 1 the host, not
                  the TPU, limits the step rate
+  loss           training loss of the last timed step as train.py logs it (lm_loss + 0.5 q_halt_loss
+                 per example; random tokens, so only its finiteness means something); every
+                 step's in the JSON. Read after the step's timing, from the value the barrier reads
 
 (*) After each step the script reads an output of the step (not counted as a transfer) and
 waits until the process's other threads are idle (`settle`), so the next step starts on an idle
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import statistics
 import tempfile
@@ -335,6 +341,13 @@ def _device_time_ns() -> tuple[int, int]:
     return 0, 0
 
 
+def step_loss(metrics: np.ndarray, batch: int) -> float:
+    """The training loss train.py logs (lm_loss + 0.5 q_halt_loss per example) of one step's
+    metric vector."""
+    m = train.summarize(train.TRAIN_METRICS, metrics, 1, batch)
+    return m["lm_loss"] + 0.5 * m["q_halt_loss"]
+
+
 def measure_training(config: train.Config, dataset: data.Dataset, sharding, batch: int, warmup: int,
                      steps: int, on_cpu: bool) -> dict:
     """Run warmup + timed training steps as train.main drives them; per-step times and counters."""
@@ -358,6 +371,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         return batch
 
     prefetched = train.PrefetchedBatches(load, 1, warmup + steps)  # as train.main reads batches
+    # The preset's learning rates after warmup (graph inputs: their values change no timing).
+    lr, puzzle_emb_lr = config.optim.lr, config.optim.puzzle_emb_lr
     window_sums = torch.zeros(len(train.TRAIN_METRICS)).to(trainer.device)
     samples, clock = [], StepThreadsClock()
     for step in range(1, warmup + steps + 1):
@@ -368,7 +383,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         h0, p0, t0 = clock.ns(), time.process_time(), time.perf_counter()
         global_batch = prefetched.get(step)
         t2 = time.perf_counter()
-        window_sums = window_sums + trainer.step(global_batch, 1e-4, 1e-4)
+        metrics = trainer.step(global_batch, lr, puzzle_emb_lr)
+        window_sums = window_sums + metrics  # as train.main sums a logging window
         c3, t3 = time.thread_time(), time.perf_counter()
         torch_xla.sync()
         c4, t4 = time.thread_time(), time.perf_counter()
@@ -376,7 +392,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         executions_at_return = _device_time_ns()[0]
         after = train.xla_counters()
         b0 = time.perf_counter()
-        window_sums.cpu()  # an output of the step: ready once the step has run on the device
+        values = metrics.cpu().numpy()  # an output of the step: ready once the step has run on the device
         xm.wait_device_ops()
         barrier_ms = (time.perf_counter() - b0) * 1e3
         device_after = _device_time_ns()
@@ -398,6 +414,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
             "compiles": after["compiles"] - before["compiles"],
             "transfers": after["transfers"] - before["transfers"],
             "fallbacks": sum(after["fallbacks"].values()) - sum(before["fallbacks"].values()),
+            "loss": step_loss(values, batch),
         })
     prefetched.close()
     counters_end = train.xla_counters()
@@ -432,7 +449,9 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         "aten_fallbacks": fallbacks,
         "aten_fallbacks_per_step": sum(s["fallbacks"] for s in timed) / len(timed),
         "transfers_from_device_per_step": sum(s["transfers"] for s in timed) / len(timed),
-        "steps": [dict({k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()}, warmup=i < warmup)
+        "loss": timed[-1]["loss"],
+        "loss_samples": [s["loss"] for s in timed],
+        "steps": [dict({k: round(v, 3) if isinstance(v, float) and k != "loss" else v for k, v in s.items()}, warmup=i < warmup)
                   for i, s in enumerate(samples)],
     }
 
@@ -505,6 +524,7 @@ COLUMNS = [  # (header, format of a record)
     ("rows/s/host", lambda r: f"{r['data_rows_per_s_per_host']:,.0f}"),
     ("host/peak", lambda r: f"{r['host_to_projected_device_ratio']:.1f}"),
     ("cpu/peak", lambda r: f"{r['host_cpu_to_projected_device_ratio']:.1f}"),
+    ("loss", lambda r: f"{r['loss']:.4f}"),
 ]
 
 
@@ -521,6 +541,24 @@ def format_table(records: list[dict]) -> str:
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+class NonFiniteLoss(ValueError):
+    pass
+
+
+def check_losses(records: list[dict]) -> None:
+    """NonFiniteLoss naming each preset and the first step (warmup steps counted) whose
+    training loss is NaN or infinite."""
+    problems = []
+    for record in records:
+        for number, step in enumerate(record.get("steps", []), start=1):
+            if not math.isfinite(step["loss"]):
+                problems.append(f"{record['preset']} at step {number} of {len(record['steps'])} "
+                                f"({record['warmup_steps']} warmup): loss {step['loss']}")
+                break
+    if problems:
+        raise NonFiniteLoss("the training loss is not finite: " + "; ".join(problems))
 
 
 def check_args(args: BenchConfig) -> SliceSpec:
@@ -569,16 +607,21 @@ def run(args: BenchConfig) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         say(f"wrote {args.json}")
+    check_losses(records)  # after the table and the JSON, which show every step's loss
     return result
 
 
-if __name__ == "__main__":
-    bench_args = tyro.cli(BenchConfig, description=__doc__.split("\n\n")[0])
+def main(argv: Optional[list[str]] = None) -> dict:
+    bench_args = tyro.cli(BenchConfig, args=argv, description=__doc__.split("\n\n")[0])
     try:
         check_args(bench_args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     try:
-        run(bench_args)
-    except train.ConfigError as e:  # e.g. a --batch that does not divide over the devices
+        return run(bench_args)
+    except (train.ConfigError, NonFiniteLoss) as e:  # ConfigError: e.g. a --batch that does not divide
         raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
