@@ -11,7 +11,9 @@ Without a TPU it runs on a virtual CPU mesh of 8 devices (like `train.py --run.d
 a TPU VM it measures the TPU (`--device tpu`). Each preset is measured on a synthetic dataset of
 its shape (random tokens, the preset's seq_len and vocabulary) written to a temporary directory,
 with the real `trainer.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then
-`--steps` timed steps, each started on an idle device. Times are medians over the timed steps.
+`--steps` timed steps, each started on an idle device, at the preset's learning rates after
+warmup. Times are medians over the timed steps. bench.py exits non-zero, naming the preset and
+the step, when a step's training loss is not finite (after printing the table and the JSON).
 
 Columns (the JSON file has these and more, with units in the names; see `bench_preset`):
   params         trainable parameters (the puzzle-embedding table, a SignSGD buffer, not counted)
@@ -43,6 +45,9 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
                  batch split over the slice's hosts
   host/peak      host ms / dev@peak ms (cpu/peak: cpu ms / dev@peak ms): above 1 the host, not
                  the TPU, limits the step rate
+  loss           training loss of the last timed step as train.py logs it (lm_loss + 0.5 q_halt_loss
+                 per example; random tokens, so only its finiteness means something); every
+                 step's in the JSON. Read after the step's timing, from the value the barrier reads
 
 (*) After each step the script reads an output of the step (not counted as a transfer) and
 waits until the process's other threads are idle (`settle`), so the next step starts on an idle
@@ -56,17 +61,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import numpy as np
 import tyro
 
 import data
+import report
 import train
 import trainer as trainer_module  # `trainer` names the Trainer instance below
 from model import TRM, TRMConfig, swiglu_width
@@ -81,19 +88,19 @@ class BenchConfig:
     """Presets to measure, each at its real model size."""
     slice: str = "v4-64"
     """TPU slice of the projection: v4-N (N TensorCores, N/2 chips), v5e-N or v6e-N (N chips)."""
-    batch: Optional[int] = None
+    batch: int | None = None
     """Global batch of the measured steps (default: one row per device, 8 on the CPU mesh)."""
     steps: int = 5
     """Timed training steps per preset (medians are reported)."""
     warmup: int = 2
     """Untimed steps before them (the first compiles)."""
-    json: Optional[str] = None
+    json: str | None = None
     """Also write the records to this JSON file."""
     flops_only: bool = False
     """Print the FLOP and projection columns only; start no runtime, measure nothing."""
     tiny: bool = False
     """Replace each preset's model by a tiny one (hidden 32, 2+2 cycles) for a quick check."""
-    forward_dtype: Optional[Literal["bfloat16", "float32", "float16"]] = None
+    forward_dtype: Literal["bfloat16", "float32", "float16"] | None = None
     """Override the activation dtype of the measured model (the presets use bfloat16)."""
     data_batches: int = 50
     """Global batches of 768 read to measure the data rate (repeated 3 times)."""
@@ -326,6 +333,13 @@ def _device_time_ns() -> tuple[int, int]:
     return 0, 0
 
 
+def step_loss(metrics: np.ndarray, batch: int) -> float:
+    """The training loss train.py logs (lm_loss + 0.5 q_halt_loss per example) of one step's
+    metric vector."""
+    row = report.summarize(trainer_module.TRAIN_METRICS, metrics, 1, batch)
+    return row["lm_loss"] + 0.5 * row["q_halt_loss"]
+
+
 def measure_training(config: train.Config, dataset: data.Dataset, sharding, batch: int, warmup: int,
                      steps: int, on_cpu: bool) -> dict:
     """Run warmup + timed training steps as train.main drives them; per-step times and counters."""
@@ -349,6 +363,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         return batch
 
     prefetched = train.PrefetchedBatches(load, 1, warmup + steps)  # as train.main reads batches
+    # The preset's learning rates after warmup (graph inputs: their values change no timing).
+    lr, puzzle_emb_lr = config.optim.lr, config.optim.puzzle_emb_lr
     window_sums = torch.zeros(len(trainer_module.TRAIN_METRICS)).to(trainer.device)
     samples, clock = [], StepThreadsClock()
     for step in range(1, warmup + steps + 1):
@@ -359,7 +375,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         h0, p0, t0 = clock.ns(), time.process_time(), time.perf_counter()
         global_batch = prefetched.get(step)
         t2 = time.perf_counter()
-        window_sums = window_sums + trainer.step(global_batch, 1e-4, 1e-4)
+        metrics = trainer.step(global_batch, lr, puzzle_emb_lr)
+        window_sums = window_sums + metrics  # as train.main sums a logging window
         c3, t3 = time.thread_time(), time.perf_counter()
         torch_xla.sync()
         c4, t4 = time.thread_time(), time.perf_counter()
@@ -367,7 +384,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         executions_at_return = _device_time_ns()[0]
         after = sharding.xla_counters()
         b0 = time.perf_counter()
-        window_sums.cpu()  # an output of the step: ready once the step has run on the device
+        values = metrics.cpu().numpy()  # an output of the step: ready once the step has run on the device
         xm.wait_device_ops()
         barrier_ms = (time.perf_counter() - b0) * 1e3
         device_after = _device_time_ns()
@@ -389,6 +406,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
             "compiles": after["compiles"] - before["compiles"],
             "transfers": after["transfers"] - before["transfers"],
             "fallbacks": sum(after["fallbacks"].values()) - sum(before["fallbacks"].values()),
+            "loss": step_loss(values, batch),
         })
     prefetched.close()
     counters_end = sharding.xla_counters()
@@ -423,7 +441,10 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         "aten_fallbacks": fallbacks,
         "aten_fallbacks_per_step": sum(s["fallbacks"] for s in timed) / len(timed),
         "transfers_from_device_per_step": sum(s["transfers"] for s in timed) / len(timed),
-        "steps": [dict({k: round(v, 3) if isinstance(v, float) else v for k, v in s.items()}, warmup=i < warmup)
+        "loss": timed[-1]["loss"],
+        "loss_samples": [s["loss"] for s in timed],
+        "steps": [dict({k: round(v, 3) if isinstance(v, float) and k != "loss" else v for k, v in s.items()},
+                       warmup=i < warmup)
                   for i, s in enumerate(samples)],
     }
 
@@ -496,6 +517,7 @@ COLUMNS = [  # (header, format of a record)
     ("rows/s/host", lambda r: f"{r['data_rows_per_s_per_host']:,.0f}"),
     ("host/peak", lambda r: f"{r['host_to_projected_device_ratio']:.1f}"),
     ("cpu/peak", lambda r: f"{r['host_cpu_to_projected_device_ratio']:.1f}"),
+    ("loss", lambda r: f"{r['loss']:.4f}"),
 ]
 
 
@@ -512,6 +534,24 @@ def format_table(records: list[dict]) -> str:
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]
     return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:])
+
+
+class NonFiniteLoss(ValueError):
+    pass
+
+
+def check_losses(records: list[dict]) -> None:
+    """NonFiniteLoss naming each preset and the first step (warmup steps counted) whose
+    training loss is NaN or infinite."""
+    problems = []
+    for record in records:
+        for number, step in enumerate(record.get("steps", []), start=1):
+            if not math.isfinite(step["loss"]):
+                problems.append(f"{record['preset']} at step {number} of {len(record['steps'])} "
+                                f"({record['warmup_steps']} warmup): loss {step['loss']}")
+                break
+    if problems:
+        raise NonFiniteLoss("the training loss is not finite: " + "; ".join(problems))
 
 
 def check_args(args: BenchConfig) -> SliceSpec:
@@ -560,16 +600,21 @@ def run(args: BenchConfig) -> dict:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         say(f"wrote {args.json}")
+    check_losses(records)  # after the table and the JSON, which show every step's loss
     return result
 
 
-if __name__ == "__main__":
-    bench_args = tyro.cli(BenchConfig, description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> dict:
+    bench_args = tyro.cli(BenchConfig, args=argv, description=__doc__.split("\n\n")[0])
     try:
         check_args(bench_args)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     try:
-        run(bench_args)
-    except train.ConfigError as e:  # e.g. a --batch that does not divide over the devices
+        return run(bench_args)
+    except (train.ConfigError, NonFiniteLoss) as e:  # ConfigError: e.g. a --batch that does not divide
         raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -107,3 +107,93 @@ def arc_files(directory):
         with open(f"{prefix}_{name}.json", "w") as f:
             json.dump(content, f)
     return prefix
+
+
+def _maze_30x30(rng):
+    """(question, answer) of one 30x30 maze: a random spanning tree carved on the odd cells
+    (so the path from S to G is unique), plus a few knocked-out walls (loops, as in Maze-Hard);
+    the answer marks a shortest S-G path with 'o'."""
+    side, cells = 30, 14  # cells at odd coordinates 1..27; row and column 29 stay wall
+    grid = np.full((side, side), "#")
+    seen = np.zeros((cells, cells), bool)
+    stack = [(int(rng.integers(cells)), int(rng.integers(cells)))]
+    seen[stack[0]] = True
+    grid[2 * stack[0][0] + 1, 2 * stack[0][1] + 1] = " "
+    while stack:
+        r, c = stack[-1]
+        options = [(r + dr, c + dc) for dr, dc in ((0, 1), (1, 0), (0, -1), (-1, 0))
+                   if 0 <= r + dr < cells and 0 <= c + dc < cells and not seen[r + dr, c + dc]]
+        if not options:
+            stack.pop()
+            continue
+        nr, nc = options[int(rng.integers(len(options)))]
+        seen[nr, nc] = True
+        grid[r + nr + 1, c + nc + 1] = grid[2 * nr + 1, 2 * nc + 1] = " "
+        stack.append((nr, nc))
+    for _ in range(10):
+        r, c = int(rng.integers(1, side - 2)), int(rng.integers(1, side - 2))
+        if (r + c) % 2:  # a wall between two cells
+            grid[r, c] = " "
+    open_cells = np.argwhere(grid == " ")
+    start, goal = (tuple(open_cells[i]) for i in rng.choice(len(open_cells), 2, replace=False))
+    previous = {start: None}
+    queue = [start]
+    for cell in queue:  # breadth-first search
+        for dr, dc in ((0, 1), (1, 0), (0, -1), (-1, 0)):
+            step = (cell[0] + dr, cell[1] + dc)
+            if grid[step] == " " and step not in previous:
+                previous[step] = cell
+                queue.append(step)
+    question = grid.copy()
+    question[start], question[goal] = "S", "G"
+    answer = question.copy()
+    cell = previous[goal]
+    while cell != start:
+        answer[cell] = "o"
+        cell = previous[cell]
+    return "".join(question.ravel()), "".join(answer.ravel())
+
+
+def maze_30x30_csv(path, count, seed):
+    """A Maze-Hard-like CSV of ``count`` 30x30 mazes (seq_len 900, as the maze preset needs)."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["source", "question", "answer", "rating"])
+        for i in range(count):
+            writer.writerow(["test", *_maze_30x30(rng), i])
+    return path
+
+
+# Rules of hand-made ARC tasks, each mapping an input grid to its output.
+ARC_RULES = {
+    "flip": np.fliplr,
+    "transpose": lambda g: g.T,
+    "recolour": lambda g: np.where(g == 1, 2, np.where(g == 2, 1, g)),
+    "upscale": lambda g: np.kron(g, np.ones((2, 2), g.dtype)),
+    "border": lambda g: np.pad(g, 1, constant_values=5),
+}
+
+
+def arc_rule_files(directory, seed, training=("flip", "recolour", "upscale"), evaluation=("transpose", "border")):
+    """Kaggle-layout ARC files with one task per rule (3 train pairs and 1 test pair of random
+    grids of 2..8 cells a side; training tasks include their test output, evaluation tasks have
+    it in their solutions file). Returns the --input-prefix of build_data.py build-arc."""
+    rng = np.random.default_rng(seed)
+    prefix = os.path.join(directory, "arc")
+
+    def pair():
+        grid = rng.integers(0, 4, size=tuple(rng.integers(2, 9, size=2)))
+        return {"input": grid.tolist(), "output": ARC_RULES[rule](grid).tolist()}
+
+    for subset, rules in (("training", training), ("evaluation", evaluation)):
+        challenges, solutions = {}, {}
+        for rule in rules:
+            name = f"{subset}_{rule}"
+            tests = [pair()]
+            challenges[name] = {"train": [pair() for _ in range(3)], "test": [{"input": t["input"]} for t in tests]}
+            solutions[name] = [t["output"] for t in tests]
+        for kind, content in (("challenges", challenges), ("solutions", solutions)):
+            with open(f"{prefix}_{subset}_{kind}.json", "w") as f:
+                json.dump(content, f)
+    return prefix

@@ -2,6 +2,7 @@
 of tiny presets on the virtual CPU mesh whose JSON has every field."""
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,10 +24,12 @@ PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_FIELDS = [
     "preset", "parameters", "train_gflop_per_example", "eval_gflop_per_example", "global_batch_size",
     "slice", "slice_chips", "peak_tflops_per_chip", "projected_device_ms_per_train_step",
-    "projected_device_ms_per_eval_step", "host_ms_per_step", "host_cpu_ms_per_step", "process_cpu_ms_per_step", "data_ms_per_step",
+    "projected_device_ms_per_eval_step", "host_ms_per_step", "host_cpu_ms_per_step", "process_cpu_ms_per_step",
+    "data_ms_per_step",
     "trace_ms_per_step", "sync_ms_per_step", "device_ms_per_step", "compiles", "compile_s",
     "compiles_in_timed_steps", "aten_fallbacks", "aten_fallbacks_per_step", "transfers_from_device_per_step",
     "data_rows_per_s_per_host", "host_to_projected_device_ratio", "host_cpu_to_projected_device_ratio",
+    "loss", "loss_samples",
 ]
 
 
@@ -121,7 +124,10 @@ def test_bench_runs_tiny_presets_on_the_cpu_mesh(tmp_path):
         assert record["compiles"] >= 1 and record["compiles_in_timed_steps"] == 0  # one graph per step
         assert record["aten_fallbacks_per_step"] == 0 and record["transfers_from_device_per_step"] == 0
         assert record["executions_per_step"] == 1
+        assert len(record["loss_samples"]) == 2 and record["loss"] == record["loss_samples"][-1]
+        assert all(math.isfinite(step["loss"]) and step["loss"] > 0 for step in record["steps"])
     assert "host/peak" in proc.stdout and "sudoku-att" in proc.stdout
+    assert proc.stdout.split("\n-")[0].split()[-1] == "loss"  # the table's last column
 
 
 def test_bench_times_the_retraced_step_too(tmp_path):
@@ -133,3 +139,25 @@ def test_bench_times_the_retraced_step_too(tmp_path):
     assert record["host_ms_per_step"] > 0 and record["trace_ms_per_step"] > 0
     assert record["compiles_in_timed_steps"] == 0 and record["transfers_from_device_per_step"] == 0
     assert json.loads((tmp_path / "bench.json").read_text())["records"][0]["preset"] == "sudoku-mlp"
+
+
+def test_bench_fails_naming_the_preset_and_step_whose_loss_is_not_finite(tmp_path, monkeypatch, capsys):
+    """A NaN in the metrics of the first timed step (step 3 after 2 warmup steps): the table and
+    the JSON still come out, then bench.py exits non-zero naming the preset and the step."""
+    real_step, calls = train.Trainer.step, []
+
+    def nan_at_step_3(self, batch, lr, puzzle_emb_lr):
+        calls.append(lr)
+        metrics = real_step(self, batch, lr, puzzle_emb_lr)
+        return metrics * float("nan") if len(calls) == 3 else metrics
+
+    monkeypatch.setattr(train.Trainer, "step", nan_at_step_3)
+    out = tmp_path / "bench.json"
+    with pytest.raises(SystemExit, match=r"error: the training loss is not finite: sudoku-mlp at step 3 of 4 "
+                                         r"\(2 warmup\): loss nan"):
+        bench.main(["--tiny", "--presets", "sudoku-mlp", "--steps", "2", "--warmup", "2", "--data-batches", "2",
+                    "--json", str(out)])
+    assert calls == [train.PRESETS["sudoku-mlp"][1].optim.lr] * 4  # the preset's lr after warmup
+    losses = [s["loss"] for s in json.loads(out.read_text())["records"][0]["steps"]]
+    assert math.isnan(losses[2]) and all(math.isfinite(loss) for i, loss in enumerate(losses) if i != 2)
+    assert f"wrote {out}" in capsys.readouterr().out
