@@ -122,7 +122,7 @@ def _input_spec(mesh: xs.Mesh, ndim: int) -> xs.ShardingSpec:
     return xs.ShardingSpec(mesh, _batch_spec(ndim), minibatch=True)
 
 
-def host_batch_to_global(host_batch: dict[str, np.ndarray], mesh: xs.Mesh) -> dict[str, torch.Tensor]:
+def host_batch_to_global(host_batch: dict[str, np.ndarray | torch.Tensor], mesh: xs.Mesh) -> dict[str, torch.Tensor]:
     """Each host's rows → one global XLA tensor per key, batch-sharded over all devices.
 
     This host's array holds its contiguous slice of the global batch (host p of P holds rows
@@ -137,7 +137,9 @@ def host_batch_to_global(host_batch: dict[str, np.ndarray], mesh: xs.Mesh) -> di
         if array.shape[0] % local_devices:
             raise ValueError(f"host batch of {key!r} has {array.shape[0]} rows, not divisible by "
                              f"this host's {local_devices} devices")
-        cpu_tensor = torch.from_numpy(np.ascontiguousarray(array))
+        # CPU torch tensors as they are: numpy has no bfloat16 (a restored bf16 carry)
+        cpu_tensor = (array.contiguous() if isinstance(array, torch.Tensor)
+                      else torch.from_numpy(np.ascontiguousarray(array)))
         tensors.append(cpu_tensor)
         shardings.append(_input_spec(mesh, array.ndim).xla_spec(cpu_tensor))
     on_device = torch_xla._XLAC._xla_tensors_from_aten(tensors, [str(device())] * len(tensors), shardings)

@@ -67,7 +67,7 @@ class Trainer:
         for tensor in self.named_state().values():
             sharding.replicate(tensor, mesh)
         if "carry/rng_counter" in restore:
-            host_rows = {k.removeprefix("carry/"): v.numpy() for k, v in restore.items()
+            host_rows = {k.removeprefix("carry/"): v for k, v in restore.items()
                          if k.startswith("carry/") and v.ndim}
             restored = self.sharding.host_batch_to_global(host_rows, mesh)
             restored["rng_counter"] = sharding.replicate(restore["carry/rng_counter"].to(self.device), mesh)
