@@ -289,15 +289,16 @@ def resumable_fields() -> set[str]:
             for f in dataclasses.fields(getattr(defaults, section.name)) if f.metadata.get("resumable")}
 
 
-def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+def config_differences(saved: dict, current: dict, prefix: str = "", may_change: set[str] | None = None) -> list[str]:
     """Fields (dotted) whose values differ, leaving out those that may change on resume."""
+    may_change = resumable_fields() if may_change is None else may_change
     out = []
     for key in sorted(set(saved) | set(current)):
         name = f"{prefix}{key}"
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += config_differences(a, b, name + ".")
-        elif a != b and name not in resumable_fields():
+            out += config_differences(a, b, name + ".", may_change)
+        elif a != b and name not in may_change:
             out.append(f"{name}: {a!r} in the run directory, {b!r} now")
     return out
 
