@@ -4,7 +4,8 @@
     read_bytes(url) -> bytes          write_bytes(url, payload)        exists(url) -> bool
     write_file(url, write)            write(f) fills the file's binary handle (e.g. np.save)
     upload_dir(local_dir, url)        copy every file under a local directory, whole files
-    with_retries(what, url, fn)       fn() with retries; what the functions above use
+    with_retries(what, url, fn)       fn() with retries; what the functions above use (they take its
+                                      attempts= and budget_s= too: attempts=1 for best effort)
     read_json(url, what, error)       one attempt: FileNotFoundError passes, for the caller to
                                       explain what is missing
     access_errors(url, error)         context manager: credential, permission and network
@@ -13,15 +14,26 @@
 
 Writes create missing local parent directories (object stores have none). Retried operations
 retry everything but permanent errors (missing files, permissions, bad values) with exponential
-backoff and raise StorageError naming the operation, the URL and the cause. An emulator named by
-STORAGE_EMULATOR_HOST is reached anonymously; real GCS uses the default credentials.
+backoff and raise StorageError naming the operation, the URL and the cause.
 
-This module imports fsspec and the standard library only.
+Every failure takes bounded time, so that a lasting outage stops a run instead of hanging it:
+- one request to GCS gives up when connecting or waiting for an answer takes REQUEST_TIMEOUT_S
+  (gcsfs sets no timeout: a server that accepts connections and never answers would hang a read
+  or write forever); gcsfs itself tries each request 6 times with 1-17 s pauses, so one attempt
+  of ours fails in ~35 s when the server refuses connections and in ~155 s when it is silent;
+- with_retries starts no new attempt RETRY_BUDGET_S after its first: a lasting outage fails in
+  2-3 minutes, a shorter one (a 45 s blip) is ridden out.
+Not bounded: a large upload stuck mid-body (the peer's TCP window stays closed) waits on TCP.
+
+An emulator named by STORAGE_EMULATOR_HOST is reached anonymously; real GCS uses the default
+credentials. This module imports fsspec and the standard library only (and aiohttp, which gcsfs
+needs anyway, when it opens a gs:// URL).
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -36,15 +48,45 @@ class StorageError(OSError):
 # Errors that another attempt cannot fix.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError)
 
+REQUEST_TIMEOUT_S = 20.0
+"""A GCS request fails (and gcsfs retries it) when connecting, or waiting for the next bytes of
+the answer, takes longer: a healthy GCS answers in well under a second. Whole-object downloads
+are not limited in total (datasets can be large), only in silence."""
+RETRY_BUDGET_S = 120.0
+"""with_retries starts no new attempt this many seconds after its first."""
+RETRY_MAX_DELAY_S = 15.0
+"""with_retries' pause between attempts doubles from first_delay up to this."""
+
+# What with_retries waits with and measures time by (tests replace them).
+_sleep, _clock = time.sleep, time.monotonic
+
 
 def filesystem(url: str):
     """(fsspec file system, path inside it) for a URL or local path."""
     options = {}
     protocol = url.split("://", 1)[0] if "://" in url else "file"
-    if protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
-        # The emulator accepts no real credentials; real GCS uses the default credentials.
-        options["token"] = "anon"
+    if protocol in ("gs", "gcs"):
+        import aiohttp  # gcsfs's HTTP client
+
+        # Passed to every aiohttp request gcsfs makes (its default, None, waits forever).
+        options["requests_timeout"] = aiohttp.ClientTimeout(
+            total=None, sock_connect=REQUEST_TIMEOUT_S, sock_read=REQUEST_TIMEOUT_S)
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            # The emulator accepts no real credentials; real GCS uses the default credentials.
+            options["token"] = "anon"
     return fsspec.core.url_to_fs(url, **options)
+
+
+class _DropReraised(logging.Filter):
+    """gcsfs logs a full traceback for every request it gives up on, then raises the error to us,
+    which report it once (with_retries): drop those log records, keep the rest."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        return not ("out of retries on exception" in message or "non-retriable exception" in message)
+
+
+logging.getLogger("gcsfs").addFilter(_DropReraised())
 
 
 def is_local(fs) -> bool:
@@ -77,7 +119,7 @@ def _diagnosis(exc: BaseException) -> tuple[str, str] | None:
         return ("access denied",
                 "Give the account you run as roles/storage.objectViewer on the bucket "
                 "(objectAdmin to write), or check the bucket name")
-    if any(m.startswith("aiohttp") for m in modules) \
+    if any(m.startswith(("aiohttp", "fsspec.exceptions")) for m in modules) \
             or isinstance(exc, (ConnectionError, TimeoutError)):
         return ("the storage service cannot be reached",
                 "Check the network, the bucket name, and STORAGE_EMULATOR_HOST if you use an "
@@ -112,45 +154,60 @@ def access_errors(url: str, error: type[Exception] = StorageError) -> Iterator[N
 # Retried operations
 # --------------------------------------------------------------------------------------------
 
-def with_retries(what: str, url: str, fn: Callable, attempts: int = 6, first_delay: float = 0.5):
-    """Run fn(); retry transient storage errors with exponential backoff. A permanent error
-    (or the last attempt) raises StorageError naming the URL and the cause, and for
-    credential, permission and connection failures what to do."""
-    delay = first_delay
+def with_retries(what: str, url: str, fn: Callable, attempts: int = 10, first_delay: float = 0.5,
+                 budget_s: float | None = None):
+    """Run fn(); retry transient storage errors with exponential backoff (first_delay doubling up
+    to RETRY_MAX_DELAY_S), at most `attempts` times and starting no attempt later than
+    `budget_s` (default RETRY_BUDGET_S) after the first. A permanent error, or the last attempt,
+    raises StorageError naming the URL and the cause, and for credential, permission and
+    connection failures what to do. An attempt under way is bounded by the request timeouts
+    (REQUEST_TIMEOUT_S and gcsfs's own retries), not by the budget."""
+    budget = RETRY_BUDGET_S if budget_s is None else budget_s
+    started, delay = _clock(), first_delay
     for attempt in range(1, attempts + 1):
         try:
             return fn()
         except _PERMANENT as e:
             raise StorageError(_failure(f"{what} {url} failed", e)) from e
         except Exception as e:  # network, 5xx, 429: worth another try
-            if attempt == attempts:
-                raise StorageError(_failure(f"{what} {url} failed after {attempts} attempts", e)) from e
-            print(f"warning: {what} {url} failed ({type(e).__name__}: {e}); retrying in {delay:.1f}s",
-                  flush=True)
-            time.sleep(delay)
-            delay *= 2
+            elapsed = _clock() - started
+            if attempt == attempts or elapsed + delay > budget:
+                tried = f"{attempt} attempt{'s' if attempt > 1 else ''}"
+                raise StorageError(_failure(f"{what} {url} failed after {tried}", e)
+                                   + f" (gave up {elapsed:.0f}s after the first attempt)") from e
+            print(f"warning: {what} {url} failed ({type(e).__name__}: {_detail(e)}); "
+                  f"retrying in {delay:.1f}s", flush=True)
+            _sleep(delay)
+            delay = min(2 * delay, RETRY_MAX_DELAY_S)
+
+
+def _detail(exc: BaseException) -> str:
+    if not str(exc) and "Timeout" in type(exc).__name__:  # fsspec's and asyncio's say nothing
+        return f"no answer within {REQUEST_TIMEOUT_S:.0f}s"
+    return str(exc)
 
 
 def _failure(context: str, exc: BaseException) -> str:
-    message = f"{context}: {type(exc).__name__}: {exc}"
+    message = f"{context}: {type(exc).__name__}: {_detail(exc)}"
     diagnosis = _diagnosis(exc)
     return message if diagnosis is None else f"{message}; {diagnosis[0]}. {diagnosis[1]}"
 
 
-def write_file(url: str, write: Callable) -> None:
+def write_file(url: str, write: Callable, **retry) -> None:
     """Create or replace the file at ``url`` (local parent directories included) and call
-    ``write(f)`` with its binary handle; retried from the start on a transient failure."""
+    ``write(f)`` with its binary handle; retried from the start on a transient failure
+    (``retry``: with_retries' attempts= and budget_s=)."""
     def attempt():
         fs, path = filesystem(url)
         if is_local(fs):  # object stores have no directories to create
             os.makedirs(os.path.dirname(path), exist_ok=True)
         with fs.open(path, "wb") as f:
             write(f)
-    with_retries("writing", url, attempt)
+    with_retries("writing", url, attempt, **retry)
 
 
-def write_bytes(url: str, payload: bytes) -> None:
-    write_file(url, lambda f: f.write(payload))
+def write_bytes(url: str, payload: bytes, **retry) -> None:
+    write_file(url, lambda f: f.write(payload), **retry)
 
 
 def read_bytes(url: str) -> bytes:
@@ -166,15 +223,16 @@ def exists(url: str) -> bool:
     return with_retries("checking", url, lambda: fs.exists(path))
 
 
-def upload_dir(local_dir: str, url: str) -> int:
+def upload_dir(local_dir: str, url: str, **retry) -> int:
     """Copy every file under ``local_dir`` (subdirectories included) to the same relative path
-    under ``url``, whole files, each with write_bytes. Returns the number of files copied."""
+    under ``url``, whole files, each with write_bytes (``retry``: its attempts= and budget_s=);
+    the first file that fails stops the copy. Returns the number of files copied."""
     copied = 0
     for root, _, files in os.walk(local_dir):
         for name in sorted(files):
             relative = os.path.relpath(os.path.join(root, name), local_dir)
             with open(os.path.join(root, name), "rb") as f:
-                write_bytes(join_url(url, *relative.split(os.sep)), f.read())
+                write_bytes(join_url(url, *relative.split(os.sep)), f.read(), **retry)
             copied += 1
     return copied
 
