@@ -3,7 +3,9 @@ directory, and the history that train.main returns.
 
 Metric sums stay on the device during a window of steps and are read by one background
 thread, in order, so the step loop never waits for a device value. The reader also watches
-for a non-finite loss (`RunLog.nonfinite`), which the loop turns into a stop.
+for a non-finite loss (`RunLog.nonfinite`), which the loop turns into a stop. Copies of the
+TensorBoard files to a remote run directory are best effort, on a thread of their own: storage
+trouble costs a warning and never holds the loop or the metrics (`Uploads`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import json
 import math
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,10 +40,62 @@ def summarize(names, values: np.ndarray, steps: int, global_batch_size: int) -> 
             for k, v in sums.items()}
 
 
+class Uploads:
+    """Best-effort copies of a local directory to a URL (storage.upload_dir, whole files) on a
+    daemon thread: `request()` asks for a copy of the directory as it is now; requests made
+    while a copy runs are served by one more copy. A failed copy prints one warning (and nothing
+    more until a copy succeeds again) and is retried at the next request, so a later copy
+    catches up; each copy is a single attempt (storage's request timeouts bound it)."""
+
+    def __init__(self, local: str, remote: str, what: str):
+        self.local, self.remote, self.what = local, remote, what
+        self.failing = False  # the last copy failed
+        self._changed = threading.Condition()
+        self._requested = self._finished = 0  # requests made / served by a finished copy
+        threading.Thread(target=self._run, daemon=True, name="trm-uploads").start()
+
+    def request(self) -> int:
+        """Ask for a copy; returns its number, for `wait`."""
+        with self._changed:
+            self._requested += 1
+            self._changed.notify_all()
+            return self._requested
+
+    def wait(self, number: int, timeout_s: float) -> bool:
+        """Whether copy `number` (or a later one) finished, successfully or not, within timeout_s."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._finished >= number, timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._requested > self._finished)
+                number = self._requested
+            try:
+                storage.upload_dir(self.local, self.remote, attempts=1)
+            except Exception as e:  # noqa: BLE001 - best effort: reported once, retried next time
+                if not self.failing:
+                    print(f"warning: copying the {self.what} to {self.remote} failed ({e}); training goes on, "
+                          "and each later report tries again (no further warnings until one succeeds)",
+                          flush=True)
+                self.failing = True
+            else:
+                if self.failing:
+                    print(f"the {self.what} in {self.remote} are up to date again", flush=True)
+                self.failing = False
+            with self._changed:
+                self._finished = number
+                self._changed.notify_all()
+
+
 class RunLog:
     """Progress lines (process 0), TensorBoard scalars under {run_dir}/tb (process 0) and the
     returned history. Device values are read on one background thread, in order, so the step
-    loop never waits for them."""
+    loop never waits for them; the event files are copied to a remote run directory by
+    `Uploads`, which never hold the reader."""
+
+    CLOSE_TIMEOUT_S = 30.0
+    """close() waits at most this long for the last copy of the event files."""
 
     def __init__(self, config, total_steps: int, main_host: bool, sharding):
         """config: train.Config (read: run.dir, run.log_every, optim.global_batch_size)."""
@@ -58,6 +113,8 @@ class RunLog:
             self.tb_remote = storage.join_url(config.run.dir, "tb")
             self.tb_local = self.tb_remote if "://" not in config.run.dir else tempfile.mkdtemp(prefix="trm-tb-")
             self.tb = SummaryWriter(self.tb_local)
+            self.uploads = Uploads(self.tb_local, self.tb_remote, "TensorBoard logs") \
+                if self.tb_local != self.tb_remote else None
 
     def say(self, *parts) -> None:
         if self.main_host:
@@ -111,10 +168,10 @@ class RunLog:
             self.tb.add_scalar("xla/compiles", self.sharding.xla_counters()["compiles"], step)
             self._upload_tb()
 
-    def _upload_tb(self) -> None:
+    def _upload_tb(self) -> int:
+        """Flush the event files; for a remote run directory, ask for a copy (its number)."""
         self.tb.flush()
-        if self.tb_local != self.tb_remote:
-            storage.upload_dir(self.tb_local, self.tb_remote)
+        return self.uploads.request() if self.uploads else 0
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         self.evals.append(dict(result, step=step))
@@ -137,10 +194,18 @@ class RunLog:
         self.reader.submit(lambda: None).result()
 
     def close(self) -> None:
+        """Wait for the queued reads, then for the last copy of the event files, at most
+        CLOSE_TIMEOUT_S (a complete local copy stays behind when it does not finish)."""
         self.reader.shutdown(wait=True)
         if self.tb:
-            self._upload_tb()
             self.tb.close()
+            if self.uploads:
+                if not self.uploads.wait(self.uploads.request(), self.CLOSE_TIMEOUT_S):
+                    print(f"warning: the last copy of the TensorBoard logs to {self.tb_remote} did not finish "
+                          f"within {self.CLOSE_TIMEOUT_S:.0f}s; they are complete in {self.tb_local}", flush=True)
+                elif self.uploads.failing:
+                    print(f"warning: the TensorBoard logs in {self.tb_remote} miss the latest steps (the last "
+                          f"copy failed); they are complete in {self.tb_local}", flush=True)
 
 
 class Profile:
@@ -163,7 +228,11 @@ class Profile:
     def after_step(self, step: int) -> None:
         if self.on and step == self.last:
             self.sharding.stop_profile()
-            storage.upload_dir(self.local, self.remote)
+            try:  # best effort, one attempt: a profile is not worth stopping or stalling the run
+                storage.upload_dir(self.local, self.remote, attempts=1)
+            except storage.StorageError as e:
+                self.say(f"warning: the XLA profile stays in {self.local}: {e}")
+                return
             self.say(f"XLA profile of steps {self.first}-{self.last} written to {self.remote}/plugins/profile")
 
 
