@@ -14,7 +14,8 @@ With a dataset in the reference format (local path or gs://), a preset and any o
     python train.py arc1 --help          # every setting, with its preset value
 
 Relaunching the same command continues from the run directory's latest checkpoint; SIGTERM
-(a spot VM's preemption notice) saves one and exits 0. Other commands:
+(a spot VM's preemption notice) or Ctrl-C saves one and exits 0 (or 75 when that does not end
+within run.shutdown_timeout_s; a second signal exits at once). Other commands:
 
     python train.py export gs://BUCKET/runs/NAME --out gs://BUCKET/models/NAME.safetensors
     python train.py eval --init-from gs://BUCKET/runs/NAME --data.path gs://BUCKET/data/...
@@ -51,6 +52,9 @@ from report import Profile, RunLog, format_duration
 from trainer import Trainer
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+EXIT_RETRYABLE = 75
+"""Exit status (EX_TEMPFAIL) of a run that stopped unfinished for a reason a relaunch may cure
+(it resumes from the last committed checkpoint): launch.sh --retry relaunches it."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,6 +143,8 @@ class RunConfig:
     """Resume even though the run directory was created with a different configuration."""
     preempt_check_every: int = resumable(10)
     """On several hosts, agree every this many steps whether any host got SIGTERM."""
+    shutdown_timeout_s: float = resumable(90.0)
+    """After SIGTERM or Ctrl-C, exit with status 75 (relaunch resumes) if still running this long later."""
     compile_cache_dir: str = resumable("~/.cache/trm-xla")
     """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
     capture_step: bool = resumable(True)
@@ -407,7 +413,8 @@ def main(config: Config) -> dict:
     # 3. The periodic jobs; each decides for itself whether a step is its step.
     checkpoints = Checkpoints(config, trainer, log, identifiers, total_steps)
     evaluations = Evaluations(config, trainer, test_set, log, eval_steps)
-    preemption = Preemption(num_hosts, config.run.preempt_check_every, sharding)
+    preemption = Preemption(num_hosts, config.run.preempt_check_every, sharding,
+                            ShutdownDeadline(config.run.shutdown_timeout_s))
     profile = Profile(config, start_step + 10, sharding.is_main_process(), sharding, log.say)
 
     # 4. The loop. Nothing in it reads a device value: metric sums are read by a background
@@ -585,15 +592,108 @@ class Evaluations:
                                                                                    indent=2).encode())
 
 
-class Preemption:
-    """SIGTERM (a spot VM's notice) on any host stops every host at the same step: hosts agree
-    every run.preempt_check_every steps (every step on one host), and a non-finite loss seen by
-    any host is agreed on the same way."""
+class ShutdownDeadline:
+    """Ends the process in bounded time once asked to stop. While it watches (start() to
+    close()), the first SIGTERM or SIGINT starts a clock (whoever acts on the signal, e.g.
+    Preemption's save-and-stop, has `timeout_s`); when it runs out, a daemon thread prints where
+    the main thread is (its stack, the training step) and exits with EXIT_RETRYABLE. A second
+    signal exits at once with 128 + its number (130 Ctrl-C, 143 SIGTERM: stopped on demand).
 
-    def __init__(self, num_hosts: int, check_every: int, sharding):
+    Signals reach it through signal.set_wakeup_fd, which the interpreter writes to from its C
+    signal handler, so it works even while the main thread is stuck in native code (a hung
+    collective, an XLA call) and cannot run Python signal handlers. Only signals that have a
+    Python handler are seen: SIGINT always, SIGTERM while Preemption's is installed. A clock
+    already running keeps running after close()."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.first: str | None = None  # the signal that started the clock
+
+    def start(self) -> None:
+        import socket
+        import threading
+
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)  # set_wakeup_fd requires it
+        self._previous_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="trm-shutdown-deadline")
+        self._watcher.start()
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        self._write.send(b"\0")  # not a signal number: tells the watcher to stop
+        self._watcher.join()
+        self._read.close()
+        self._write.close()
+
+    def _watch(self) -> None:
+        import threading
+
+        while (signum := self._read.recv(1)[0]) != 0:
+            if signum not in (signal.SIGTERM, signal.SIGINT):
+                continue
+            name = signal.Signals(signum).name
+            if self.first is not None:
+                _say_now(f"second {name} (after {self.first}): exiting at once, without saving "
+                         f"(status {128 + signum})")
+                os._exit(128 + signum)
+            self.first = name
+            _say_now(f"{name}: stopping (saving a checkpoint first while training); if still running in "
+                     f"{self.timeout_s:.0f}s (run.shutdown_timeout_s), exiting with status {EXIT_RETRYABLE}; "
+                     f"another {name} exits at once")
+            threading.Thread(target=self._expire, daemon=True, name="trm-shutdown-expire").start()
+
+    def _expire(self) -> None:
+        import threading
+        import traceback
+
+        time.sleep(self.timeout_s)
+        frames = sys._current_frames()
+        main_frame = frames.get(threading.main_thread().ident)
+        step = "unknown"
+        frame = main_frame
+        while frame is not None:  # the training loop's step, if main() is on the stack
+            if frame.f_code is main.__code__:
+                step = frame.f_locals.get("step", "none yet")
+                break
+            frame = frame.f_back
+        lines = [f"error: still running {self.timeout_s:.0f}s after {self.first} (run.shutdown_timeout_s): "
+                 f"exiting with status {EXIT_RETRYABLE}; a relaunch resumes from the last committed checkpoint. "
+                 f"Training step: {step}. The main thread is at:"]
+        lines += traceback.format_stack(main_frame) if main_frame is not None else ["  (not found)\n"]
+        for thread in threading.enumerate():
+            frame = frames.get(thread.ident)
+            if thread is not threading.main_thread() and frame is not None \
+                    and not thread.name.startswith("trm-shutdown"):
+                stack = traceback.extract_stack(frame)
+                ours = [f for f in stack if f.filename.startswith(PROJECT_DIR)]  # where in this project
+                where = (ours or stack)[-1]
+                lines.append(f"thread {thread.name}: {os.path.basename(where.filename)}:{where.lineno} "
+                             f"in {where.name}\n")
+        _say_now("".join(line if line.endswith("\n") else line + "\n" for line in lines))
+        os._exit(EXIT_RETRYABLE)
+
+
+def _say_now(text: str) -> None:
+    """Write to stderr without Python's stream locks (which the stuck main thread may hold)."""
+    os.write(2, (text.rstrip("\n") + "\n").encode(errors="replace"))
+
+
+class Preemption:
+    """SIGTERM (a spot VM's notice) or Ctrl-C on any host stops every host at the same step:
+    hosts agree every run.preempt_check_every steps (every step on one host), and a non-finite
+    loss seen by any host is agreed on the same way. The stop must end within `deadline`'s time."""
+
+    def __init__(self, num_hosts: int, check_every: int, sharding, deadline: ShutdownDeadline | None = None):
         self.requested, self.sharding = False, sharding
         self.check_every = 1 if num_hosts == 1 else check_every
         self.previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Ctrl-C saves and stops like SIGTERM (a second one exits at once) instead of raising
+        # KeyboardInterrupt wherever the main thread happens to be.
+        self.previous_sigint = signal.signal(signal.SIGINT, self._on_sigterm)
+        self.deadline = deadline
+        if deadline:
+            deadline.start()
 
     def _on_sigterm(self, *_) -> None:
         self.requested = True
@@ -604,6 +704,9 @@ class Preemption:
 
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self.previous)
+        signal.signal(signal.SIGINT, self.previous_sigint)
+        if self.deadline:
+            self.deadline.close()
 
 
 def cli(argv: list[str] | None = None) -> Config:
