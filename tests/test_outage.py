@@ -256,7 +256,11 @@ def test_a_45s_outage_is_ridden_out(demo_path, tmp_path, emulator, trainings):
     run = trainings(demo_path, tmp_path, "gs://outage/run", "--optim.max-steps", "30", "--run.ckpt-every", "10")
     run.wait_for_line("step 3/")
     emulator.signal(signal.SIGSTOP)
-    time.sleep(45)
+    frozen = time.time()
+    # Progress lines go on while the copies of the event files hang (the save at step 10 too):
+    # the loop stops only at step 20, whose save waits for step 10's.
+    run.wait_for_line("step 20/30", timeout_s=40)
+    time.sleep(45 - (time.time() - frozen))
     emulator.signal(signal.SIGCONT)
     status, seconds = run.wait(timeout_s=300)
     out = "".join(run.stdout)
@@ -264,3 +268,11 @@ def test_a_45s_outage_is_ridden_out(demo_path, tmp_path, emulator, trainings):
     assert "done: 30 steps" in out
     assert checkpoint.list_checkpoints("gs://outage/run")[0][0] == 30
     assert storage.exists("gs://outage/run/checkpoints/step_00000030/COMMITTED")
+    # The copies of the event files caught up: every step's loss is in the bucket's copy.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fs, path = storage.filesystem("gs://outage/run/tb")
+    fs.get(path, str(tmp_path / "tb"), recursive=True)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 31))
