@@ -52,6 +52,7 @@ class Uploads:
         self.failing = False  # the last copy failed
         self._changed = threading.Condition()
         self._requested = self._finished = 0  # requests made / served by a finished copy
+        self._closed = False
         threading.Thread(target=self._run, daemon=True, name="trm-uploads").start()
 
     def request(self) -> int:
@@ -66,10 +67,18 @@ class Uploads:
         with self._changed:
             return self._changed.wait_for(lambda: self._finished >= number, timeout_s)
 
+    def close(self) -> None:
+        """The thread ends once the copies asked for are done (no new requests)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
     def _run(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._requested > self._finished)
+                self._changed.wait_for(lambda: self._requested > self._finished or self._closed)
+                if self._requested == self._finished:
+                    return
                 number = self._requested
             try:
                 storage.upload_dir(self.local, self.remote, attempts=1)
@@ -200,7 +209,9 @@ class RunLog:
         if self.tb:
             self.tb.close()
             if self.uploads:
-                if not self.uploads.wait(self.uploads.request(), self.CLOSE_TIMEOUT_S):
+                last = self.uploads.request()
+                self.uploads.close()
+                if not self.uploads.wait(last, self.CLOSE_TIMEOUT_S):
                     print(f"warning: the last copy of the TensorBoard logs to {self.tb_remote} did not finish "
                           f"within {self.CLOSE_TIMEOUT_S:.0f}s; they are complete in {self.tb_local}", flush=True)
                 elif self.uploads.failing:
