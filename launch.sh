@@ -326,11 +326,29 @@ require() {
     exit 2
   fi
   TPU_FLAGS=(--zone="$ZONE" --project="$PROJECT")
-  BUCKET=${BUCKET#gs://}
-  BUCKET=${BUCKET%/}
-  case $BUCKET in
-    *[!a-z0-9._-]*) usage_error "bucket '$BUCKET': a bucket name has only lowercase letters, digits, '-', '_' and '.'" ;;
+  bucket_name
+}
+
+# BUCKET (--bucket, TRM_BUCKET) as a bare bucket name: given as NAME or gs://NAME (a trailing /
+# allowed), NAME following Cloud Storage's rules. Anything else (gs://, gs:///x, gs://b/path,
+# My_Bucket) is refused before any gcloud call: it would make run directories like gs:///runs/RUN.
+bucket_name() {
+  local given=$BUCKET name part ok=1
+  [ -n "$given" ] || return 0
+  name=${given#gs://}
+  name=${name%/}
+  # Letters spelled out: [a-z] is not ASCII-only in every locale of an older bash (macOS's 3.2).
+  case $name in
+    *[!abcdefghijklmnopqrstuvwxyz0123456789._-]*|[!abcdefghijklmnopqrstuvwxyz0123456789]*) ok=0 ;;
+    *[!abcdefghijklmnopqrstuvwxyz0123456789]) ok=0 ;;
   esac
+  if [ ${#name} -lt 3 ] || [ ${#name} -gt 222 ]; then
+    ok=0
+  elif [ "$ok" = 1 ]; then   # over 63 characters only with dots, each dot-separated part at most 63
+    for part in ${name//./ }; do [ ${#part} -le 63 ] || ok=0; done
+  fi
+  [ "$ok" = 1 ] || usage_error "bucket '$given': expected --bucket NAME or --bucket gs://NAME (TRM_BUCKET likewise), NAME a bucket name: 3-63 characters (up to 222 with dots) of lowercase letters, digits, '-', '_' and '.', starting and ending with a letter or digit"
+  BUCKET=$name
 }
 
 runtime_version_for() {

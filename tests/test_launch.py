@@ -359,6 +359,19 @@ def test_train_argument_errors(pod):
     assert pod.calls() == []
 
 
+def test_a_malformed_bucket_is_refused_before_any_gcloud_call(pod):
+    for bad in ("gs://", "gs:///x", "gs://b/runs", "gs://My-Bucket", "ab", "-trm", "trm-"):
+        for args in (("train", "--bucket", bad, "r", "demo"), ("create", f"--bucket={bad}")):
+            err = pod.run(*args, expect=2).stderr
+            assert f"bucket '{bad}'" in err and "--bucket NAME or --bucket gs://NAME" in err, err
+            assert "3-63 characters" in err
+        assert f"bucket '{bad}'" in pod.run("tensorboard", TRM_BUCKET=bad, expect=2).stderr
+    assert pod.calls() == []
+    for good in ("gs://trm.bucket_1/", "trm.bucket_1"):   # NAME or gs://NAME, a trailing / allowed
+        err = pod.run("--dry-run", "train", "--bucket", good, "r", "demo").stderr
+        assert "--run.dir gs://trm.bucket_1/runs/r " in err
+
+
 def test_second_train_is_refused_while_one_runs_and_stop_sends_sigterm(pod):
     pod.ready()
     pod.run("train", "run-a", "demo", "--x", "1", STUB_PLAN="hang")
