@@ -69,9 +69,12 @@ if w == who:
     sys.exit(code)
 if then is None:
     wait_forever()
-while not os.path.exists(gone):
+# Once worker.sh on worker K has recorded its exit (the fake's homes are siblings; K's train.py of
+# this launch made `gone` after worker.sh removed the last launch's exit file), and a moment.
+exit_file = os.path.join(os.path.dirname(os.environ["FAKE_WORKER_HOME"]), who, "trm-state", "exit")
+while not (os.path.exists(gone) and os.path.exists(exit_file)):
     time.sleep(0.02)
-time.sleep(0.1)
+time.sleep(0.05)
 print(f"RuntimeError: gloo: connection to worker {who} closed by peer", flush=True)
 sys.exit(int(then))
 '''
