@@ -1086,9 +1086,16 @@ parse_args() {
         fi ;;
     esac
   done
-  case $POLL$MAX_RESTARTS$STOP_WAIT$LINES$PORT in
-    *[!0-9.]*) usage_error "--poll, --max-restarts, --wait, --lines and --port take numbers" ;;
+  case $POLL in
+    ''|.|*[!0-9.]*|*.*.*) usage_error "--poll takes a number of seconds (TRM_POLL_SECONDS), not '$POLL'" ;;
   esac
+  # Whole numbers: bash's arithmetic and [ -gt ] take no others (1.5 used to slip through and
+  # make --max-restarts never end the relaunches).
+  for val in "$MAX_RESTARTS" "$STOP_WAIT" "$LINES" "$PORT"; do
+    case $val in
+      ''|*[!0-9]*) usage_error "--max-restarts, --wait, --lines and --port (TRM_MAX_RESTARTS, TRM_STOP_WAIT) take whole numbers, not '$val'" ;;
+    esac
+  done
 }
 
 main() {

@@ -550,6 +550,10 @@ def test_retry_relaunches_when_train_py_exits_75(pod, plan):
 
 
 def test_retry_relaunches_at_most_max_restarts_times(pod):
+    for bad in ("1.5", "", "-1"):   # [ -gt ] fails on 1.5, and a failed test read as "not yet"
+        assert "whole numbers" in pod.run("train", "--retry", f"--max-restarts={bad}", "r", "demo", expect=2).stderr
+    assert "whole numbers" in pod.run("stop", "--wait", "0.5", expect=2).stderr
+    assert pod.calls() == []
     pod.ready()
     result = pod.run("train", "--retry", "--max-restarts", "1", "run-m", "demo", STUB_PLAN="exit75w1", expect=1)
     assert "exited 75 (a relaunch may help): relaunch 1 of at most 1" in result.stderr
