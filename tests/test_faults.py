@@ -205,3 +205,21 @@ def test_a_lost_host_makes_the_others_exit_75(demo_path, tmp_path):
     procs[1].wait()
     assert procs[0].returncode == 75, err[-3000:]
     assert "the connection to another host broke" in err
+
+
+def test_export_takes_the_newest_readable_checkpoint_and_says_which(trained_run, tmp_path):
+    run_dir = copy_of(trained_run, tmp_path)
+    for f in data_files(run_dir, 4):
+        f.write_bytes(b"")
+    export = [sys.executable, os.path.join(PROJECT_DIR, "train.py"), "export", str(run_dir)]
+    done = subprocess.run([*export, "--out", str(tmp_path / "model.safetensors")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "passing over unreadable checkpoint" in done.stdout and "step_00000004" in done.stdout
+    assert "exported the EMA weights of" in done.stdout and "step_00000002 (step 2)" in done.stdout
+
+    # Only saves that never committed: an error that says so (it was "IsADirectoryError").
+    for marker in run_dir.glob("checkpoints/step_*/COMMITTED"):
+        marker.unlink()
+    failed = subprocess.run([*export, "--out", str(tmp_path / "model2.safetensors")], capture_output=True, text=True)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert "no committed checkpoint in" in failed.stderr and "2 save(s) there did not finish" in failed.stderr

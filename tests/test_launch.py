@@ -496,7 +496,8 @@ def test_retry_recreates_a_preempted_tpu_and_relaunches_the_same_command(pod):
         assert (pod.home(w) / "trm-venv" / "trm-requirements.txt").exists()   # setup ran on the new VMs
 
 
-@pytest.mark.parametrize("plan, code, said", [("fail1", 3, "RuntimeError: boom"), ("exit1w1", 1, "ValueError: bad config")])
+@pytest.mark.parametrize("plan, code, said", [("fail1", 3, "RuntimeError: boom"),
+                                              ("exit1w1", 1, "ValueError: bad config")])
 def test_retry_stops_on_a_real_failure(pod, plan, code, said):
     pod.ready()
     result = pod.run("train", "--retry", "run-f", "demo", STUB_PLAN=plan, expect=1)
@@ -572,7 +573,8 @@ def test_retry_dry_run_prints_the_calls_of_its_watch_and_relaunch(pod):
     printed = dry_run_commands(dry.stdout)
     later = dry_run_commands("\n".join(line[len("#   "):] for line in dry.stdout.splitlines()
                                        if line.startswith("#   gcloud ")))
-    assert [c[4] for c in printed] == ["describe", "ssh", "ssh"] and [c[4] for c in later] == ["describe", "ssh", "ssh", "ssh"]
+    assert [c[4] for c in printed] == ["describe", "ssh", "ssh"]
+    assert [c[4] for c in later] == ["describe", "ssh", "ssh", "ssh"]
     describe, status, stop = later[:3]
     pod.run(*args, STUB_PLAN="exit75w1,0")
     made = pod.calls()
@@ -596,3 +598,64 @@ def test_retry_attaches_to_its_own_running_run(pod):
     assert watcher.returncode == 0, err
     assert "already running" in err and "was stopped" in err
     assert all(len(pod.launches(w)) == 1 for w in range(pod.workers))
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, demo_path, fault):
+    """The real train.py on two simulated workers (sharding.SIMULATED_SLICE_ENV): worker 1's
+    trainer is SIGKILLed (a lost VM) or SIGSTOPped (a hung host); worker 0 exits 75 (the broken
+    collective, or its watchdog), --retry relaunches both, and the run resumes and finishes."""
+    import checkpoint
+    import sharding
+
+    pod = Pod(tmp_path, workers=2)
+    try:
+        for source in PROJECT_DIR.glob("*.py"):
+            shutil.copy(source, pod.repo / source.name)  # the real trainer in place of the stub
+        pod.git("add", ".")
+        pod.commit()
+        python = tmp_path / "python-of-a-simulated-host"
+        python.write_text(f'#!/bin/sh\nexport {sharding.SIMULATED_SLICE_ENV}="$FAKE_WORKER_ID/2@tcp://127.0.0.1:{free_port()}"\n'
+                          f'exec {sys.executable} "$@"\n')
+        python.chmod(0o755)
+        pod.env.update(FAKE_PYTHON=str(python), CPU_NUM_DEVICES="8", TRM_POLL_SECONDS="1")
+        pod.ready()
+        run_dir = tmp_path / "run"
+        args = ["demo", "--run.device", "cpu", "--data.path", demo_path, "--run.dir", str(run_dir),
+                "--model.hidden-size", "32", "--model.puzzle-emb-ndim", "32", "--optim.global-batch-size", "32",
+                "--eval.every-epochs", "1000", "--run.log-every", "1", "--run.ckpt-every", "4",
+                "--run.preempt-check-every", "1", "--run.watchdog-minutes", "0.5", "--optim.max-steps", "40"]
+        watcher = subprocess.Popen(["bash", str(pod.repo / "launch.sh"), "train", "--retry", "run-r", *args],
+                                   env=pod.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        log = pod.home(1) / "trm-state" / "logs" / "run-r.log"
+        deadline = time.time() + 300
+        while time.time() < deadline and not (log.exists() and "step 9/" in
+                                              (pod.home(0) / "trm-state" / "logs" / "run-r.log").read_text()):
+            time.sleep(0.5)
+        pid = int((pod.home(1) / "trm-state" / "pid").read_text())
+        os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        out, err = watcher.communicate(timeout=900)
+        assert watcher.returncode == 0, f"{out}\n{err}"
+        assert "relaunch 1 of at most" in err and "run run-r finished" in err
+        first = (pod.home(0) / "trm-state" / "logs" / "run-r.log").read_text()
+        if fault == "hang":
+            assert "nothing completed for" in first
+        else:
+            assert "the connection to another host broke" in first
+        assert "exited with status 75" in first
+        assert "resuming from" in first and "done: 40 steps" in first
+        assert checkpoint.list_checkpoints(str(run_dir))[0][0] == 40
+    finally:
+        for pid in worker_pids(pod.root):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
