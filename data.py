@@ -129,6 +129,12 @@ class Metadata:
             raise DatasetError(f"{url}: seq_len, vocab_size and total_groups must be positive, "
                                f"found {values['seq_len']}, {values['vocab_size']}, "
                                f"{values['total_groups']}; rebuild the dataset.")
+        # Batches fill padding rows with these: they must be valid token and table rows.
+        for name, limit in (("pad_id", "vocab_size"), ("blank_identifier_id", "num_puzzle_identifiers")):
+            if values[name] >= values[limit]:
+                raise DatasetError(f"{url}: {name} {values[name]} is outside 0..{values[limit] - 1} "
+                                   f"({limit} {values[limit]}); rebuild the dataset, or correct "
+                                   f"{name} or {limit} in this file if the arrays are right.")
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -308,8 +314,9 @@ def open_dataset(url: str, split: str, cache_dir: str | None = None) -> Dataset:
                    downloaded_bytes=downloaded)
 
 
-def _check_arrays(arrays: dict, metadata: Metadata, split_url: str) -> None:
-    """Raise DatasetError unless the arrays have the shapes dataset.json and each other imply."""
+def _check_arrays(arrays: dict, metadata: Metadata, split_url: str, values: bool = True) -> None:
+    """Raise DatasetError unless the arrays have the shapes dataset.json and each other imply
+    and (``values``) hold only valid tokens, labels and puzzle identifiers (_check_values)."""
     def fail(name, problem):
         raise DatasetError(f"{join_url(split_url, f'{metadata.sets[0]}__{name}.npy')} {problem}. "
                            "The dataset is inconsistent: rebuild or re-upload it.")
@@ -339,10 +346,45 @@ def _check_arrays(arrays: dict, metadata: Metadata, split_url: str) -> None:
     if len(identifiers) != num_puzzles:
         fail("puzzle_identifiers", f"has length {len(identifiers)}, expected {num_puzzles} "
                                    "(one per puzzle)")
-    if len(identifiers) and (identifiers.min() < 0
-                             or identifiers.max() >= metadata.num_puzzle_identifiers):
-        fail("puzzle_identifiers", f"holds values outside 0..{metadata.num_puzzle_identifiers - 1}"
-                                   " (num_puzzle_identifiers of dataset.json)")
+    if values:
+        _check_values(arrays, metadata, split_url)
+
+
+# Rows per chunk of the value checks: about 64 MB of a [rows, seq_len] array at a time.
+_CHECK_CHUNK_BYTES = 64 << 20
+
+
+def _check_values(arrays: dict, metadata: Metadata, split_url: str) -> None:
+    """Raise DatasetError unless every token, label and puzzle identifier is a valid row of the
+    model's tables: inputs in [0, vocab_size), labels too or equal to ignore_label_id, puzzle
+    identifiers in [0, num_puzzle_identifiers). Reads the memory-mapped arrays in chunks (the
+    extremes of each chunk; positions are only searched for in a chunk that fails)."""
+    vocab, ignore = metadata.vocab_size, metadata.ignore_label_id
+    checks = (("inputs", vocab, None, "vocab_size", ""),
+              ("labels", vocab, ignore, "vocab_size",
+               f"; ignore_label_id {ignore} is allowed too" if ignore is not None else ""),
+              ("puzzle_identifiers", metadata.num_puzzle_identifiers, None, "num_puzzle_identifiers", ""))
+    for name, limit, allowed, field_name, also in checks:
+        array = arrays[name]
+        rows = max(1, _CHECK_CHUNK_BYTES // max(1, array[:1].nbytes))
+        for start in range(0, len(array), rows):
+            chunk = np.asarray(array[start:start + rows])
+            if chunk.size == 0 or (chunk.min() >= 0 and chunk.max() < limit):
+                continue
+            bad = (chunk < 0) | (chunk >= limit)
+            if allowed is not None:
+                bad &= chunk != allowed
+            if not bad.any():  # only the allowed ignore label lies outside
+                continue
+            position = np.unravel_index(int(np.argmax(bad)), bad.shape)
+            value = int(chunk[position])
+            where = (f"row {start + position[0]}, position {position[1]}" if chunk.ndim == 2
+                     else f"index {start + position[0]}")
+            raise DatasetError(
+                f"{join_url(split_url, f'{metadata.sets[0]}__{name}.npy')} holds the value {value} "
+                f"(first at {where}), outside 0..{limit - 1} ({field_name} {limit} in "
+                f"{join_url(split_url, 'dataset.json')}{also}). Rebuild the dataset, or correct "
+                f"{field_name} in dataset.json if the arrays are right.")
 
 
 def open_train_test(url: str, cache_dir: str | None = None) -> tuple[Dataset, Dataset]:
@@ -632,6 +674,7 @@ def write_split(url: str, split: str, metadata: Metadata, arrays: dict) -> None:
     dataset.json is written last, so a reader never finds a split with missing arrays.
     """
     split_url = join_url(url, split)
+    metadata = Metadata.from_dict(metadata.to_dict(), join_url(split_url, "dataset.json"))  # its values
     arrays = {name: np.asarray(arrays[name]) if name not in ("inputs", "labels") else arrays[name]
               for name in ARRAY_NAMES}
     for name in ("puzzle_identifiers", "puzzle_indices", "group_indices"):

@@ -1,5 +1,6 @@
 """Tests of data.py and build_data.py: reading (local and a GCS emulator), batches, builders, errors,
 the command line."""
+import dataclasses
 import json
 import os
 import shutil
@@ -26,6 +27,8 @@ from tests.data_fixtures import (
     sudoku_csv,
     write_synthetic,
 )
+
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -363,6 +366,76 @@ def test_error_arrays(tmp_path, demo_root):
     np.save(root / "test" / "all__puzzle_indices.npy", np.arange(52))
     with pytest.raises(DatasetError, match="puzzle_indices.npy must rise strictly from 0 to 50"):
         data.open_dataset(str(root), "test")
+
+
+def _set(path, index, value):
+    """Write ``value`` at ``index`` of the .npy file at ``path`` (in place, dtype kept)."""
+    array = np.load(path)
+    array[index] = value
+    np.save(path, array)
+
+
+def _edit_json(path, **fields):
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), **fields)))
+
+
+def test_error_tokens_labels_identifiers_out_of_range(tmp_path, demo_root, monkeypatch):
+    """Values the model's tables have no row for are refused when the split is opened, naming the
+    array, the value and its first position; the scan is chunked (here 5 rows per chunk)."""
+    monkeypatch.setattr(data, "_CHECK_CHUNK_BYTES", 5 * 16)
+    root = shutil.copytree(demo_root, tmp_path / "d")
+    split = root / "train"
+    _set(split / "all__inputs.npy", (13, 5), 200)
+    _set(split / "all__inputs.npy", (17, 0), 201)
+    with pytest.raises(DatasetError, match=r"d/train/all__inputs.npy holds the value 200 \(first at row 13, "
+                                           r"position 5\), outside 0..5 \(vocab_size 6 in .*d/train/dataset.json\). "
+                                           r"Rebuild the dataset, or correct vocab_size in dataset.json"):
+        data.open_dataset(str(root), "train")
+    shutil.copy(os.path.join(demo_root, "train", "all__inputs.npy"), split / "all__inputs.npy")
+    _set(split / "all__labels.npy", (301, 15), 99)
+    with pytest.raises(DatasetError, match=r"all__labels.npy holds the value 99 \(first at row 301, position 15\), "
+                                           r"outside 0..5 \(vocab_size 6 in .*; ignore_label_id 0 is allowed too\)"):
+        data.open_dataset(str(root), "train")
+    # An ignore label outside the vocabulary is allowed in labels (and only there).
+    _edit_json(split / "dataset.json", ignore_label_id=99)
+    assert data.open_dataset(str(root), "train").labels[301, 15] == 99
+    _set(split / "all__labels.npy", (302, 0), 98)
+    with pytest.raises(DatasetError, match=r"all__labels.npy holds the value 98 \(first at row 302, position 0\)"):
+        data.open_dataset(str(root), "train")
+    shutil.copy(os.path.join(demo_root, "train", "all__labels.npy"), split / "all__labels.npy")
+    _set(split / "all__puzzle_identifiers.npy", 7, 5000)
+    with pytest.raises(DatasetError, match=r"all__puzzle_identifiers.npy holds the value 5000 \(first at index 7\), "
+                                           r"outside 0..0 \(num_puzzle_identifiers 1 in "):
+        data.open_dataset(str(root), "train")
+
+
+def test_error_pad_and_blank_ids_out_of_range(tmp_path, demo_root):
+    root = shutil.copytree(demo_root, tmp_path / "d")
+    description = root / "test" / "dataset.json"
+    _edit_json(description, pad_id=6)
+    with pytest.raises(DatasetError, match=r"test/dataset.json: pad_id 6 is outside 0..5 \(vocab_size 6\); rebuild"):
+        data.open_dataset(str(root), "test")
+    _edit_json(description, pad_id=0, blank_identifier_id=1)
+    with pytest.raises(DatasetError, match=r"blank_identifier_id 1 is outside 0..0 \(num_puzzle_identifiers 1\)"):
+        data.open_dataset(str(root), "test")
+    metadata = data.read_metadata(demo_root, "test")
+    bad = dataclasses.replace(metadata, pad_id=6)
+    with pytest.raises(DatasetError, match="pad_id 6 is outside"):  # builders are held to the same rules
+        data.write_split(str(tmp_path / "new"), "test", bad, {
+            name: getattr(data.open_dataset(demo_root, "test"), name) for name in data.ARRAY_NAMES})
+
+
+def test_train_refuses_a_bad_dataset_before_the_runtime_starts(tmp_path, demo_root):
+    root = shutil.copytree(demo_root, tmp_path / "d")
+    _set(root / "test" / "all__inputs.npy", (2, 3), 200)
+    proc = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), "demo", "--data.path", str(root),
+                           "--run.dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PJRT_DEVICE="CPU"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "TRM on" not in proc.stdout
+    assert proc.stderr.startswith(f"error: {root}/test/all__inputs.npy holds the value 200 (first at row 2, "
+                                  "position 3)"), proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_error_missing_array_on_gcs(gcs_url, tmp_path):
