@@ -9,6 +9,7 @@ import sys
 import types
 
 import fsspec
+import fsspec.implementations.memory
 import numpy as np
 import pytest
 
@@ -79,6 +80,97 @@ def test_gcs_read_caches_once_and_matches_local(gcs_url, demo_root, tmp_path):
         first.downloaded_bytes
     assert len([f for f in os.listdir(os.path.join(cache, "train")) if "labels" in f]) == 1
     assert data.read_identifiers(gcs_url) == ["<blank>"]
+
+
+def _same_arrays(dataset, reference):
+    for name in data.ARRAY_NAMES:
+        np.testing.assert_array_equal(getattr(dataset, name), getattr(reference, name), err_msg=name)
+    assert dataset.metadata == reference.metadata
+
+
+def test_gcs_dataset_rebuilt_at_the_same_url_is_served_whole(gcs_url, tmp_path):
+    cache = str(tmp_path / "cache")
+    build_data.build_demo(gcs_url, train_puzzles=20, num_aug=3, test_puzzles=10, seed=3)
+    first = data.open_train_test(gcs_url, cache_dir=cache)
+    build_data.build_demo(gcs_url, train_puzzles=20, num_aug=3, test_puzzles=10, seed=4)  # same sizes
+    build_data.build_demo(str(tmp_path / "rebuilt"), train_puzzles=20, num_aug=3, test_puzzles=10, seed=4)
+    for old, new, split in zip(first, data.open_train_test(gcs_url, cache_dir=cache), data.SPLITS):
+        assert not np.array_equal(old.inputs, new.inputs)
+        _same_arrays(new, data.open_dataset(str(tmp_path / "rebuilt"), split))
+        assert new.downloaded_bytes == old.downloaded_bytes  # every file is a new object
+
+
+def test_gcs_cache_removes_leftovers_of_killed_downloads(gcs_url, tmp_path):
+    write_synthetic(gcs_url)
+    cache = tmp_path / "cache"
+    data.open_dataset(gcs_url, "train", cache_dir=str(cache))
+    leftovers = [cache / "train" / ".all__inputs.npy.k1ll3d.part",  # a download killed with SIGKILL
+                 cache / "train" / "all__labels.0123456789ab.npy"]  # an older cache layout's copy
+    for path in leftovers:
+        path.write_bytes(b"partial")
+    again = data.open_dataset(gcs_url, "train", cache_dir=str(cache))
+    assert again.downloaded_bytes == 0 and not any(path.exists() for path in leftovers)
+    assert sorted(os.listdir(cache / "train")) == [".lock", "all__group_indices.npy", "all__inputs.npy",
+                                                   "all__labels.npy", "all__puzzle_identifiers.npy",
+                                                   "all__puzzle_indices.npy", "dataset.json", "manifest.json"]
+
+
+def test_gcs_cached_file_written_to_is_fetched_again(gcs_url, tmp_path):
+    """Bytes of a cached copy changed in place (same size) are noticed by the changed modification
+    time: no checksum of the local copy is computed at open (a change that also restores the
+    modification time would go unnoticed)."""
+    write_synthetic(gcs_url)
+    cache = str(tmp_path / "cache")
+    first = data.open_dataset(gcs_url, "train", cache_dir=cache)
+    expected = np.array(first.inputs)
+    with open(first.inputs.filename, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x07\x07\x07")
+    again = data.open_dataset(gcs_url, "train", cache_dir=cache)
+    assert 0 < again.downloaded_bytes == os.path.getsize(first.inputs.filename)
+    np.testing.assert_array_equal(again.inputs, expected)
+
+
+def test_gcs_values_are_checked_once_per_cached_version(gcs_url, tmp_path, monkeypatch):
+    checked = []
+    real_check = data._check_values
+    monkeypatch.setattr(data, "_check_values", lambda arrays, metadata, url: checked.append(url) or
+                        real_check(arrays, metadata, url))
+    cache = str(tmp_path / "cache")
+    for seed in (0, 1):  # a second version at the same URL is checked again, once
+        write_synthetic(gcs_url, seed=seed)  # (write_split checks the values it writes)
+        checked.clear()
+        for _ in range(3):
+            data.open_dataset(gcs_url, "train", cache_dir=cache)
+        assert checked == [f"{gcs_url}/train"]
+
+
+class _RebuiltDuringCopy(fsspec.implementations.memory.MemoryFileSystem):
+    """fsspec's in-memory file system, with a dataset rebuild landing right after the copy of
+    one file: the race of a reader and a builder made deterministic."""
+
+    protocol = "rebuilt-during-copy"
+    rebuild = None
+
+    def get_file(self, rpath, lpath, *args, **kwargs):
+        super().get_file(rpath, lpath, *args, **kwargs)
+        if rpath.endswith("all__labels.npy") and type(self).rebuild:
+            rebuild, type(self).rebuild = type(self).rebuild, None
+            rebuild()
+
+
+def test_split_rebuilt_while_being_copied_is_not_served(tmp_path):
+    fsspec.register_implementation(_RebuiltDuringCopy.protocol, _RebuiltDuringCopy, clobber=True)
+    url = f"{_RebuiltDuringCopy.protocol}://{tmp_path.name}/dataset"
+    cache = str(tmp_path / "cache")
+    sizes = dict(train_puzzles=20, num_aug=3, test_puzzles=10)  # two builds with the same shapes
+    build_data.build_demo(url, seed=3, **sizes)
+    _RebuiltDuringCopy.rebuild = lambda: build_data.build_demo(url, seed=4, **sizes)
+    with pytest.raises(DatasetError, match=r"train changed while it was being copied to .*cache/train "
+                                           r"\(rebuilt or re-uploaded meanwhile\?\)"):
+        data.open_dataset(url, "train", cache_dir=cache)
+    build_data.build_demo(str(tmp_path / "local"), seed=4, **sizes)
+    _same_arrays(data.open_dataset(url, "train", cache_dir=cache), data.open_dataset(str(tmp_path / "local"), "train"))
 
 
 # ----------------------------------------------------------------------------- training batches
