@@ -83,8 +83,9 @@ class OptimConfig:
     """Examples per step over all hosts (the paper's 768); must divide by the device count."""
     epochs: int = ranged(50000, ge=1)
     """Training length in epochs (an epoch draws one puzzle per group)."""
-    max_steps: int | None = resumable(None, ge=1, note="leave it out to train for optim.epochs")
-    """Stop after this many steps instead (for quick runs); None trains for `epochs`."""
+    max_steps: int | None = resumable(None, ge=0, note="leave it out to train for optim.epochs")
+    """Stop after this many steps instead (for quick runs; 0 saves and evaluates the initial or
+    --run.init-from weights); None trains for `epochs`."""
     lr: float = ranged(1e-4, ge=0)
     """Peak learning rate of AdamATan2."""
     lr_min_ratio: float = ranged(1.0, ge=0, le=1, note="a fraction of the peak lr")
