@@ -238,6 +238,8 @@ def _locked(directory: str):
         except BlockingIOError:
             print(f"data: waiting for another process copying into {directory}", file=sys.stderr, flush=True)
             fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (some NFS mounts): one process per host copies
+            pass
         yield
 
 
@@ -318,7 +320,7 @@ def _cached_split(fs, split_url: str, split_path: str, names: list[str],
         files, downloaded = {}, 0
         for name in names:
             local_path = os.path.join(cache_split_dir, name)
-            record = recorded.get(name) or {}
+            record = recorded.get(name) if isinstance(recorded.get(name), dict) else {}
             if record.get("remote") != remote[name] or record.get("local") != _local_stamp(local_path):
                 downloaded += _download(fs, join_url(split_path, name), join_url(split_url, name), local_path,
                                         remote[name])
