@@ -164,7 +164,7 @@ class RunConfig:
     start_over: bool = resumable(False)
     """Start from step 0 when every committed checkpoint in run.dir is unreadable (they are moved
     to checkpoints-unreadable-TIME/); a readable one is still resumed, so relaunching with it is safe."""
-    watchdog_minutes: float = resumable(30.0)
+    watchdog_minutes: float = resumable(30.0, ge=0, note="0 = off")
     """Exit (status 75, so launch.sh --retry relaunches) when no training step, evaluation batch
     or save completes for this long: a hung host or collective; 0 = off."""
 

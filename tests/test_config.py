@@ -51,6 +51,7 @@ def test_every_numeric_field_declares_its_range():
     ("--run.keep-checkpoints", "0", "run.keep_checkpoints=0 must be >= 1"),
     ("--run.preempt-check-every", "0", "run.preempt_check_every=0 must be >= 1"),
     ("--run.profile-steps", "-2", "run.profile_steps=-2 must be >= 0"),
+    ("--run.watchdog-minutes", "-1", "run.watchdog_minutes=-1.0 must be >= 0 \\(0 = off"),
     ("--model.hidden-size", "0", "model.hidden_size=0 must be >= 1"),
     ("--model.H-cycles", "0", "model.H_cycles=0 must be >= 1"),
     ("--model.L-cycles", "-1", "model.L_cycles=-1 must be >= 1"),
