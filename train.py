@@ -48,7 +48,7 @@ import storage
 from arc import ArcEvaluator, write_submission
 from checkpoint import CheckpointWriter
 from evaluate import evaluate
-from model import TRM, TRMConfig
+from model import TRM, TRMConfig, range_problems, ranged
 from report import Profile, RunLog, format_duration
 from trainer import Trainer
 
@@ -63,10 +63,11 @@ EXIT_RETRYABLE = 75
 # Configuration
 
 
-def resumable(default):
+def resumable(default, **limits):
     """A config field that a relaunch of the run may change: it does not change the math of the
-    training (the resume check in `config_differences` lets it differ)."""
-    return field(default=default, metadata={"resumable": True})
+    training (the resume check in `config_differences` lets it differ). `limits`: its allowed
+    range, as for `ranged` (e.g. ge=1), checked by `check_config`."""
+    return ranged(default, resumable=True, **limits)
 
 
 @dataclass
@@ -77,40 +78,47 @@ class DataConfig:
     """Local directory for the cached arrays (default ~/.cache/trm-data/<hash of path>)."""
 
 
+# AdamATan2's betas must stay below 1 in float32 (optim.AdamATan2 refuses 0.99999999, which rounds to 1).
+_BETA_MAX = 0.99999994
+_BETA_NOTE = "below 1 in float32"
+
+
 @dataclass
 class OptimConfig:
-    global_batch_size: int = 768
+    global_batch_size: int = ranged(768, ge=1)
     """Examples per step over all hosts (the paper's 768); must divide by the device count."""
-    epochs: int = 50000
+    epochs: int = ranged(50000, ge=1)
     """Training length in epochs (an epoch draws one puzzle per group)."""
-    max_steps: int | None = resumable(None)
-    """Stop after this many steps instead (for quick runs); None trains for `epochs`."""
-    lr: float = 1e-4
+    max_steps: int | None = resumable(None, ge=0, note="leave it out to train for optim.epochs")
+    """Stop after this many steps instead (for quick runs; 0 saves and evaluates the initial or
+    --run.init-from weights); None trains for `epochs`."""
+    lr: float = ranged(1e-4, ge=0)
     """Peak learning rate of AdamATan2."""
-    lr_min_ratio: float = 1.0
+    lr_min_ratio: float = ranged(1.0, ge=0, le=1, note="a fraction of the peak lr")
     """Cosine decay floor as a fraction of lr (1.0: constant after warmup, as in the paper)."""
-    lr_warmup_steps: int = 2000
+    lr_warmup_steps: int = ranged(2000, ge=0)
     """Linear warmup steps from 0."""
-    beta1: float = 0.9
+    beta1: float = ranged(0.9, ge=0, le=_BETA_MAX, note=_BETA_NOTE)
     """AdamATan2 beta1."""
-    beta2: float = 0.95
+    beta2: float = ranged(0.95, ge=0, le=_BETA_MAX, note=_BETA_NOTE)
     """AdamATan2 beta2."""
-    weight_decay: float = 1.0
+    weight_decay: float = ranged(1.0, ge=0)
     """Decoupled weight decay of AdamATan2."""
-    puzzle_emb_lr: float = 1e-4
+    puzzle_emb_lr: float = ranged(1e-4, ge=0)
     """Peak learning rate of the puzzle-embedding SignSGD (same schedule)."""
-    puzzle_emb_weight_decay: float = 1.0
+    puzzle_emb_weight_decay: float = ranged(1.0, ge=0)
     """Decoupled weight decay of the puzzle embedding."""
-    ema_rate: float = 0.999
+    ema_rate: float = ranged(0.999, ge=0, lt=1, note="0 evaluates the trained weights as they are")
     """EMA rate of the weights used for evaluation and export."""
 
 
 @dataclass
 class EvalConfig:
-    every_epochs: int = resumable(5000)
+    every_epochs: int = resumable(5000, ge=1, note="the final evaluation always runs; set it to optim.epochs "
+                                                   "for only that one")
     """Evaluate every this many epochs, counted in epochs as the reference does; the final
     evaluation at the last step takes the place of the one due at the end."""
-    max_examples: int | None = resumable(None)
+    max_examples: int | None = resumable(None, ge=1, note="leave it out to evaluate every test example")
     """Cap intermediate evaluations to a fixed seeded subset of this many test examples
     (the final evaluation uses all); None evaluates everything every time."""
     arc: bool = resumable(False)
@@ -126,37 +134,37 @@ class EvalConfig:
 class RunConfig:
     dir: str = resumable("runs/default")
     """Run directory (local or gs://): config, checkpoints, TensorBoard logs."""
-    seed: int = 0
+    seed: int = ranged(0, ge=0, le=2**32 - 1)
     """Seed of the initial weights, the data order and the halting exploration."""
     device: Literal["auto", "tpu", "cpu"] = resumable("auto")
     """auto (TPU if attached or PJRT_DEVICE says so), tpu (fail without one), cpu (virtual mesh)."""
-    cpu_devices: int = resumable(8)
+    cpu_devices: int = resumable(8, ge=1)
     """Virtual devices of the CPU mesh (device cpu)."""
-    log_every: int = resumable(100)
+    log_every: int = resumable(100, ge=1)
     """Read metrics back and print a progress line every this many steps."""
-    ckpt_every: int = resumable(2000)
+    ckpt_every: int = resumable(2000, ge=1, note="the end of the run and SIGTERM always save one")
     """Save a checkpoint every this many steps (and always at the end and on SIGTERM)."""
-    keep_checkpoints: int = resumable(3)
+    keep_checkpoints: int = resumable(3, ge=1, note="the latest is always kept")
     """Committed checkpoints to keep; older ones are deleted."""
     init_from: str | None = resumable(None)
     """Start from these weights (a reference-implementation checkpoint or an exported
     model.safetensors) when the run directory has no checkpoint yet."""
     allow_config_change: bool = resumable(False)
     """Resume even though the run directory was created with a different configuration."""
-    preempt_check_every: int = resumable(10)
+    preempt_check_every: int = resumable(10, ge=1)
     """On several hosts, agree every this many steps whether any host got SIGTERM."""
     compile_cache_dir: str = resumable("~/.cache/trm-xla")
     """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
     capture_step: bool = resumable(True)
     """Trace the training step once and replay it as one XLA computation (host time per step:
     README, Speed); False re-traces every step."""
-    profile_steps: int = resumable(0)
+    profile_steps: int = resumable(0, ge=0, note="0 = off")
     """Capture an XLA profile of this many steps (from the 10th step of this launch) into
     {run.dir}/tb/plugins/profile for TensorBoard's profile tab; 0 = off."""
     start_over: bool = resumable(False)
     """Start from step 0 when every committed checkpoint in run.dir is unreadable (they are moved
     to checkpoints-unreadable-TIME/); a readable one is still resumed, so relaunching with it is safe."""
-    watchdog_minutes: float = resumable(30.0)
+    watchdog_minutes: float = resumable(30.0, ge=0, note="0 = off")
     """Exit (status 75, so launch.sh --retry relaunches) when no training step, evaluation batch
     or save completes for this long: a hung host or collective; 0 = off."""
 
@@ -210,6 +218,41 @@ PRESETS: dict[str, tuple[str, Config]] = {
 
 class ConfigError(ValueError):
     pass
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a dotted config field: optim.global_batch_size ->
+    --optim.global-batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+def check_config(config: Config) -> None:
+    """Every check of the flags that needs neither the dataset nor a device, in one place, run
+    before the dataset is opened and the runtime starts: each numeric field within the range
+    declared on it (`ranged` / `resumable(..., ge=...)`), the model's sizes fitting together, the
+    URLs spelled so that fsspec can open them. ConfigError lists every problem, one per line,
+    each naming the field, its flag and the value."""
+    problems = []
+    for section in dataclasses.fields(Config):
+        for name, value, rule, note in range_problems(getattr(config, section.name)):
+            dotted = f"{section.name}.{name}"
+            problems.append(f"{dotted}={value!r} must be {rule} ({note + '; ' if note else ''}"
+                            f"set it with {flag(dotted)})")
+    if not any(p.startswith("model.") for p in problems):
+        problems += [f"model.{p}" for p in config.model.problems(ranges=False)]
+    if config.eval.arc_aggregate and not config.eval.arc:
+        problems.append("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
+                        "pass --eval.arc too (needs an ARC dataset)")
+    urls = [("data.path", config.data.path, False), ("run.dir", config.run.dir, False),
+            ("data.cache_dir", config.data.cache_dir, True), ("run.init_from", config.run.init_from, False)]
+    for name, url, local_only in urls:
+        if url is not None or name in ("data.path", "run.dir"):
+            try:
+                storage.check_url(url, name, local_only)
+            except storage.StorageError as e:
+                problems.append(f"{e} (set it with {flag(name)})")
+    if problems:
+        raise ConfigError("\nerror: ".join(problems))
 
 
 def check_against_dataset(config: Config, metadata: data.Metadata) -> Config:
@@ -359,13 +402,11 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
     `weights_identifiers`: the rows of given weights' puzzle-embedding table and the fingerprint
     of the identifiers they were trained on, which must match the dataset's."""
     try:
+        check_config(config)
         train_set, test_set = data.open_train_test(config.data.path, cache_dir=config.data.cache_dir)
         config = check_against_dataset(config, train_set.metadata)
         identifiers = data.identifiers_fingerprint(config.data.path)
         check_same_identifiers(weights_identifiers, identifiers, weights_url)
-        if config.eval.arc_aggregate and not config.eval.arc:
-            raise ConfigError("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
-                              "pass --eval.arc too (needs an ARC dataset)")
         if weights_rows is not None and weights_rows != train_set.metadata.num_puzzle_identifiers:
             raise ConfigError(f"the weights' puzzle embedding has {weights_rows} identifiers but the dataset at "
                               f"{config.data.path} has num_puzzle_identifiers="
@@ -780,6 +821,10 @@ class Watchdog:
 def cli(argv: list[str] | None = None) -> Config:
     """The training configuration from the command line (a preset name, then overrides)."""
     config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
+    try:
+        check_config(config)  # again in start(), which eval and direct callers of main() reach too
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
     if config.data.path == PRESETS["demo"][1].data.path and not os.path.exists(config.data.path):
         import build_data
 
@@ -794,6 +839,11 @@ def export(source: tyro.conf.Positional[str], out: str) -> None:
     source: a run directory (its newest readable committed checkpoint) or one checkpoint directory.
     out: where to write, local or gs:// (e.g. gs://BUCKET/models/sudoku.safetensors).
     """
+    for what, value in (("the export source", source), ("--out", out)):
+        try:
+            storage.check_url(value, what)
+        except storage.StorageError as e:
+            raise SystemExit(f"error: {e}")
     try:
         found = checkpoint.weights_of(source)
     except checkpoint.CheckpointError as e:
@@ -870,6 +920,10 @@ def evaluate_command(argv: list[str]) -> dict:
     if not source:
         raise SystemExit("error: eval needs --init-from URL (a run directory, checkpoint, exported "
                          "model.safetensors or reference checkpoint)")
+    try:
+        storage.check_url(source, "--init-from")
+    except storage.StorageError as e:
+        raise SystemExit(f"error: {e}")
     preset = args.pop(0) if args and args[0] in PRESETS else "sudoku-mlp"
     config, weights, step, trained_on = load_weights_for_eval(source, PRESETS[preset][1], args)
     table = weights.get("model/puzzle_embedding.weight")
