@@ -179,23 +179,6 @@ def test_sigterm_on_one_host_saves_the_same_step_on_both(demo_path, tmp_path):
     assert tensors["carry/steps"].shape[0] == 32  # both hosts' rows of the carry
 
 
-def test_a_hung_host_ends_the_run_through_the_watchdog(demo_path, tmp_path):
-    procs = slice_of_two(run_args(demo_path, tmp_path / "run", "--optim.max-steps", "1000",
-                                  "--run.preempt-check-every", "1", "--run.watchdog-minutes", "0.5"))
-    try:
-        wait_for_line(procs[0], "step 3/")
-        procs[1].send_signal(signal.SIGSTOP)  # host 1 hangs
-        started = time.time()
-        out, err = procs[0].communicate(timeout=300)
-        assert procs[0].returncode == 75, err[-3000:]
-        assert time.time() - started < 120
-        assert "nothing completed for" in err and "--run.watchdog-minutes 0.5" in err
-        assert "any_host" in err  # where it waits: the collective of the SIGTERM agreement
-    finally:
-        procs[1].kill()
-        procs[1].wait()
-
-
 def test_a_lost_host_makes_the_others_exit_75(demo_path, tmp_path):
     procs = slice_of_two(run_args(demo_path, tmp_path / "run", "--optim.max-steps", "1000",
                                   "--run.preempt-check-every", "1"))

@@ -600,8 +600,10 @@ def test_retry_attaches_to_its_own_running_run(pod):
     assert all(len(pod.launches(w)) == 1 for w in range(pod.workers))
 
 
-@pytest.mark.parametrize("fault", ["kill", "hang"])
-def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, demo_path, fault):
+# "kill" passes too (about 2 min); CI runs "hang" only: a lost worker is covered by the stub
+# test above and test_faults.test_a_lost_host_makes_the_others_exit_75.
+@pytest.mark.parametrize("fault", ["hang"])
+def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, demo_path, gcs_server, fault):
     """The real train.py on two simulated workers (sharding.SIMULATED_SLICE_ENV): worker 1's
     trainer is SIGKILLed (a lost VM) or SIGSTOPped (a hung host); worker 0 exits 75 (the broken
     collective, or its watchdog), --retry relaunches both, and the run resumes and finishes."""
@@ -618,33 +620,35 @@ def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, d
         python.write_text(f'#!/bin/sh\nexport {sharding.SIMULATED_SLICE_ENV}="$FAKE_WORKER_ID/2@tcp://127.0.0.1:{free_port()}"\n'
                           f'exec {sys.executable} "$@"\n')
         python.chmod(0o755)
-        pod.env.update(FAKE_PYTHON=str(python), CPU_NUM_DEVICES="8", TRM_POLL_SECONDS="1")
+        pod.env.update(FAKE_PYTHON=str(python), CPU_NUM_DEVICES="8", TRM_POLL_SECONDS="1", TRM_BUCKET=gcs_server)
         pod.ready()
-        run_dir = tmp_path / "run"
-        args = ["demo", "--run.device", "cpu", "--data.path", demo_path, "--run.dir", str(run_dir),
+        run = f"run-{fault}"
+        run_dir = f"gs://{gcs_server}/runs/{run}"  # where launch.sh puts it
+        args = ["demo", "--run.device", "cpu", "--data.path", demo_path,
                 "--model.hidden-size", "32", "--model.puzzle-emb-ndim", "32", "--optim.global-batch-size", "32",
                 "--eval.every-epochs", "1000", "--run.log-every", "1", "--run.ckpt-every", "4",
                 "--run.preempt-check-every", "1", "--run.watchdog-minutes", "0.5", "--optim.max-steps", "40"]
-        watcher = subprocess.Popen(["bash", str(pod.repo / "launch.sh"), "train", "--retry", "run-r", *args],
+        watcher = subprocess.Popen(["bash", str(pod.repo / "launch.sh"), "train", "--retry", run, *args],
                                    env=pod.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        log = pod.home(1) / "trm-state" / "logs" / "run-r.log"
+        log = pod.home(1) / "trm-state" / "logs" / f"{run}.log"
         deadline = time.time() + 300
-        while time.time() < deadline and not (log.exists() and "step 9/" in
-                                              (pod.home(0) / "trm-state" / "logs" / "run-r.log").read_text()):
+        first_log = pod.home(0) / "trm-state" / "logs" / f"{run}.log"
+        while time.time() < deadline and watcher.poll() is None and not (
+                log.exists() and first_log.exists() and "step 9/" in first_log.read_text()):
             time.sleep(0.5)
+        assert watcher.poll() is None, watcher.communicate()
         pid = int((pod.home(1) / "trm-state" / "pid").read_text())
         os.kill(pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
         out, err = watcher.communicate(timeout=900)
         assert watcher.returncode == 0, f"{out}\n{err}"
-        assert "relaunch 1 of at most" in err and "run run-r finished" in err
-        first = (pod.home(0) / "trm-state" / "logs" / "run-r.log").read_text()
-        if fault == "hang":
-            assert "nothing completed for" in first
-        else:
+        assert "relaunch 1 of at most" in err and f"run {run} finished" in err
+        first = first_log.read_text()
+        if fault == "hang":  # worker 0's watchdog ends it: exit 75 is the reason to relaunch
+            assert "nothing completed for" in first and "exited with status 75" in first
+        else:  # worker 1 lost is the reason (worker 0 may be stopped before its own exit 75)
             assert "the connection to another host broke" in first
-        assert "exited with status 75" in first
         assert "resuming from" in first and "done: 40 steps" in first
-        assert checkpoint.list_checkpoints(str(run_dir))[0][0] == 40
+        assert checkpoint.list_checkpoints(run_dir)[0][0] == 40
     finally:
         for pid in worker_pids(pod.root):
             try:
