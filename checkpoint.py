@@ -2,17 +2,21 @@
 
 A checkpoint is a directory `{run_dir}/checkpoints/step_{N:08d}/`:
 
-    host_{p:03d}.safetensors   the tensors host p owns: its share of the replicated tensors
-                               and its rows of the batch-sharded ones (the ACT carry)
-    host_{p:03d}.json          host p's index: tensor name -> key, dtype, global shape, rows;
-                               written after its safetensors file, so its presence means done
-    state.json                 what is not a tensor: step, config, hosts (process 0)
-    COMMITTED                  written last by process 0, once every host's index exists
+    host_{p:03d}-{attempt}.safetensors  the tensors host p owns: its share of the replicated
+                               tensors and its rows of the batch-sharded ones (the ACT carry)
+    host_{p:03d}.json          host p's index: the save attempt, and per tensor its file, dtype,
+                               global shape, rows; written after the safetensors file
+    state.json                 what is not a tensor: step, config, hosts, attempt (process 0)
+    COMMITTED                  written last by process 0 (with the attempt), once every host's
+                               index of this attempt exists
 
 Hosts write in parallel from a background thread; nothing crosses hosts but files, so a
 host that dies before finishing leaves no COMMITTED marker, and discovery skips the
-directory. Every read and write goes through storage.py (fsspec, with retries). This file
-imports torch, safetensors and storage.py, never torch_xla: exported models load anywhere.
+directory. Every launch of a run saves under an attempt id of its own (the same on every host),
+so a save never commits, nor a reader accepts, files that an interrupted earlier save left in
+the same step directory. Every read and write goes through storage.py (fsspec, with retries).
+This file imports torch, safetensors and storage.py, never torch_xla: exported models load
+anywhere.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import re
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,8 +41,18 @@ STEP_DIR = re.compile(r"step_(\d{8})$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is incomplete, unreadable or not committed (a failing read or write of
+    """A checkpoint's contents are unreadable or not committed (a failing read or write of
     storage raises storage.StorageError)."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint reads fine but its tensors are not the state's: some are missing, extra or
+    of another shape or dtype (the message lists them)."""
+
+
+def new_attempt_id() -> str:
+    """A fresh id for the saves of one launch (process 0 makes it, every host uses it)."""
+    return uuid.uuid4().hex[:12]
 
 
 def step_dir(run_dir: str, step: int) -> str:
@@ -78,74 +93,101 @@ class Shard:
 class CheckpointWriter:
     """Writes this host's part of each checkpoint in a background thread; process 0 commits.
 
-    `save` returns once the background write has started; the next `save` (or `wait`) first
-    waits for the previous one and raises if it failed.
+    `save` returns once the background write has started; the next `save`, `wait` or `check`
+    reports a failed one. `attempt` (the same on every host of a launch, different for every
+    launch) marks this launch's files, so that the commit waits for this launch's index of every
+    host even where an interrupted earlier launch left its own in the same step directory.
     """
 
     def __init__(self, run_dir: str, process_index: int, process_count: int, keep: int = 3,
-                 commit_timeout_s: float = 1800.0):
+                 commit_timeout_s: float = 1800.0, attempt: str | None = None):
         if keep < 1:
             raise ValueError(f"run.keep_checkpoints must be >= 1, got {keep}")
         self.run_dir, self.process_index, self.process_count = run_dir, process_index, process_count
         self.keep, self.commit_timeout_s = keep, commit_timeout_s
+        self.attempt = attempt or new_attempt_id()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.step: int | None = None  # the step of the save under way or last finished
 
     def save(self, step: int, shards: dict[str, Shard], state: dict) -> None:
         self.wait()
-        self._thread = threading.Thread(target=self._write, args=(step, shards, state), daemon=True,
+        self.step = step
+        # Not a daemon: a save under way when the main thread ends still finishes (commits).
+        self._thread = threading.Thread(target=self._write, args=(step, shards, state),
                                         name=f"checkpoint-{step}")
         self._thread.start()
 
     def wait(self) -> None:
+        """Wait for the save under way; raise if it (or an earlier one) failed."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.check()
+
+    def busy(self) -> bool:
+        """Whether a save is under way."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def check(self) -> None:
+        """Raise at once if a save has failed (without waiting for one under way)."""
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
     def _write(self, step: int, shards: dict[str, Shard], state: dict) -> None:
         try:
+            if self.process_index == 0:  # a marker of an earlier save of this step no longer holds
+                remove_if_present(join_url(step_dir(self.run_dir, step), COMMIT_MARKER))
             self._write_host_part(step, shards)
             if self.process_index == 0:
                 self._commit(step, state)
                 self._delete_old(step)
-        except BaseException as e:  # reported to the training loop by wait()
+        except BaseException as e:  # reported to the training loop by check() / wait()
             self._error = e
 
     def _write_host_part(self, step: int, shards: dict[str, Shard]) -> None:
         directory = step_dir(self.run_dir, step)
         name = host_file(self.process_index)
+        data_file = f"{name}-{self.attempt}.safetensors"
         tensors = {key: shard.tensor.contiguous() for key, shard in shards.items()}
-        index = {key: {"file": f"{name}.safetensors", "dtype": str(shard.tensor.dtype).removeprefix("torch."),
+        index = {key: {"file": data_file, "dtype": str(shard.tensor.dtype).removeprefix("torch."),
                        "global_shape": list(shard.global_shape), "row_start": shard.row_start,
                        "rows": None if shard.row_start is None else shard.tensor.shape[0]}
                  for key, shard in shards.items()}
-        write_bytes(join_url(directory, f"{name}.safetensors"),
-                    safetensors_bytes(tensors) if tensors else b"")
-        write_bytes(join_url(directory, f"{name}.json"), json.dumps(index).encode())
+        write_bytes(join_url(directory, data_file), safetensors_bytes(tensors) if tensors else b"")
+        write_bytes(join_url(directory, f"{name}.json"),
+                    json.dumps({"attempt": self.attempt, "tensors": index}).encode())
 
     def _commit(self, step: int, state: dict) -> None:
         directory = step_dir(self.run_dir, step)
-        expected = {f"{host_file(p)}.json" for p in range(self.process_count)}
+        waiting = set(range(self.process_count))  # hosts whose index of this attempt is not seen yet
         deadline = time.time() + self.commit_timeout_s
         fs, path = filesystem(directory)
         while True:
             fs.invalidate_cache(path)
-            listed = with_retries("listing", directory, lambda: fs.ls(path, detail=False))
-            present = {os.path.basename(p) for p in listed}
-            if expected <= present:
+            listed = {os.path.basename(p) for p in with_retries("listing", directory,
+                                                               lambda: fs.ls(path, detail=False))}
+            for p in sorted(waiting):
+                if f"{host_file(p)}.json" in listed and read_index(directory, p)[0] == self.attempt:
+                    waiting.discard(p)
+            if not waiting:
                 break
             if time.time() > deadline:
-                missing = sorted(expected - present)
-                raise CheckpointError(f"checkpoint {directory} not committed: no index from {missing} "
-                                      f"after {self.commit_timeout_s:.0f}s (a host died or cannot write)")
+                missing = [f"{host_file(p)}.json" for p in sorted(waiting)]
+                raise CheckpointError(f"checkpoint {directory} not committed: no index of this save from "
+                                      f"{missing} after {self.commit_timeout_s:.0f}s (a host died or cannot write)")
             time.sleep(0.2)
         write_bytes(join_url(directory, "state.json"),
-                    json.dumps(dict(state, hosts=self.process_count)).encode())
+                    json.dumps(dict(state, hosts=self.process_count, attempt=self.attempt)).encode())
         write_bytes(join_url(directory, COMMIT_MARKER),
-                    json.dumps({"step": step, "time": time.time()}).encode())
+                    json.dumps({"step": step, "time": time.time(), "attempt": self.attempt}).encode())
+        for name in sorted(listed):  # data files of earlier, interrupted saves of this step
+            if name.endswith(".safetensors") and not name.endswith(f"-{self.attempt}.safetensors"):
+                try:
+                    fs.rm(f"{path.rstrip('/')}/{name}")
+                except Exception as e:  # costs storage, not correctness
+                    print(f"warning: could not delete {join_url(directory, name)}: {e}", flush=True)
 
     def _delete_old(self, newest: int) -> None:
         committed = [s for s, _ in list_checkpoints(self.run_dir, committed_only=True)]
@@ -182,6 +224,21 @@ def list_checkpoints(run_dir: str, committed_only: bool = True) -> list[tuple[in
     return sorted(found, reverse=True)
 
 
+def read_index(url: str, p: int) -> tuple[str | None, dict]:
+    """(save attempt, tensor name -> entry) of host p's index in checkpoint directory `url`;
+    the attempt is None in checkpoints written before attempts existed."""
+    index = json.loads(read_bytes(join_url(url, f"{host_file(p)}.json")))
+    if "tensors" in index and "attempt" in index:
+        return index["attempt"], index["tensors"]
+    return None, index
+
+
+def remove_if_present(url: str) -> None:
+    fs, path = filesystem(url)
+    if with_retries("checking", url, lambda: fs.exists(path)):
+        with_retries("deleting", url, lambda: fs.rm(path))
+
+
 def read_checkpoint(url: str, row_range: Callable[[tuple], tuple[int, int]] | None = None,
                     names: Callable[[str], bool] = lambda name: True) -> tuple[dict[str, torch.Tensor], dict]:
     """Read a committed checkpoint: (tensors, state).
@@ -189,13 +246,24 @@ def read_checkpoint(url: str, row_range: Callable[[tuple], tuple[int, int]] | No
     Whole tensors are read in full; for a batch-sharded tensor, `row_range(global_shape)` gives
     the rows this host needs (default: all), assembled from whichever hosts wrote them, so a
     run can resume on a different number of hosts. `names` filters the tensors to read.
+    Raises CheckpointError for contents that cannot be what was saved (no marker, indexes of
+    another save attempt, unreadable files, missing rows) and storage.StorageError when storage
+    fails.
     """
-    if not exists(join_url(url, COMMIT_MARKER)):
+    marker_url = join_url(url, COMMIT_MARKER)
+    if not exists(marker_url):
         raise CheckpointError(f"{url} has no {COMMIT_MARKER} marker (an interrupted save)")
-    state = json.loads(read_bytes(join_url(url, "state.json")))
+    attempt = _parse_json(read_bytes(marker_url), marker_url).get("attempt")
+    state = _parse_json(read_bytes(join_url(url, "state.json")), join_url(url, "state.json"))
+    if not isinstance(state.get("hosts"), int):
+        raise CheckpointError(f"{join_url(url, 'state.json')} does not say how many hosts wrote the checkpoint")
     index = {}
     for p in range(state["hosts"]):
-        for key, entry in json.loads(read_bytes(join_url(url, f"{host_file(p)}.json"))).items():
+        host_attempt, entries = read_index(url, p)
+        if host_attempt != attempt:
+            raise CheckpointError(f"{url}: {host_file(p)}.json belongs to save attempt {host_attempt}, the "
+                                  f"commit to {attempt} (files of two saves of this step are mixed)")
+        for key, entry in entries.items():
             index.setdefault(key, []).append(entry)
     needed_files = sorted({e["file"] for key, entries in index.items() if names(key) for e in entries})
     tensors: dict[str, torch.Tensor] = {}
@@ -216,51 +284,107 @@ def read_checkpoint(url: str, row_range: Callable[[tuple], tuple[int, int]] | No
             for key, entries in index.items():
                 if not names(key):
                     continue
-                if entries[0]["row_start"] is None:
-                    tensors[key] = handles[entries[0]["file"]].get_tensor(key)
-                    continue
-                shape = tuple(entries[0]["global_shape"])
-                start, stop = row_range(shape) if row_range else (0, shape[0])
-                parts = []
-                for e in sorted(entries, key=lambda e: e["row_start"]):
-                    lo, hi = max(start, e["row_start"]), min(stop, e["row_start"] + e["rows"])
-                    if lo < hi:
-                        block = handles[e["file"]].get_slice(key)
-                        parts.append(block[lo - e["row_start"]:hi - e["row_start"]])
-                if sum(p.shape[0] for p in parts) != stop - start:
-                    raise CheckpointError(f"{url}: rows {start}..{stop} of {key} are not all present")
-                tensors[key] = torch.cat(parts) if len(parts) > 1 else parts[0]
+                try:
+                    tensors[key] = _assemble(key, entries, handles, row_range)
+                except CheckpointError as e:
+                    raise CheckpointError(f"{url}: {e}") from e
+                except Exception as e:  # safetensors: a truncated or overwritten file
+                    raise CheckpointError(f"{url}: {key} cannot be read: {e}") from e
         finally:
             handles.clear()
     return tensors, state
 
 
-def latest_checkpoint(run_dir: str, read: Callable[[str], tuple]) -> tuple[int, str, tuple] | None:
-    """The newest checkpoint that `read(url)` accepts, skipping (with a warning naming it)
-    directories without a commit marker and unreadable ones."""
-    committed = {step for step, _ in list_checkpoints(run_dir, committed_only=True)}
+def _parse_json(payload: bytes, url: str) -> dict:
+    try:
+        return json.loads(payload)
+    except ValueError as e:
+        raise CheckpointError(f"{url} is not valid JSON: {e}") from e
+
+
+def _assemble(key: str, entries: list[dict], handles: dict, row_range) -> torch.Tensor:
+    """A whole tensor from its file, or the rows `row_range` asks for of a batch-sharded one,
+    from every host's file that holds some of them."""
+    if entries[0]["row_start"] is None:
+        return handles[entries[0]["file"]].get_tensor(key)
+    shape = tuple(entries[0]["global_shape"])
+    start, stop = row_range(shape) if row_range else (0, shape[0])
+    parts = []
+    for e in sorted(entries, key=lambda e: e["row_start"]):
+        lo, hi = max(start, e["row_start"]), min(stop, e["row_start"] + e["rows"])
+        if lo < hi:
+            block = handles[e["file"]].get_slice(key)
+            parts.append(block[lo - e["row_start"]:hi - e["row_start"]])
+    if sum(p.shape[0] for p in parts) != stop - start:
+        raise CheckpointError(f"rows {start}..{stop} of {key} are not all present")
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def state_differences(expected: dict[str, tuple[tuple, torch.dtype]], found: dict[str, torch.Tensor]) -> list[str]:
+    """How the tensors `found` differ from the `expected` (name -> (shape, dtype)): missing,
+    unexpected, or of another shape or dtype; empty when they match."""
+    out = [f"missing: {name} {list(shape)} {str(dtype).removeprefix('torch.')}"
+           for name, (shape, dtype) in expected.items() if name not in found]
+    out += [f"not in the training state: {name}" for name in found if name not in expected]
+    for name, (shape, dtype) in expected.items():
+        if name in found and (tuple(found[name].shape) != tuple(shape) or found[name].dtype != dtype):
+            out.append(f"{name}: {list(found[name].shape)} {str(found[name].dtype).removeprefix('torch.')} "
+                       f"in the checkpoint, {list(shape)} {str(dtype).removeprefix('torch.')} in the state")
+    return out
+
+
+def newest_readable(run_dir: str, read: Callable[[str], tuple], say=print) -> tuple[int, str, tuple] | None:
+    """(step, url, read(url)) of the newest committed checkpoint whose contents `read` accepts,
+    saying which newer ones it passes over and why; None when the run has no committed
+    checkpoint. A storage failure (storage.StorageError) is raised, never passed over: an
+    outage must not make a run go back to an older step. Raises CheckpointError naming them
+    when committed checkpoints exist but none can be read."""
+    committed = list_checkpoints(run_dir, committed_only=True)
+    newest = committed[0][0] if committed else -1
     for step, url in list_checkpoints(run_dir, committed_only=False):
-        if step not in committed:
-            print(f"warning: skipping {url}: no {COMMIT_MARKER} marker (a save that did not finish)",
-                  flush=True)
-            continue
+        if step > newest:
+            say(f"note: passing over {url}: no {COMMIT_MARKER} marker (a save that did not finish)")
+    unreadable = []
+    for step, url in committed:
         try:
             return step, url, read(url)
-        except (CheckpointError, KeyError, ValueError, OSError) as e:
-            print(f"warning: skipping unreadable checkpoint {url}: {e}", flush=True)
+        except IncompleteCheckpointError:
+            raise
+        except CheckpointError as e:
+            say(f"warning: passing over unreadable checkpoint {url}: {e}")
+            unreadable.append(url)
+    if unreadable:
+        raise CheckpointError(f"no committed checkpoint of {run_dir} can be read: {', '.join(unreadable)}")
     return None
 
 
 # -- export ------------------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(source: str) -> str | None:
-    """The checkpoint a URL names: itself when it is a committed checkpoint directory, else the
-    latest committed checkpoint of the run directory it is; None when there is none."""
+def is_directory(url: str) -> bool:
+    fs, path = filesystem(url)
+    return with_retries("checking", url, lambda: fs.isdir(path))
+
+
+def weights_of(source: str, say=print) -> tuple[dict[str, torch.Tensor], dict, str] | None:
+    """(EMA weights, state.json, checkpoint url) of the checkpoint `source` names: itself when
+    it is a committed checkpoint directory, else the newest readable committed checkpoint of
+    the run directory it is (saying which newer ones are passed over). None when `source` is
+    not a directory (a file: an exported or reference model). Raises CheckpointError for a
+    directory without a readable committed checkpoint."""
     if exists(join_url(source, COMMIT_MARKER)):
-        return source
-    found = list_checkpoints(source)
-    return found[0][1] if found else None
+        return (*read_ema_weights(source), source)
+    if not is_directory(source):
+        return None
+    found = newest_readable(source, read_ema_weights, say)
+    if found is None:
+        unfinished = [url for _, url in list_checkpoints(source, committed_only=False)]
+        raise CheckpointError(
+            f"no committed checkpoint in {source} (looked in {join_url(source, 'checkpoints')}"
+            + (f"; {len(unfinished)} save(s) there did not finish: {', '.join(unfinished)}" if unfinished else "")
+            + ")")
+    step, url, (weights, state) = found
+    return weights, state, url
 
 
 def read_ema_weights(checkpoint_url: str) -> tuple[dict[str, torch.Tensor], dict]:
@@ -275,10 +399,9 @@ def read_ema_weights(checkpoint_url: str) -> tuple[dict[str, torch.Tensor], dict
     return weights, state
 
 
-def export_model(checkpoint_url: str, out_url: str) -> dict:
-    """The EMA weights (and the buffers, which have no average) of a checkpoint as one
+def export_model(weights: dict[str, torch.Tensor], state: dict, out_url: str) -> dict:
+    """EMA weights (and the buffers, which have no average) and their checkpoint's state as one
     model.safetensors whose metadata holds the model config; returns that config."""
-    weights, state = read_ema_weights(checkpoint_url)
     model_config = state["config"]["model"]
     metadata = {"trm_config": json.dumps(model_config), "step": str(state["step"])}
     if state.get("dataset_identifiers"):

@@ -22,7 +22,11 @@ Reading
     read_identifiers(url) -> list[str]; identifiers_fingerprint(url) -> str | None
     total_train_steps(metadata, epochs, global_batch_size) -> int
 Remote arrays are copied once to ``cache_dir`` (default ``~/.cache/trm-data/<hash of url>``) and
-memory-mapped; a local root is memory-mapped in place. Every problem raises DatasetError.
+memory-mapped; a local root is memory-mapped in place. The cache holds one version of each split:
+a file is fetched again when its remote version (GCS generation, etag, md5) or the cached copy
+(size, modification time) changed, and never served with files of another build. Token, label
+and identifier values are checked once per cached version (at every open of a local split).
+Every problem raises DatasetError.
 
 Batches (dicts of numpy arrays: ``inputs`` and ``labels`` int32 [rows, seq_len], labels -100
 where ignored, ``puzzle_identifiers`` int32 [rows]; rows = global_batch_size / process_count)
@@ -42,6 +46,7 @@ torch or torch_xla).
 """
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
@@ -129,6 +134,12 @@ class Metadata:
             raise DatasetError(f"{url}: seq_len, vocab_size and total_groups must be positive, "
                                f"found {values['seq_len']}, {values['vocab_size']}, "
                                f"{values['total_groups']}; rebuild the dataset.")
+        # Batches fill padding rows with these: they must be valid token and table rows.
+        for name, limit in (("pad_id", "vocab_size"), ("blank_identifier_id", "num_puzzle_identifiers")):
+            if values[name] >= values[limit]:
+                raise DatasetError(f"{url}: {name} {values[name]} is outside 0..{values[limit] - 1} "
+                                   f"({limit} {values[limit]}); rebuild the dataset, or correct "
+                                   f"{name} or {limit} in this file if the arrays are right.")
         return cls(**values)
 
     def to_dict(self) -> dict:
@@ -178,51 +189,159 @@ def _default_cache_dir(url: str) -> str:
     return os.path.join(os.path.expanduser(DEFAULT_CACHE_ROOT), digest)
 
 
-def _version_tag(info: dict) -> str:
-    """Short tag of a remote object's size and version, so a replaced object is fetched again."""
-    stamp = next((str(info[k]) for k in ("generation", "etag", "ETag", "LastModified", "mtime")
-                  if info.get(k) is not None), "")
-    return hashlib.sha256(f"{info.get('size')}|{stamp}".encode()).hexdigest()[:12]
+# The cache of a remote split: {cache_dir}/{split}/ holds dataset.json and the arrays under their
+# own names, and manifest.json, which records for each file the remote version it was copied from
+# and the local file's size and modification time. Files are used only when both still match.
+MANIFEST_NAME = "manifest.json"
 
 
-def _cached_copy(fs, remote_path: str, url: str, cache_split_dir: str) -> tuple[str, int]:
-    """Local path of a complete copy of a remote file, and the bytes downloaded for it.
+def _remote_version(info: dict) -> dict:
+    """What identifies one version of a remote object, as the store reports it: the size and
+    whichever of generation (GCS), etag, checksums (md5Hash, crc32c) and modification time."""
+    keys = ("size", "generation", "md5Hash", "crc32c", "etag", "ETag", "LastModified", "mtime", "created")
+    return {key: str(info[key]) for key in keys if info.get(key) is not None}
 
-    Downloads go to a temporary file in the cache directory that is renamed into place once its
-    size matches the remote size, so processes starting together never see a partial file.
-    """
-    with access_errors(url, DatasetError):
-        info = fs.info(remote_path)
-    remote_size = info.get("size")
-    name = os.path.basename(remote_path)
-    stem = name[:-len(".npy")] if name.endswith(".npy") else name
-    local_path = os.path.join(cache_split_dir, f"{stem}.{_version_tag(info)}.npy")
-    if os.path.exists(local_path) and os.path.getsize(local_path) == remote_size:
-        return local_path, 0
-    os.makedirs(cache_split_dir, exist_ok=True)
-    fd, tmp_path = tempfile.mkstemp(dir=cache_split_dir, prefix=f".{stem}.", suffix=".part")
+
+def _remote_versions(fs, split_url: str, split_path: str, names: list[str]) -> dict[str, dict]:
+    fs.invalidate_cache(split_path)  # a listing this process cached must not hide a rebuild
+    versions = {}
+    for name in names:
+        url = join_url(split_url, name)
+        try:
+            with access_errors(url, DatasetError):
+                versions[name] = _remote_version(fs.info(join_url(split_path, name)))
+        except FileNotFoundError:
+            raise DatasetError(f"{url} is missing; the dataset upload may be incomplete. Copy it "
+                               "again or rebuild the dataset.") from None
+    return versions
+
+
+def _local_stamp(path: str) -> dict | None:
+    """Size and modification time of a cached file (None if absent): any write changes them."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+@contextlib.contextmanager
+def _locked(directory: str):
+    """Hold an exclusive lock on a cache directory (released when the holder exits or dies), so
+    processes of one machine copy into it one at a time."""
+    import fcntl  # POSIX only, like the TPU VMs
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, ".lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"data: waiting for another process copying into {directory}", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (some NFS mounts): one process per host copies
+            pass
+        yield
+
+
+def _read_manifest(directory: str) -> dict:
+    try:
+        with open(os.path.join(directory, MANIFEST_NAME)) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else {}
+
+
+def _write_manifest(directory: str, manifest: dict) -> None:
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=".manifest.", suffix=".part")
+    with os.fdopen(fd, "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(tmp_path, os.path.join(directory, MANIFEST_NAME))
+
+
+def _md5_base64(path: str) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            digest.update(block)
+    return base64.b64encode(digest.digest()).decode()
+
+
+def _download(fs, remote_path: str, url: str, local_path: str, version: dict) -> int:
+    """Copy one remote file to ``local_path`` through a temporary .part file that is renamed into
+    place once its size, and its MD5 when the store reports one (GCS's md5Hash), match the
+    remote object's. Returns its size."""
+    directory, name = os.path.split(local_path)
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".part")
     os.close(fd)
     start = time.time()
     try:
         with access_errors(url, DatasetError):
             fs.get_file(remote_path, tmp_path)
         size = os.path.getsize(tmp_path)
-        if remote_size is not None and size != remote_size:
+        if "size" in version and size != int(version["size"]):
             raise DatasetError(f"Downloaded {size} bytes of {url} but the storage reports "
-                               f"{remote_size}; the object changed during the download. Retry.")
+                               f"{version['size']}; the object changed during the download. Retry.")
+        if "md5Hash" in version and _md5_base64(tmp_path) != version["md5Hash"]:
+            raise DatasetError(f"The copy of {url} does not have the MD5 the storage reports "
+                               f"({version['md5Hash']}): the download was corrupted or the object "
+                               "changed during it. Retry.")
         os.replace(tmp_path, local_path)
     finally:
         if os.path.exists(tmp_path):
             os.remove(tmp_path)
     print(f"data: copied {url} ({size / 1e6:.1f} MB, {time.time() - start:.1f} s) to {local_path}",
           file=sys.stderr, flush=True)
-    # Older versions of the same array are no longer needed.
-    for other in os.listdir(cache_split_dir):
-        if other.startswith(stem + ".") and other.endswith(".npy") and \
-                os.path.join(cache_split_dir, other) != local_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(cache_split_dir, other))
-    return local_path, size
+    return size
+
+
+def _cached_split(fs, split_url: str, split_path: str, names: list[str],
+                  cache_split_dir: str) -> tuple[dict[str, str], int, dict]:
+    """Local copies of the files ``names`` of a remote split, all of one version of the split:
+    ({name: local path}, bytes downloaded, the manifest describing them).
+
+    Under the cache directory's lock: leftovers of killed downloads (*.part) and files that are
+    not the split's are removed; a file is copied again when the remote object's version
+    (generation, etag, md5, size) or the local file's size or modification time differ from the
+    manifest's record of it (so a rebuilt dataset, a re-uploaded file or a cached file written to
+    since are fetched again). Files whose recorded remote version is unchanged are the same
+    bytes and stay. After copying, the remote versions are read again: if any changed meanwhile
+    (a rebuild under way), DatasetError, and the manifest is not updated, so a mix of two builds
+    is never served.
+    """
+    with _locked(cache_split_dir):
+        for leftover in os.listdir(cache_split_dir):
+            if leftover.endswith(".part") or (leftover.endswith(".npy") and leftover not in names):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(cache_split_dir, leftover))
+        remote = _remote_versions(fs, split_url, split_path, names)
+        manifest = _read_manifest(cache_split_dir)
+        recorded = manifest["files"] if manifest.get("url") == split_url else {}
+        files, downloaded = {}, 0
+        for name in names:
+            local_path = os.path.join(cache_split_dir, name)
+            record = recorded.get(name) if isinstance(recorded.get(name), dict) else {}
+            if record.get("remote") != remote[name] or record.get("local") != _local_stamp(local_path):
+                downloaded += _download(fs, join_url(split_path, name), join_url(split_url, name), local_path,
+                                        remote[name])
+            files[name] = {"remote": remote[name], "local": _local_stamp(local_path)}
+        if files != recorded:
+            if _remote_versions(fs, split_url, split_path, names) != remote:
+                raise DatasetError(f"{split_url} changed while it was being copied to {cache_split_dir} "
+                                   "(rebuilt or re-uploaded meanwhile?). Run again once the dataset is "
+                                   "complete; the cache is not used until one version was copied whole.")
+            manifest = {"url": split_url, "files": files}
+            _write_manifest(cache_split_dir, manifest)
+    return {name: os.path.join(cache_split_dir, name) for name in names}, downloaded, manifest
+
+
+def _record_values_checked(cache_split_dir: str, manifest: dict, metadata: Metadata) -> None:
+    """Note in the manifest that its files passed _check_values for ``metadata``, unless another
+    process has replaced them since."""
+    with _locked(cache_split_dir):
+        current = _read_manifest(cache_split_dir)
+        if current.get("url") == manifest["url"] and current.get("files") == manifest["files"]:
+            _write_manifest(cache_split_dir, dict(current, values_checked=metadata.to_dict()))
 
 
 def _load_npy(local_path: str, url: str, memory_map: bool) -> np.ndarray:
@@ -257,9 +376,13 @@ def read_metadata(url: str, split: str) -> Metadata:
         raise DatasetError(f"Unknown split {split!r} for {url}; use one of {SPLITS}.")
     json_url = join_url(url, split, "dataset.json")
     try:
-        metadata = Metadata.from_dict(read_json(json_url, "dataset", DatasetError), json_url)
+        return _parse_metadata(read_json(json_url, "dataset", DatasetError), json_url)
     except FileNotFoundError:
         raise _missing_split_error(url, split, json_url) from None
+
+
+def _parse_metadata(content, json_url: str) -> Metadata:
+    metadata = Metadata.from_dict(content, json_url)
     if len(metadata.sets) != 1:
         raise DatasetError(f"{json_url} lists the sets {list(metadata.sets)}; only datasets "
                            "with one set per split are supported. Rebuild with one set.")
@@ -269,37 +392,47 @@ def read_metadata(url: str, split: str) -> Metadata:
 def open_dataset(url: str, split: str, cache_dir: str | None = None) -> Dataset:
     """Open one split ("train" or "test") of the dataset rooted at ``url``.
 
-    A remote split's arrays are copied to ``cache_dir/<split>/`` once (default
-    ``~/.cache/trm-data/<hash of url>``) and memory-mapped; a local root is read in place.
+    A remote split (dataset.json and its arrays, one version of them: _cached_split) is copied to
+    ``cache_dir/<split>/`` once (default ``~/.cache/trm-data/<hash of url>``) and memory-mapped; a
+    local root is read in place. The values of the arrays are checked (_check_values) at every
+    open of a local split, once per cached version of a remote one.
     """
-    metadata = read_metadata(url, split)
+    metadata = read_metadata(url, split)  # explains a missing or malformed split
     split_url = join_url(url, split)
     fs, split_path = filesystem(split_url)
-    local = is_local(fs)
-    cache_split_dir = os.path.join(cache_dir or _default_cache_dir(url), split)
-    arrays, downloaded = {}, 0
+    file_names = {name: f"{metadata.sets[0]}__{name}.npy" for name in ARRAY_NAMES}
+    downloaded, manifest, cache_split_dir = 0, None, None
+    if is_local(fs):
+        paths = {name: join_url(split_path, file_name) for name, file_name in file_names.items()}
+        for name, path in paths.items():
+            if not os.path.isfile(path):
+                raise DatasetError(f"{join_url(split_url, file_names[name])} is missing; the dataset upload "
+                                   "may be incomplete. Copy it again or rebuild the dataset.")
+    else:
+        cache_split_dir = os.path.join(cache_dir or _default_cache_dir(url), split)
+        local, downloaded, manifest = _cached_split(fs, split_url, split_path,
+                                                    ["dataset.json", *file_names.values()], cache_split_dir)
+        paths = {name: local[file_name] for name, file_name in file_names.items()}
+        json_url = join_url(split_url, "dataset.json")
+        try:  # the copied arrays' own dataset.json (the one read above may be older)
+            with open(local["dataset.json"], "rb") as f:
+                content = json.loads(f.read())
+        except (OSError, ValueError, UnicodeDecodeError) as exc:
+            raise DatasetError(f"{json_url} is not valid JSON ({exc}); rebuild or re-upload the dataset.") from exc
+        metadata = _parse_metadata(content, json_url)
+    arrays = {}
     for name in ARRAY_NAMES:
-        file_name = f"{metadata.sets[0]}__{name}.npy"
-        array_url = join_url(split_url, file_name)
-        array_path = join_url(split_path, file_name)
-        try:
-            if local:
-                if not os.path.isfile(array_path):
-                    raise FileNotFoundError(array_path)
-                local_path = array_path
-            else:
-                local_path, size = _cached_copy(fs, array_path, array_url, cache_split_dir)
-                downloaded += size
-        except FileNotFoundError:
-            raise DatasetError(f"{array_url} is missing; the dataset upload may be incomplete. "
-                               "Copy it again or rebuild the dataset.") from None
+        array_url = join_url(split_url, file_names[name])
         # The example arrays stay on disk; the index arrays are small and used on every batch.
-        array = _load_npy(local_path, array_url, memory_map=name in ("inputs", "labels"))
+        array = _load_npy(paths[name], array_url, memory_map=name in ("inputs", "labels"))
         if array.dtype.kind not in "iu":
             raise DatasetError(f"{array_url} has dtype {array.dtype}, expected integers "
                                "(uint8 tokens, int32 indices). Rebuild the dataset.")
         arrays[name] = array
-    _check_arrays(arrays, metadata, split_url)
+    checked = manifest is not None and manifest.get("values_checked") == metadata.to_dict()
+    _check_arrays(arrays, metadata, split_url, values=not checked)
+    if manifest is not None and not checked:
+        _record_values_checked(cache_split_dir, manifest, metadata)
     return Dataset(url=url, split=split, metadata=metadata,
                    inputs=arrays["inputs"], labels=arrays["labels"],
                    puzzle_identifiers=np.asarray(arrays["puzzle_identifiers"], dtype=np.int32),
@@ -308,8 +441,9 @@ def open_dataset(url: str, split: str, cache_dir: str | None = None) -> Dataset:
                    downloaded_bytes=downloaded)
 
 
-def _check_arrays(arrays: dict, metadata: Metadata, split_url: str) -> None:
-    """Raise DatasetError unless the arrays have the shapes dataset.json and each other imply."""
+def _check_arrays(arrays: dict, metadata: Metadata, split_url: str, values: bool = True) -> None:
+    """Raise DatasetError unless the arrays have the shapes dataset.json and each other imply
+    and (``values``) hold only valid tokens, labels and puzzle identifiers (_check_values)."""
     def fail(name, problem):
         raise DatasetError(f"{join_url(split_url, f'{metadata.sets[0]}__{name}.npy')} {problem}. "
                            "The dataset is inconsistent: rebuild or re-upload it.")
@@ -339,10 +473,45 @@ def _check_arrays(arrays: dict, metadata: Metadata, split_url: str) -> None:
     if len(identifiers) != num_puzzles:
         fail("puzzle_identifiers", f"has length {len(identifiers)}, expected {num_puzzles} "
                                    "(one per puzzle)")
-    if len(identifiers) and (identifiers.min() < 0
-                             or identifiers.max() >= metadata.num_puzzle_identifiers):
-        fail("puzzle_identifiers", f"holds values outside 0..{metadata.num_puzzle_identifiers - 1}"
-                                   " (num_puzzle_identifiers of dataset.json)")
+    if values:
+        _check_values(arrays, metadata, split_url)
+
+
+# Rows per chunk of the value checks: about 64 MB of a [rows, seq_len] array at a time.
+_CHECK_CHUNK_BYTES = 64 << 20
+
+
+def _check_values(arrays: dict, metadata: Metadata, split_url: str) -> None:
+    """Raise DatasetError unless every token, label and puzzle identifier is a valid row of the
+    model's tables: inputs in [0, vocab_size), labels too or equal to ignore_label_id, puzzle
+    identifiers in [0, num_puzzle_identifiers). Reads the memory-mapped arrays in chunks (the
+    extremes of each chunk; positions are only searched for in a chunk that fails)."""
+    vocab, ignore = metadata.vocab_size, metadata.ignore_label_id
+    checks = (("inputs", vocab, None, "vocab_size", ""),
+              ("labels", vocab, ignore, "vocab_size",
+               f"; ignore_label_id {ignore} is allowed too" if ignore is not None else ""),
+              ("puzzle_identifiers", metadata.num_puzzle_identifiers, None, "num_puzzle_identifiers", ""))
+    for name, limit, allowed, field_name, also in checks:
+        array = arrays[name]
+        rows = max(1, _CHECK_CHUNK_BYTES // max(1, array[:1].nbytes))
+        for start in range(0, len(array), rows):
+            chunk = np.asarray(array[start:start + rows])
+            if chunk.size == 0 or (chunk.min() >= 0 and chunk.max() < limit):
+                continue
+            bad = (chunk < 0) | (chunk >= limit)
+            if allowed is not None:
+                bad &= chunk != allowed
+            if not bad.any():  # only the allowed ignore label lies outside
+                continue
+            position = np.unravel_index(int(np.argmax(bad)), bad.shape)
+            value = int(chunk[position])
+            where = (f"row {start + position[0]}, position {position[1]}" if chunk.ndim == 2
+                     else f"index {start + position[0]}")
+            raise DatasetError(
+                f"{join_url(split_url, f'{metadata.sets[0]}__{name}.npy')} holds the value {value} "
+                f"(first at {where}), outside 0..{limit - 1} ({field_name} {limit} in "
+                f"{join_url(split_url, 'dataset.json')}{also}). Rebuild the dataset, or correct "
+                f"{field_name} in dataset.json if the arrays are right.")
 
 
 def open_train_test(url: str, cache_dir: str | None = None) -> tuple[Dataset, Dataset]:
@@ -632,6 +801,7 @@ def write_split(url: str, split: str, metadata: Metadata, arrays: dict) -> None:
     dataset.json is written last, so a reader never finds a split with missing arrays.
     """
     split_url = join_url(url, split)
+    metadata = Metadata.from_dict(metadata.to_dict(), join_url(split_url, "dataset.json"))  # its values
     arrays = {name: np.asarray(arrays[name]) if name not in ("inputs", "labels") else arrays[name]
               for name in ARRAY_NAMES}
     for name in ("puzzle_identifiers", "puzzle_indices", "group_indices"):

@@ -17,10 +17,12 @@ from trainer import EVAL_METRICS, Trainer
 
 
 def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None,
-             eval_root: str | None = None, step: int = 0, aggregate: bool = False):
+             eval_root: str | None = None, step: int = 0, aggregate: bool = False,
+             between_batches=lambda done: False):
     """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
     metrics over real (non-padding) examples, plus ARC pass@k when `arc` (an ArcEvaluator)
-    is given. Returns (metrics, ARC submission or None).
+    is given. Returns (metrics, ARC submission or None), or (None, None) when
+    `between_batches(batches done)`, called after every batch, returns True (a SIGTERM).
 
     With `arc` and `eval_root`, process 0 saves this evaluation's votes to
     {eval_root}/step_{step}/arc_votes.json.gz; with `aggregate` too, aggregated_pass@k (and the
@@ -45,6 +47,9 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
                 arc.update(host_batch, sharding.local_rows(preds)[1].numpy(),
                            sharding.local_rows(q_halt)[1].float().numpy(), batches.valid(index))
             done = index + 1
+            if between_batches(done):
+                trainer.model.train()
+                return None, None
             if done % report_every == 0 and done < len(batches):
                 elapsed = time.time() - started
                 say(f"  eval batch {done}/{len(batches)} ({100 * done / len(batches):.0f}%), "
@@ -56,7 +61,8 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
     result["num_examples"] = batches.num_examples
     submission = None
     if arc is not None:
-        votes = arc.merge(sharding.all_gather_object(arc.summary()))
+        split_over_hosts = sharding.data_split()[1] > 1  # else this host voted on every row
+        votes = arc.merge(sharding.all_gather_object(arc.summary()) if split_over_hosts else [arc.summary()])
         result.update(arc.result(votes, REFERENCE_PASS_KS))
         if eval_root is not None and sharding.is_main_process():
             save_arc_votes(eval_root, step, votes)

@@ -144,9 +144,16 @@ after RUN_NAME goes to train.py untouched; launch.sh's own options come before R
 --data.path defaults to --data / TRM_DATA. The same RUN_NAME again resumes the run.
 
   --retry              stay on the laptop and watch the run: recreate a preempted TPU, setup,
-                       deploy and relaunch; stop on a real failure (Ctrl-C stops watching)
+                       deploy and relaunch; relaunch when train.py exits 75 or a worker's trainer
+                       is lost; stop on any other failure (Ctrl-C stops watching)
   --poll SECONDS       how often --retry looks (TRM_POLL_SECONDS, default 60)
   --max-restarts N     give up after N relaunches (TRM_MAX_RESTARTS, default 20)
+
+train.py's exit status, as --retry reads it: 0 finished, or saved and stopped on SIGTERM; 75 a
+relaunch may help (no progress within --run.watchdog-minutes, a peer host vanished, storage
+unreachable, a SIGTERM shutdown past its deadline); 1, or any other status, a failure a relaunch
+would repeat (137, 143: killed, a lost trainer). Other workers' failures next to a 75 or a lost
+trainer count as its consequences.
 
 Needs --tpu, --zone, --project, --bucket.
 More: README.md, "What each command does".
@@ -326,11 +333,29 @@ require() {
     exit 2
   fi
   TPU_FLAGS=(--zone="$ZONE" --project="$PROJECT")
-  BUCKET=${BUCKET#gs://}
-  BUCKET=${BUCKET%/}
-  case $BUCKET in
-    *[!a-z0-9._-]*) usage_error "bucket '$BUCKET': a bucket name has only lowercase letters, digits, '-', '_' and '.'" ;;
+  bucket_name
+}
+
+# BUCKET (--bucket, TRM_BUCKET) as a bare bucket name: given as NAME or gs://NAME (a trailing /
+# allowed), NAME following Cloud Storage's rules. Anything else (gs://, gs:///x, gs://b/path,
+# My_Bucket) is refused before any gcloud call: it would make run directories like gs:///runs/RUN.
+bucket_name() {
+  local given=$BUCKET name part ok=1
+  [ -n "$given" ] || return 0
+  name=${given#gs://}
+  name=${name%/}
+  # Letters spelled out: [a-z] is not ASCII-only in every locale of an older bash (macOS's 3.2).
+  case $name in
+    *[!abcdefghijklmnopqrstuvwxyz0123456789._-]*|[!abcdefghijklmnopqrstuvwxyz0123456789]*) ok=0 ;;
+    *[!abcdefghijklmnopqrstuvwxyz0123456789]) ok=0 ;;
   esac
+  if [ ${#name} -lt 3 ] || [ ${#name} -gt 222 ]; then
+    ok=0
+  elif [ "$ok" = 1 ]; then   # over 63 characters only with dots, each dot-separated part at most 63
+    for part in ${name//./ }; do [ ${#part} -le 63 ] || ok=0; done
+  fi
+  [ "$ok" = 1 ] || usage_error "bucket '$given': expected --bucket NAME or --bucket gs://NAME (TRM_BUCKET likewise), NAME a bucket name: 3-63 characters (up to 222 with dots) of lowercase letters, digits, '-', '_' and '.', starting and ending with a letter or digit"
+  BUCKET=$name
 }
 
 runtime_version_for() {
@@ -720,29 +745,68 @@ stop_all() {
 }
 
 # --retry --------------------------------------------------------------------------------------------
+#
+# train.py's exit status tells --retry what to do (README.md, "What each command does"): 0 it
+# finished, or saved and stopped on SIGTERM; 75 (EX_TEMPFAIL) a relaunch may help (its progress
+# watchdog saw no training step complete in --run.watchdog-minutes, a peer host vanished, storage
+# stayed unreachable beyond the retries, or a SIGTERM shutdown missed its deadline); any other
+# non-zero status (1: bad config or data, a NaN loss, a code error) is a failure a relaunch would
+# repeat, except 137 and 143 (killed by SIGKILL or SIGTERM: read as a lost trainer). Its last line
+# of output says why; worker.sh reports it as `said`.
 
-# worker_classes STATUS_FILE: one line "WORKER CLASS" per worker of a remote_status answer, CLASS
-# one of running, finished (exit 0), failed (exit non-zero), stopped (by launch.sh stop), interrupted.
+# worker_classes STATUS_FILE: one line "WORKER CLASS WHAT" per worker of a remote_status answer,
+# WHAT saying CLASS in words. CLASS is one of
+#   running    train.py runs
+#   finished   it exited 0
+#   stopped    by launch.sh stop, whatever its exit status
+#   retry      it exited 75: a relaunch may help
+#   lost       it or its host went away: INTERRUPTED (SIGTERM to its whole session, as a host that
+#              shuts down sends), LOST (gone without an exit status: its host restarted), killed by
+#              SIGKILL or SIGTERM (exit 137 or 143), or no trainer of this run on the worker
+#   failed     any other exit status: a failure a relaunch would repeat
 worker_classes() {
-  local out=$1 w state rc run class
+  local out=$1 w state rc run class what
   for w in $(workers_in "$out"); do
     state=$(field "$out" "$w" state)
     rc=$(field "$out" "$w" exit)
     run=$(field "$out" "$w" run)
-    class=interrupted   # INTERRUPTED (SIGTERM from a shutdown), LOST, NONE, or another run
-    if [ "$run" = "$RUN" ]; then
+    if [ "$run" != "$RUN" ]; then
+      class=lost what="no trainer of run $RUN${run:+ (its last run is $run)}: a new VM?"
+    else
       case $state in
-        RUNNING) class=running ;;
-        EXITED) if [ "$rc" = 0 ]; then class=finished; else class=failed; fi ;;
-        STOPPED) class=stopped ;;
+        RUNNING) class=running what=running ;;
+        STOPPED) class=stopped what="stopped by launch.sh stop (exit $rc)" ;;
+        INTERRUPTED) class=lost what="interrupted: SIGTERM to its whole session, as when its host shuts down (exit $rc)" ;;
+        LOST) class=lost what="gone without an exit status: its host restarted, or it was killed with its watcher" ;;
+        EXITED)
+          case $rc in
+            0) class=finished what="exit 0" ;;
+            75) class=retry what="exit 75" ;;
+            137) class=lost what="killed by SIGKILL (exit 137: its host going away, the OOM killer, kill -9)" ;;
+            143) class=lost what="killed by SIGTERM (exit 143)" ;;
+            *) class=failed what="exit $rc" ;;
+          esac ;;
+        *) class=lost what="state ${state:-unknown}" ;;
       esac
     fi
-    printf '%s %s\n' "$w" "$class"
+    printf '%s %s %s\n' "$w" "$class" "$what"
   done
 }
 
 in_class() {  # in_class CLASSES_FILE CLASS: its workers, comma-separated
   awk -v c="$2" '$2 == c { printf "%s%s", sep, $1; sep = "," }' "$1"
+}
+
+# explain CLASSES_FILE STATUS_FILE CLASS...: for each worker of these classes, a line
+# "  worker W: WHAT; last line: the last line its train.py printed".
+explain() {
+  local classes=$1 out=$2 w class what said
+  shift 2
+  while read -r w class what; do
+    case " $* " in *" $class "*) ;; *) continue ;; esac
+    said=$(field "$out" "$w" said)
+    info "  worker $w: $what${said:+; last line: $said}"
+  done < "$classes"
 }
 
 # recreate ACCELERATOR VERSION SPOT PREEMPTIBLE: delete the preempted TPU (T_STATE, from the last
@@ -766,18 +830,25 @@ recreate() {
   do_deploy
 }
 
-count_relaunch() {  # count_relaunch N WHY: the Nth relaunch, announced, or the end (--max-restarts)
+# count_relaunch N WHY: announce the Nth relaunch; past --max-restarts, say so and return 1.
+count_relaunch() {
   if [ "$1" -gt "$MAX_RESTARTS" ]; then
-    die "$2; already relaunched $MAX_RESTARTS times (--max-restarts): giving up"
+    printf '%s: %s; already relaunched %s times (--max-restarts): giving up\n' "$PROG" "$2" "$MAX_RESTARTS" >&2
+    return 1
   fi
   info "$2: relaunch $1 of at most $MAX_RESTARTS"
+}
+
+# dry_later FN ARGS...: under --dry-run, the gcloud calls of FN ARGS as comments "#   gcloud ...".
+dry_later() {
+  "$@" 3>&1 >/dev/null | sed 's/^/#   /' >&3
 }
 
 # train --retry: launch, then watch the TPU and the workers every POLL seconds until the run ends.
 # Its state is local: the relaunch count and what a preempted TPU is created again as (`as`:
 # accelerator, runtime version, spot, preemptible, in create_tpu's order).
 retry_loop() {
-  local out classes rc=0 restarts=0 as=() failed tail_out
+  local out classes rc=0 restarts=0 as=() failed retry lost why tail_out
   trap 'info ""; info "stopped watching; the run goes on on the TPU (bash $PROG status / stop)"; exit 130' INT
   describe_tpu READY || die "could not read TPU $TPU"
   # What a preempted TPU is created again as: itself if it exists, else the create settings.
@@ -789,12 +860,23 @@ retry_loop() {
   case $T_STATE in
     READY) ;;
     PREEMPTED|TERMINATED|NOT_FOUND)
-      restarts=$((restarts + 1)); count_relaunch "$restarts" "TPU $TPU is $T_STATE"; recreate "${as[@]}" ;;
+      restarts=$((restarts + 1))
+      count_relaunch "$restarts" "TPU $TPU is $T_STATE" || exit 1
+      recreate "${as[@]}" ;;
     *) die "TPU $TPU is $T_STATE, not READY: wait, then run train --retry again" ;;
   esac
   launch || rc=$?
   if dry; then
-    info "# --retry: then, every ${POLL}s: the describe above, and the status command on every worker"
+    printf '# --retry then watches the run; every %ss:\n' "$POLL" >&3
+    dry_later describe_tpu READY
+    dry_later ssh_run all remote_status
+    printf '# When a worker exited 75 or was lost: the describe again, then\n' >&3
+    dry_later ssh_run all remote_stop "$STOP_WAIT" 1
+    printf '#   and the two ssh calls of the launch above; a TPU gone PREEMPTED, TERMINATED or missing\n' >&3
+    printf '#   is deleted and created again (as create does), then setup, deploy and the launch.\n' >&3
+    printf '# On any other non-zero exit: the describe again, then\n' >&3
+    dry_later ssh_run all remote_stop "$(( STOP_WAIT < 60 ? STOP_WAIT : 60 ))" 1
+    printf '#   and the end of the failing workers'"'"' logs (remote_logs on --worker=THEIR NUMBERS).\n' >&3
     return 0
   fi
   tmpdir
@@ -806,7 +888,8 @@ retry_loop() {
     case $T_STATE in
       READY) ;;
       PREEMPTED|TERMINATED|NOT_FOUND)
-        restarts=$((restarts + 1)); count_relaunch "$restarts" "TPU $TPU is $T_STATE (preempted)"
+        restarts=$((restarts + 1))
+        count_relaunch "$restarts" "TPU $TPU is $T_STATE (preempted)" || exit 1
         recreate "${as[@]}"
         launch || true
         continue ;;
@@ -819,8 +902,13 @@ retry_loop() {
     fi
     worker_classes "$out" > "$classes"
     failed=$(in_class "$classes" failed)
-    if [ -n "$failed" ]; then
-      info "train.py failed on worker(s) $failed (exit $(field "$out" "${failed%%,*}" exit)) on a READY TPU: a real failure, not relaunching"
+    retry=$(in_class "$classes" retry)
+    lost=$(in_class "$classes" lost)
+    if [ -n "$failed" ] && [ -z "$retry$lost" ]; then
+      describe_tpu READY || true
+      [ "$T_STATE" = READY ] || continue   # the next look sees a preempted TPU and recreates it
+      info "train.py failed on worker(s) $failed (exit $(field "$out" "${failed%%,*}" exit)) on a READY TPU: a failure a relaunch would repeat, not relaunching"
+      explain "$classes" "$out" failed
       info "stopping the other workers"
       stop_all "$(( STOP_WAIT < 60 ? STOP_WAIT : 60 ))" 1 || true
       tail_out=$TMPD/tail.out
@@ -833,18 +921,28 @@ retry_loop() {
       info "run $RUN was stopped (bash $PROG stop): not relaunching"
       return 0
     fi
-    if [ -n "$(in_class "$classes" interrupted)" ]; then
+    if [ -n "$retry$lost" ]; then
+      # A worker that exited 75 or went away explains the others' failures (their peer vanished).
       describe_tpu READY || true
-      if [ "$T_STATE" = READY ]; then
-        restarts=$((restarts + 1))
-        count_relaunch "$restarts" "the trainer on worker(s) $(in_class "$classes" interrupted) was interrupted (host restarted or killed)"
-        stop_all "$STOP_WAIT" 1 >/dev/null 2>&1 || true
-        launch || true
+      [ "$T_STATE" = READY ] || continue   # the next look sees a preempted TPU and recreates it
+      why=""
+      [ -z "$retry" ] || why="train.py on worker(s) $retry exited 75 (a relaunch may help)"
+      [ -z "$lost" ] || why="${why:+$why; }the trainer on worker(s) $lost was lost (killed, or its host shut down or restarted)"
+      [ -z "$failed" ] || why="$why; worker(s) $failed failed as well, taken as a consequence"
+      restarts=$((restarts + 1))
+      if ! count_relaunch "$restarts" "$why"; then
+        explain "$classes" "$out" retry lost failed
+        info "stopping the other workers"
+        stop_all "$(( STOP_WAIT < 60 ? STOP_WAIT : 60 ))" 1 || true
+        exit 1
       fi
+      explain "$classes" "$out" retry lost failed
+      stop_all "$STOP_WAIT" 1 >/dev/null 2>&1 || true
+      launch || true
       continue
     fi
     if [ -z "$(in_class "$classes" running)" ] && [ -n "$(in_class "$classes" finished)" ]; then
-      info "run $RUN finished: train.py exited 0 on all $(grep -c ' finished$' "$classes") workers"
+      info "run $RUN finished: train.py exited 0 on all $(grep -c ' finished ' "$classes") workers"
       return 0
     fi
   done
@@ -988,9 +1086,16 @@ parse_args() {
         fi ;;
     esac
   done
-  case $POLL$MAX_RESTARTS$STOP_WAIT$LINES$PORT in
-    *[!0-9.]*) usage_error "--poll, --max-restarts, --wait, --lines and --port take numbers" ;;
+  case $POLL in
+    ''|.|*[!0-9.]*|*.*.*) usage_error "--poll takes a number of seconds (TRM_POLL_SECONDS), not '$POLL'" ;;
   esac
+  # Whole numbers: bash's arithmetic and [ -gt ] take no others (1.5 used to slip through and
+  # make --max-restarts never end the relaunches).
+  for val in "$MAX_RESTARTS" "$STOP_WAIT" "$LINES" "$PORT"; do
+    case $val in
+      ''|*[!0-9]*) usage_error "--max-restarts, --wait, --lines and --port (TRM_MAX_RESTARTS, TRM_STOP_WAIT) take whole numbers, not '$val'" ;;
+    esac
+  done
 }
 
 main() {

@@ -26,80 +26,116 @@ IGNORE_LABEL_ID = -100
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
+# ----------------------------------------------------------------------------------------------
+# Config fields with their allowed ranges
+
+
+_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
+           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
+
+
+def ranged(default, *, ge=None, gt=None, le=None, lt=None, note: str = "", **metadata):
+    """A dataclass field that declares its allowed range (ge: >=, gt: >, le: <=, lt: <) in its
+    metadata, with `note`, what to do about a value outside it; `range_problems` reports the
+    fields outside their range (train.check_config runs it on every config section before a run
+    starts). Other metadata (e.g. train.py's resumable) passes through."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    return dataclasses.field(default=default, metadata={**metadata, "range": bounds, "note": note})
+
+
+def _rule(bounds: dict) -> str:
+    """"must be ..." text of a range: ">= 1", "> 0", "in [0, 1)"."""
+    low = next(((k, bounds[k]) for k in ("ge", "gt") if k in bounds), None)
+    high = next(((k, bounds[k]) for k in ("le", "lt") if k in bounds), None)
+    if low and high:
+        return f"in {'[' if low[0] == 'ge' else '('}{low[1]}, {high[1]}{']' if high[0] == 'le' else ')'}"
+    kind, bound = low or high
+    return f"{_BOUNDS[kind][0]} {bound}"
+
+
+def range_problems(config) -> list[tuple[str, object, str, str]]:
+    """(field name, value, "must be ..." rule, the field's note) of every field of the dataclass
+    instance `config` declared with `ranged` whose value is outside its range, not a number, or
+    not finite. None passes: it is how optional fields say "not given"."""
+    problems = []
+    for f in dataclasses.fields(config):
+        bounds = f.metadata.get("range")
+        value = getattr(config, f.name)
+        if not bounds or value is None:
+            continue
+        rule = _rule(bounds)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or isinstance(value, float) and not math.isfinite(value):
+            problems.append((f.name, value, f"a finite number {rule}", f.metadata["note"]))
+        elif not all(_BOUNDS[kind][1](value, bound) for kind, bound in bounds.items()):
+            problems.append((f.name, value, rule, f.metadata["note"]))
+    return problems
+
+
 @dataclass
 class TRMConfig:
     """Architecture of a TRM; field names follow the reference's arch config."""
 
-    seq_len: int = 81
+    seq_len: int = ranged(81, ge=1)
     """Tokens per example (from the dataset)."""
-    vocab_size: int = 11
+    vocab_size: int = ranged(11, ge=1)
     """Token vocabulary size including pad (from the dataset)."""
-    num_puzzle_identifiers: int = 1
+    num_puzzle_identifiers: int = ranged(1, ge=1)
     """Rows of the puzzle-embedding table (from the dataset)."""
-    hidden_size: int = 512
+    hidden_size: int = ranged(512, ge=1)
     """Width of every token state."""
-    num_heads: int = 8
+    num_heads: int = ranged(8, ge=1, note="a divisor of hidden_size")
     """Attention heads (must divide hidden_size; unused when mlp_t)."""
-    expansion: float = 4.0
+    expansion: float = ranged(4.0, gt=0)
     """SwiGLU expansion; inner width is round(expansion*2/3*width) rounded up to 256."""
-    H_cycles: int = 3
+    H_cycles: int = ranged(3, ge=1)
     """Outer recursions per ACT step (the first H_cycles-1 run without gradient)."""
-    L_cycles: int = 6
+    L_cycles: int = ranged(6, ge=1)
     """Latent updates z_L per outer recursion."""
-    L_layers: int = 2
+    L_layers: int = ranged(2, ge=1)
     """Blocks in the one shared network."""
     mlp_t: bool = False
     """Replace attention by a SwiGLU across the sequence (TRM-MLP)."""
     pos_encodings: Literal["rope", "learned", "none"] = "rope"
     """Position encoding: rope, learned, or none."""
-    puzzle_emb_ndim: int = 512
+    puzzle_emb_ndim: int = ranged(512, ge=0, note="0 disables the puzzle embedding")
     """Width of a puzzle-embedding row (0 disables the puzzle embedding)."""
-    puzzle_emb_len: int = 16
+    puzzle_emb_len: int = ranged(16, ge=0, note="0 sizes it from puzzle_emb_ndim")
     """Prefix positions reserved for the puzzle embedding (0: ceil(puzzle_emb_ndim/hidden_size))."""
-    halt_max_steps: int = 16
+    halt_max_steps: int = ranged(16, ge=1)
     """ACT steps after which a sequence always halts (and the exact count in evaluation)."""
-    halt_exploration_prob: float = 0.1
+    halt_exploration_prob: float = ranged(0.1, ge=0, le=1, note="a probability")
     """Probability that a training sequence gets a random minimum of 2..halt_max_steps steps."""
     no_ACT_continue: bool = True
     """Halt on sigmoid(q_halt) > 0.5 only; False adds the reference's Q-continue target and loss."""
     forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Activation dtype (weights stay float32)."""
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = ranged(1e-5, gt=0)
     """Epsilon of the RMSNorm (computed in float32)."""
-    rope_theta: float = 10000.0
+    rope_theta: float = ranged(10000.0, gt=0)
     """RoPE base."""
 
-    def __post_init__(self):
-        positive = ["seq_len", "vocab_size", "num_puzzle_identifiers", "hidden_size", "num_heads",
-                    "H_cycles", "L_cycles", "L_layers", "halt_max_steps"]
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"TRMConfig.{name} must be a positive integer, got {value!r}")
-        for name in ["puzzle_emb_ndim", "puzzle_emb_len"]:
-            if getattr(self, name) < 0:
-                raise ValueError(f"TRMConfig.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.expansion <= 0:
-            raise ValueError(f"TRMConfig.expansion must be > 0, got {self.expansion!r}")
-        if not self.mlp_t and self.hidden_size % self.num_heads:
-            raise ValueError(f"TRMConfig.num_heads={self.num_heads} does not divide "
-                             f"hidden_size={self.hidden_size}; pick a divisor of it")
+    def problems(self, ranges: bool = True) -> list[str]:
+        """What is wrong with these values, empty if nothing: the ranges declared on the fields
+        ("name=value must be ..."; left out with ranges=False, for callers that report
+        range_problems themselves), then the checks that involve several fields. TRM() raises
+        them; train.check_config reports them (as flags) before a run starts."""
+        out = [f"{name}={value!r} must be {rule}" + (f" ({note})" if note else "")
+               for name, value, rule, note in range_problems(self)] if ranges else []
         if self.pos_encodings not in ("rope", "learned", "none"):
-            raise ValueError(f"TRMConfig.pos_encodings must be rope, learned or none, "
-                             f"got {self.pos_encodings!r}")
+            out.append(f"pos_encodings must be rope, learned or none, got {self.pos_encodings!r}")
         if self.forward_dtype not in DTYPES:
-            raise ValueError(f"TRMConfig.forward_dtype must be one of {sorted(DTYPES)}, "
-                             f"got {self.forward_dtype!r}")
-        if not 0.0 <= self.halt_exploration_prob <= 1.0:
-            raise ValueError(f"TRMConfig.halt_exploration_prob must be in [0, 1], "
-                             f"got {self.halt_exploration_prob!r}")
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError(f"TRMConfig.rms_norm_eps and rope_theta must be > 0, "
-                             f"got {self.rms_norm_eps!r} and {self.rope_theta!r}")
+            out.append(f"forward_dtype must be one of {sorted(DTYPES)}, got {self.forward_dtype!r}")
+        if out or range_problems(self):  # the checks below divide by these sizes
+            return out
+        if not self.mlp_t and self.hidden_size % self.num_heads:
+            out.append(f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}; "
+                       "pick a divisor of it")
         if self.puzzle_emb_ndim > self.prefix_len * self.hidden_size:
-            raise ValueError(f"TRMConfig.puzzle_emb_ndim={self.puzzle_emb_ndim} does not fit in "
-                             f"puzzle_emb_len={self.puzzle_emb_len} positions of width "
-                             f"{self.hidden_size}; raise puzzle_emb_len or set it to 0")
+            out.append(f"puzzle_emb_ndim={self.puzzle_emb_ndim} does not fit in puzzle_emb_len="
+                       f"{self.puzzle_emb_len} positions of width {self.hidden_size}; raise "
+                       "puzzle_emb_len or set it to 0")
+        return out
 
     @property
     def prefix_len(self) -> int:
@@ -302,6 +338,9 @@ class TRM(nn.Module):
 
     def __init__(self, config: TRMConfig, exploration_seed: int = 0):
         super().__init__()
+        problems = config.problems()
+        if problems:
+            raise ValueError("TRMConfig: " + "; ".join(problems))
         self.config = config
         self.exploration_seed = exploration_seed
         self.embed_scale = math.sqrt(config.hidden_size)

@@ -24,6 +24,24 @@ import torch_xla.runtime as xr
 
 _spmd_on = False
 
+# A simulated slice, for tests of what crosses hosts: TRM_SIMULATED_SLICE="RANK/COUNT@tcp://HOST:PORT"
+# makes this process host RANK of COUNT for everything between hosts (the host group, checkpoint
+# files, the SIGTERM agreement, the watchdog) while it runs the whole program on its own CPU mesh
+# and reads every row of every batch: all processes hold the same state, as the hosts of a pod do.
+SIMULATED_SLICE_ENV = "TRM_SIMULATED_SLICE"
+
+
+def _simulated_slice() -> tuple[int, int, str] | None:
+    value = os.environ.get(SIMULATED_SLICE_ENV)
+    if not value:
+        return None
+    try:
+        ranks, address = value.split("@", 1)
+        rank, count = (int(x) for x in ranks.split("/"))
+    except ValueError:
+        raise ValueError(f"{SIMULATED_SLICE_ENV}={value!r}: expected RANK/COUNT@tcp://HOST:PORT") from None
+    return rank, count, address
+
 
 class NoTPUError(RuntimeError):
     pass
@@ -77,15 +95,29 @@ def device_counts() -> tuple[int, int]:
 
 
 def process_index() -> int:
-    return xr.process_index()
+    simulated = _simulated_slice()
+    return simulated[0] if simulated else xr.process_index()
 
 
 def process_count() -> int:
-    return xr.process_count()
+    simulated = _simulated_slice()
+    return simulated[1] if simulated else xr.process_count()
 
 
 def is_main_process() -> bool:
-    return xr.process_index() == 0
+    return process_index() == 0
+
+
+def data_split() -> tuple[int, int]:
+    """(index, count) of the part of each global batch that this process's devices hold and
+    read: its host's share on a slice; everything in a simulated slice."""
+    return (0, 1) if _simulated_slice() else (process_index(), process_count())
+
+
+def rows_here(num_rows: int) -> tuple[int, int]:
+    """[start, stop) of the rows of a batch-sharded tensor held by this process's devices."""
+    index, count = data_split()
+    return index * num_rows // count, (index + 1) * num_rows // count
 
 
 # -- sharding -----------------------------------------------------------------------------------
@@ -214,6 +246,9 @@ def init_host_group(init_method: str | None = None, rank: int | None = None, wor
     """
     if dist.is_initialized():
         return
+    simulated = _simulated_slice()
+    if init_method is None and simulated:
+        rank, world_size, init_method = simulated
     if init_method is None:
         if xr.process_count() == 1:
             return
@@ -223,13 +258,26 @@ def init_host_group(init_method: str | None = None, rank: int | None = None, wor
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+class HostLostError(RuntimeError):
+    """A collective of the host group failed: another host closed its connection (it died, was
+    preempted or was killed) or stopped answering."""
+
+
+def _collective(fn, *args, **kwargs):
+    """Run a torch.distributed collective; a broken connection to a peer raises HostLostError."""
+    try:
+        return fn(*args, **kwargs)
+    except (RuntimeError, dist.DistError) as e:  # gloo reports a vanished peer as a RuntimeError
+        raise HostLostError(f"{fn.__name__} across the hosts failed: {e}") from e
+
+
 def _group_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def barrier() -> None:
     if _group_size() > 1:
-        dist.barrier()
+        _collective(dist.barrier)
 
 
 def broadcast_object(obj, src: int = 0):
@@ -237,7 +285,7 @@ def broadcast_object(obj, src: int = 0):
     if _group_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    _collective(dist.broadcast_object_list, box, src=src)
     return box[0]
 
 
@@ -245,7 +293,7 @@ def all_gather_object(obj) -> list:
     if _group_size() == 1:
         return [obj]
     out = [None] * _group_size()
-    dist.all_gather_object(out, obj)
+    _collective(dist.all_gather_object, out, obj)
     return out
 
 
@@ -254,7 +302,7 @@ def any_host(flag: bool) -> bool:
     if _group_size() == 1:
         return flag
     value = torch.tensor([int(flag)])
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    _collective(dist.all_reduce, value, op=dist.ReduceOp.MAX)
     return bool(value.item())
 
 

@@ -1,6 +1,8 @@
 """Files at any fsspec URL (local or gs://): reads and writes with retries, errors that say what to do.
 
     filesystem(url) -> (fs, path)     join_url(url, *parts) -> url     is_local(fs) -> bool
+    check_url(url, what, local_only=False)   StorageError unless the URL can be opened: a local
+                                      path or a scheme fsspec knows, with a bucket where needed
     read_bytes(url) -> bytes          write_bytes(url, payload)        exists(url) -> bool
     write_file(url, write)            write(f) fills the file's binary handle (e.g. np.save)
     upload_dir(local_dir, url)        copy every file under a local directory, whole files
@@ -35,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -87,6 +90,40 @@ class _DropReraised(logging.Filter):
 
 
 logging.getLogger("gcsfs").addFilter(_DropReraised())
+
+
+# Object stores whose URLs start with a bucket (or container) name.
+_BUCKET_SCHEMES = ("gs", "gcs", "s3", "s3a", "az", "abfs", "abfss", "oss")
+_USE = "use gs://BUCKET/PATH (Google Cloud Storage) or a local path"
+
+
+def check_url(url: str, what: str, local_only: bool = False) -> None:
+    """Raise StorageError unless ``url`` names something this project can open: a local path, or
+    a URL whose scheme fsspec knows (with its package installed) and, for object stores such as
+    gs://, a bucket. ``what`` names the setting in the message (e.g. "data.path"). With
+    ``local_only`` only local paths pass. Checks the spelling only: nothing is accessed."""
+    if not isinstance(url, str) or not url.strip():
+        raise StorageError(f"{what}={url!r} is empty: {_USE}")
+    if "://" not in url:
+        if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/(?!/)", url):  # gs:/bucket: a local directory "gs:"
+            raise StorageError(f"{what}={url} has one slash after its scheme; write "
+                               f"{url.split(':', 1)[0]}://{url.split(':/', 1)[1]} for a URL, or ./{url} "
+                               "for a local path")
+        return
+    chain = url.split("://", 1)[0]
+    if local_only and chain not in ("file", "local"):
+        raise StorageError(f"{what}={url} must be a local directory (each host keeps its own copy), "
+                           "not a URL; give a local path")
+    for scheme in chain.split("::"):  # fsspec chains protocols: simplecache::gs://bucket/path
+        try:
+            fsspec.get_filesystem_class(scheme)
+        except ValueError:
+            raise StorageError(f"{what}={url}: unknown URL scheme {scheme}://; {_USE}") from None
+        except ImportError as exc:
+            raise StorageError(f"{what}={url}: the {scheme}:// scheme needs a package that is not "
+                               f"installed ({exc}); {_USE}") from None
+    if chain.split("::")[-1] in _BUCKET_SCHEMES and not url.split("://", 1)[1].split("/", 1)[0]:
+        raise StorageError(f"{what}={url} names no bucket: {_USE}")
 
 
 def is_local(fs) -> bool:

@@ -33,7 +33,9 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -47,24 +49,26 @@ import storage
 from arc import ArcEvaluator, write_submission
 from checkpoint import CheckpointWriter
 from evaluate import evaluate
-from model import TRM, TRMConfig
+from model import TRM, TRMConfig, range_problems, ranged
 from report import Profile, RunLog, format_duration
 from trainer import Trainer
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+# Exit status when a relaunch may help (EX_TEMPFAIL): a hang (the watchdog), a lost peer host,
+# storage failing beyond its retries. launch.sh train --retry relaunches on it; 1 means a failure
+# that a relaunch would repeat.
 EXIT_RETRYABLE = 75
-"""Exit status (EX_TEMPFAIL) of a run that stopped unfinished for a reason a relaunch may cure
-(it resumes from the last committed checkpoint): launch.sh --retry relaunches it."""
 
 
 # ----------------------------------------------------------------------------------------------
 # Configuration
 
 
-def resumable(default):
+def resumable(default, **limits):
     """A config field that a relaunch of the run may change: it does not change the math of the
-    training (the resume check in `config_differences` lets it differ)."""
-    return field(default=default, metadata={"resumable": True})
+    training (the resume check in `config_differences` lets it differ). `limits`: its allowed
+    range, as for `ranged` (e.g. ge=1), checked by `check_config`."""
+    return ranged(default, resumable=True, **limits)
 
 
 @dataclass
@@ -75,40 +79,47 @@ class DataConfig:
     """Local directory for the cached arrays (default ~/.cache/trm-data/<hash of path>)."""
 
 
+# AdamATan2's betas must stay below 1 in float32 (optim.AdamATan2 refuses 0.99999999, which rounds to 1).
+_BETA_MAX = 0.99999994
+_BETA_NOTE = "below 1 in float32"
+
+
 @dataclass
 class OptimConfig:
-    global_batch_size: int = 768
+    global_batch_size: int = ranged(768, ge=1)
     """Examples per step over all hosts (the paper's 768); must divide by the device count."""
-    epochs: int = 50000
+    epochs: int = ranged(50000, ge=1)
     """Training length in epochs (an epoch draws one puzzle per group)."""
-    max_steps: int | None = resumable(None)
-    """Stop after this many steps instead (for quick runs); None trains for `epochs`."""
-    lr: float = 1e-4
+    max_steps: int | None = resumable(None, ge=0, note="leave it out to train for optim.epochs")
+    """Stop after this many steps instead (for quick runs; 0 saves and evaluates the initial or
+    --run.init-from weights); None trains for `epochs`."""
+    lr: float = ranged(1e-4, ge=0)
     """Peak learning rate of AdamATan2."""
-    lr_min_ratio: float = 1.0
+    lr_min_ratio: float = ranged(1.0, ge=0, le=1, note="a fraction of the peak lr")
     """Cosine decay floor as a fraction of lr (1.0: constant after warmup, as in the paper)."""
-    lr_warmup_steps: int = 2000
+    lr_warmup_steps: int = ranged(2000, ge=0)
     """Linear warmup steps from 0."""
-    beta1: float = 0.9
+    beta1: float = ranged(0.9, ge=0, le=_BETA_MAX, note=_BETA_NOTE)
     """AdamATan2 beta1."""
-    beta2: float = 0.95
+    beta2: float = ranged(0.95, ge=0, le=_BETA_MAX, note=_BETA_NOTE)
     """AdamATan2 beta2."""
-    weight_decay: float = 1.0
+    weight_decay: float = ranged(1.0, ge=0)
     """Decoupled weight decay of AdamATan2."""
-    puzzle_emb_lr: float = 1e-4
+    puzzle_emb_lr: float = ranged(1e-4, ge=0)
     """Peak learning rate of the puzzle-embedding SignSGD (same schedule)."""
-    puzzle_emb_weight_decay: float = 1.0
+    puzzle_emb_weight_decay: float = ranged(1.0, ge=0)
     """Decoupled weight decay of the puzzle embedding."""
-    ema_rate: float = 0.999
+    ema_rate: float = ranged(0.999, ge=0, lt=1, note="0 evaluates the trained weights as they are")
     """EMA rate of the weights used for evaluation and export."""
 
 
 @dataclass
 class EvalConfig:
-    every_epochs: int = resumable(5000)
+    every_epochs: int = resumable(5000, ge=1, note="the final evaluation always runs; set it to optim.epochs "
+                                                   "for only that one")
     """Evaluate every this many epochs, counted in epochs as the reference does; the final
     evaluation at the last step takes the place of the one due at the end."""
-    max_examples: int | None = resumable(None)
+    max_examples: int | None = resumable(None, ge=1, note="leave it out to evaluate every test example")
     """Cap intermediate evaluations to a fixed seeded subset of this many test examples
     (the final evaluation uses all); None evaluates everything every time."""
     arc: bool = resumable(False)
@@ -124,35 +135,41 @@ class EvalConfig:
 class RunConfig:
     dir: str = resumable("runs/default")
     """Run directory (local or gs://): config, checkpoints, TensorBoard logs."""
-    seed: int = 0
+    seed: int = ranged(0, ge=0, le=2**32 - 1)
     """Seed of the initial weights, the data order and the halting exploration."""
     device: Literal["auto", "tpu", "cpu"] = resumable("auto")
     """auto (TPU if attached or PJRT_DEVICE says so), tpu (fail without one), cpu (virtual mesh)."""
-    cpu_devices: int = resumable(8)
+    cpu_devices: int = resumable(8, ge=1)
     """Virtual devices of the CPU mesh (device cpu)."""
-    log_every: int = resumable(100)
+    log_every: int = resumable(100, ge=1)
     """Read metrics back and print a progress line every this many steps."""
-    ckpt_every: int = resumable(2000)
+    ckpt_every: int = resumable(2000, ge=1, note="the end of the run and SIGTERM always save one")
     """Save a checkpoint every this many steps (and always at the end and on SIGTERM)."""
-    keep_checkpoints: int = resumable(3)
+    keep_checkpoints: int = resumable(3, ge=1, note="the latest is always kept")
     """Committed checkpoints to keep; older ones are deleted."""
     init_from: str | None = resumable(None)
     """Start from these weights (a reference-implementation checkpoint or an exported
     model.safetensors) when the run directory has no checkpoint yet."""
     allow_config_change: bool = resumable(False)
     """Resume even though the run directory was created with a different configuration."""
-    preempt_check_every: int = resumable(10)
+    preempt_check_every: int = resumable(10, ge=1)
     """On several hosts, agree every this many steps whether any host got SIGTERM."""
-    shutdown_timeout_s: float = resumable(90.0)
+    shutdown_timeout_s: float = resumable(90.0, gt=0)
     """After SIGTERM or Ctrl-C, exit with status 75 (relaunch resumes) if still running this long later."""
     compile_cache_dir: str = resumable("~/.cache/trm-xla")
     """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
     capture_step: bool = resumable(True)
     """Trace the training step once and replay it as one XLA computation (host time per step:
     README, Speed); False re-traces every step."""
-    profile_steps: int = resumable(0)
+    profile_steps: int = resumable(0, ge=0, note="0 = off")
     """Capture an XLA profile of this many steps (from the 10th step of this launch) into
     {run.dir}/tb/plugins/profile for TensorBoard's profile tab; 0 = off."""
+    start_over: bool = resumable(False)
+    """Start from step 0 when every committed checkpoint in run.dir is unreadable (they are moved
+    to checkpoints-unreadable-TIME/); a readable one is still resumed, so relaunching with it is safe."""
+    watchdog_minutes: float = resumable(30.0, ge=0, note="0 = off")
+    """Exit (status 75, so launch.sh --retry relaunches) when no training step, evaluation batch
+    or save completes for this long: a hung host or collective; 0 = off."""
 
 
 @dataclass
@@ -204,6 +221,41 @@ PRESETS: dict[str, tuple[str, Config]] = {
 
 class ConfigError(ValueError):
     pass
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a dotted config field: optim.global_batch_size ->
+    --optim.global-batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+def check_config(config: Config) -> None:
+    """Every check of the flags that needs neither the dataset nor a device, in one place, run
+    before the dataset is opened and the runtime starts: each numeric field within the range
+    declared on it (`ranged` / `resumable(..., ge=...)`), the model's sizes fitting together, the
+    URLs spelled so that fsspec can open them. ConfigError lists every problem, one per line,
+    each naming the field, its flag and the value."""
+    problems = []
+    for section in dataclasses.fields(Config):
+        for name, value, rule, note in range_problems(getattr(config, section.name)):
+            dotted = f"{section.name}.{name}"
+            problems.append(f"{dotted}={value!r} must be {rule} ({note + '; ' if note else ''}"
+                            f"set it with {flag(dotted)})")
+    if not any(p.startswith("model.") for p in problems):
+        problems += [f"model.{p}" for p in config.model.problems(ranges=False)]
+    if config.eval.arc_aggregate and not config.eval.arc:
+        problems.append("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
+                        "pass --eval.arc too (needs an ARC dataset)")
+    urls = [("data.path", config.data.path, False), ("run.dir", config.run.dir, False),
+            ("data.cache_dir", config.data.cache_dir, True), ("run.init_from", config.run.init_from, False)]
+    for name, url, local_only in urls:
+        if url is not None or name in ("data.path", "run.dir"):
+            try:
+                storage.check_url(url, name, local_only)
+            except storage.StorageError as e:
+                problems.append(f"{e} (set it with {flag(name)})")
+    if problems:
+        raise ConfigError("\nerror: ".join(problems))
 
 
 def check_against_dataset(config: Config, metadata: data.Metadata) -> Config:
@@ -353,13 +405,11 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
     `weights_identifiers`: the rows of given weights' puzzle-embedding table and the fingerprint
     of the identifiers they were trained on, which must match the dataset's."""
     try:
+        check_config(config)
         train_set, test_set = data.open_train_test(config.data.path, cache_dir=config.data.cache_dir)
         config = check_against_dataset(config, train_set.metadata)
         identifiers = data.identifiers_fingerprint(config.data.path)
         check_same_identifiers(weights_identifiers, identifiers, weights_url)
-        if config.eval.arc_aggregate and not config.eval.arc:
-            raise ConfigError("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
-                              "pass --eval.arc too (needs an ARC dataset)")
         if weights_rows is not None and weights_rows != train_set.metadata.num_puzzle_identifiers:
             raise ConfigError(f"the weights' puzzle embedding has {weights_rows} identifiers but the dataset at "
                               f"{config.data.path} has num_puzzle_identifiers="
@@ -401,61 +451,64 @@ def main(config: Config) -> dict:
             f"(steps {', '.join(map(str, eval_steps[:3]))}{', ...' if len(eval_steps) > 4 else ''}"
             f"{', ' + str(eval_steps[-1]) if len(eval_steps) > 3 else ''})")
 
-    # 2. Resume from the latest committed checkpoint, or start (optionally from given weights).
-    start_step, restore, resumed = restore_or_start(config, identifiers, host, num_hosts, log)
+    # 2. Resume from the newest committed checkpoint (one decision for all hosts), or start
+    # (optionally from given weights).
     mesh = sharding.data_mesh()
-    trainer = Trainer(config, sharding, mesh, restore)
-    del restore
+    start_step, trainer, resumed = resume_or_start(config, identifiers, sharding, mesh, log)
     log.say(f"model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters; data: {config.data.path}")
+    data_index, data_count = sharding.data_split()  # this host's rows of every batch
     train_batches = data.TrainBatches(train_set, optim.global_batch_size, seed=config.run.seed,
-                                      process_index=host, process_count=num_hosts)
+                                      process_index=data_index, process_count=data_count)
 
     # 3. The periodic jobs; each decides for itself whether a step is its step.
-    checkpoints = Checkpoints(config, trainer, log, identifiers, total_steps)
-    evaluations = Evaluations(config, trainer, test_set, log, eval_steps)
+    checkpoints = Checkpoints(config, trainer, log, identifiers, total_steps, start_step if resumed else None)
     preemption = Preemption(num_hosts, config.run.preempt_check_every, sharding,
                             ShutdownDeadline(config.run.shutdown_timeout_s))
+    watchdog = Watchdog(config.run.watchdog_minutes, host)
+    evaluations = Evaluations(config, trainer, test_set, log, eval_steps, preemption, watchdog)
     profile = Profile(config, start_step + 10, sharding.is_main_process(), sharding, log.say)
 
     # 4. The loop. Nothing in it reads a device value: metric sums are read by a background
     # thread at the end of each logging window, while the host runs the following steps.
     trainer.init_carries(sharding.host_batch_to_global(train_batches.batch(start_step), mesh))
     sharding.sync()  # materialise weights, optimizer state and carries before the first step
-    evaluations.catch_up(start_step, resumed)
     log.start_window(trainer.device)
     loop_start, preempted = time.time(), False
     batches = PrefetchedBatches(lambda step: sharding.host_batch_to_global(train_batches.batch(step - 1), mesh),
                                 start_step + 1, total_steps)
     try:
+        evaluations.catch_up(start_step, resumed)
         for step in range(start_step + 1, total_steps + 1):
             batch = batches.get(step)
             lr = lr_at(step, optim.lr, optim, total_steps)
             profile.before_step(step)
             log.add_step(trainer.step(batch, lr, lr_at(step, optim.puzzle_emb_lr, optim, total_steps)))
             sharding.sync()
+            watchdog.progress(f"step {step}")
             profile.after_step(step)
             stop = preemption.agreed_stop(step, log.nonfinite is not None)
             log.after_step(step, lr, end_window=stop or checkpoints.due(step))
             if stop:  # SIGTERM on some host (a NaN stops inside save instead)
-                checkpoints.save(step, wait=True)
-                log.say(f"SIGTERM: saved checkpoint {checkpoint.step_dir(config.run.dir, step)}; "
-                        "run the same command again to resume")
-                preempted = True
-                break
+                raise Preempted(step)
             checkpoints.after_step(step)
-            evaluations.after_step(step)
-    finally:
-        batches.close()
-        preemption.close()
+            evaluations.after_step(step)  # raises Preempted on SIGTERM between evaluation batches
 
-    # 5. The final save and evaluation (a relaunch of a finished run only evaluates).
-    if not preempted:
-        if total_steps > start_step or not resumed:
-            checkpoints.save(total_steps)
+        # 5. The final save and evaluation (a relaunch of a finished run only evaluates).
+        checkpoints.save(total_steps)
         evaluations.run(total_steps, final=True)
         checkpoints.wait()
         log.say(f"done: {total_steps} steps in {format_duration(time.time() - loop_start)}; final exact accuracy "
                 f"{100 * log.evals[-1]['exact_accuracy']:.2f}% on held-out puzzles")
+    except Preempted as stop:
+        checkpoints.save(stop.step, wait=True)
+        log.say(f"SIGTERM: saved checkpoint {checkpoint.step_dir(config.run.dir, stop.step)}; "
+                "run the same command again to resume")
+        preempted = True
+    finally:
+        batches.close()
+        preemption.close()
+        watchdog.close()
+        checkpoints.close()  # a save under way commits (or is reported) however the loop ends
     log.close()
     xla = sharding.xla_counters()
     fallbacks = f" {xla['fallbacks']}" if xla["fallbacks"] else ""
@@ -467,28 +520,102 @@ def main(config: Config) -> dict:
             "start_step": start_step}
 
 
-def restore_or_start(config: Config, identifiers: str | None, host: int, num_hosts: int, log: RunLog):
-    """(start step, tensors to restore or None, whether a checkpoint was found): the run
-    directory's latest committed checkpoint (this host's rows of the carry), refused when the
-    configuration changed in a way that matters; else run.init_from's weights; else nothing.
-    A new run writes its config.json."""
-    def host_rows(shape):
-        return host * shape[0] // num_hosts, (host + 1) * shape[0] // num_hosts
+class ConfigChangedError(ConfigError):
+    pass
 
-    found = checkpoint.latest_checkpoint(config.run.dir, lambda url: checkpoint.read_checkpoint(url, host_rows))
-    if found:
-        start_step, url, (restore, saved) = found
-        differences = config_differences(saved["config"], dataclasses.asdict(config))
-        if saved.get("dataset_identifiers") not in (None, identifiers):
-            differences.append(f"the dataset's puzzle identifiers: fingerprint {saved['dataset_identifiers']} "
-                               f"in the run directory, {identifiers} now")
-        if differences and not config.run.allow_config_change:
-            raise SystemExit(f"error: {config.run.dir} was created with another configuration:\n  "
-                             + "\n  ".join(differences)
-                             + "\nuse the original flags, a new --run.dir, or --run.allow-config-change")
-        log.say(f"resuming from {url} (step {start_step})")
+
+def refuse_changed_config(config: Config, saved: dict, identifiers: str | None) -> None:
+    """Raise ConfigChangedError when the checkpoint's state says the run was made with another
+    configuration in a way that matters (and run.allow_config_change is off)."""
+    differences = config_differences(saved["config"], dataclasses.asdict(config))
+    if saved.get("dataset_identifiers") not in (None, identifiers):
+        differences.append(f"the dataset's puzzle identifiers: fingerprint {saved['dataset_identifiers']} "
+                           f"in the run directory, {identifiers} now")
+    if differences and not config.run.allow_config_change:
+        raise ConfigChangedError(f"{config.run.dir} was created with another configuration:\n  "
+                                 + "\n  ".join(differences)
+                                 + "\nuse the original flags, a new --run.dir, or --run.allow-config-change")
+
+
+def attempt(fn):
+    """(None, fn()) or ((kind, message), None) when fn raised: kind "unreadable" for checkpoint
+    contents that cannot be what was saved, "config" for a changed configuration, "stop" for
+    anything else (storage failing, a state that does not match): what hosts compare."""
+    try:
+        return None, fn()
+    except ConfigChangedError as e:
+        return ("config", str(e)), None
+    except checkpoint.IncompleteCheckpointError as e:
+        return ("stop", str(e)), None
+    except checkpoint.CheckpointError as e:
+        return ("unreadable", str(e)), None
+    except Exception as e:  # every host must reach the comparison, whatever failed
+        return ("stop", f"{type(e).__name__}: {e}"), None
+
+
+def abandon_unreadable(config: Config, unreadable: list[str], sharding, log: RunLog) -> None:
+    """Every committed checkpoint is unreadable: stop, unless run.start_over says to move them
+    aside (process 0) and start from step 0."""
+    if not config.run.start_over:
+        raise SystemExit(f"error: no committed checkpoint of {config.run.dir} can be read ("
+                         + ", ".join(unreadable) + "); nothing was trained or overwritten. Pass "
+                         "--run.start-over to move them aside and start from step 0, or use a new --run.dir")
+    aside = storage.join_url(config.run.dir, f"checkpoints-unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+    if sharding.is_main_process():
+        fs, path = storage.filesystem(storage.join_url(config.run.dir, "checkpoints"))
+        storage.with_retries("moving", path, lambda: fs.mv(path, storage.filesystem(aside)[1], recursive=True))
+    sharding.barrier()
+    log.say(f"--run.start-over: moved the unreadable checkpoints to {aside}; starting from step 0")
+
+
+def resume_or_start(config: Config, identifiers: str | None, sharding, mesh, log: RunLog):
+    """(start step, Trainer, whether it resumed): the run directory's newest committed
+    checkpoint, or else run.init_from's weights, or else a fresh start (which writes config.json).
+
+    One decision for the whole slice: process 0 lists the committed checkpoints, every host reads
+    the newest (its rows of the carry) and builds the training state from it, and the hosts
+    compare outcomes. All resume from the same step; or all pass over a checkpoint whose
+    contents are unreadable to the next older one, saying so; or all stop with an error naming
+    the step, the host and the cause (storage failing beyond its retries, a checkpoint that does
+    not hold this run's state, a changed configuration). A run directory whose committed
+    checkpoints are all unreadable never starts over at step 0 without --run.start-over.
+    """
+    def listing():
+        committed = checkpoint.list_checkpoints(config.run.dir)
+        newest = committed[0][0] if committed else -1
+        for step, url in checkpoint.list_checkpoints(config.run.dir, committed_only=False):
+            if step > newest:
+                log.say(f"note: passing over {url}: no {checkpoint.COMMIT_MARKER} marker (a save that did not finish)")
+        return committed
+    error, candidates = attempt(listing) if sharding.is_main_process() else (None, None)
+    error, candidates = sharding.broadcast_object((error, candidates))
+    if error:
+        raise SystemExit(f"error: cannot list the checkpoints of {config.run.dir} (host 0): {error[1]}")
+    unreadable = []
+    for step, url in candidates:
+        def resume(url=url):
+            restore, saved = checkpoint.read_checkpoint(url, lambda shape: sharding.rows_here(shape[0]))
+            refuse_changed_config(config, saved, identifiers)
+            return Trainer(config, sharding, mesh, restore)
+        error, trainer = attempt(resume)
+        errors = {host: e for host, e in enumerate(sharding.all_gather_object(error)) if e}
+        if errors and all(kind == "unreadable" for kind, _ in errors.values()):
+            for host, (_, message) in errors.items():
+                log.say(f"warning: passing over checkpoint step {step}, unreadable on host {host}: {message}")
+            unreadable.append(url)
+            continue
+        if errors:
+            kind, message = next(iter(errors.values()))
+            if kind == "config":
+                raise SystemExit(f"error: {message}")
+            raise SystemExit(f"error: cannot resume from {url} (step {step}); nothing was trained or written:\n"
+                             + "\n".join(f"  host {host}: {message}" for host, (_, message) in errors.items())
+                             + "\nFix the cause and relaunch; the run directory is unchanged.")
+        log.say(f"resuming from {url} (step {step})")
         log.config_text(config)
-        return start_step, restore, True
+        return step, trainer, True
+    if unreadable:
+        abandon_unreadable(config, unreadable, sharding, log)
     restore = None
     if config.run.init_from:
         try:
@@ -500,41 +627,66 @@ def restore_or_start(config: Config, identifiers: str | None, host: int, num_hos
         storage.write_bytes(storage.join_url(config.run.dir, "config.json"),
                                json.dumps(dataclasses.asdict(config), indent=2).encode())
     log.config_text(config)
-    return 0, restore, False
+    return 0, Trainer(config, sharding, mesh, restore), False
 
 
 class Checkpoints:
     """Saves every run.ckpt_every steps (and when asked: SIGTERM, the end), asynchronously: the
     loop pauses only for the device-to-host copy. A save first waits for the metric windows
-    read so far and stops the run, without saving, if one was not finite."""
+    read so far and stops the run, without saving, if one was not finite. A failed background
+    save stops the loop at the next step; `close` (in the loop's `finally`) lets a save under
+    way commit, or reports it, however the loop ends."""
 
-    def __init__(self, config: Config, trainer: Trainer, log: RunLog, identifiers: str | None, total_steps: int):
+    def __init__(self, config: Config, trainer: Trainer, log: RunLog, identifiers: str | None, total_steps: int,
+                 saved_step: int | None):
         self.config, self.trainer, self.log, self.total_steps = config, trainer, log, total_steps
         self.identifiers, self.sharding = identifiers, trainer.sharding
         self.host, self.num_hosts = self.sharding.process_index(), self.sharding.process_count()
-        self.writer = CheckpointWriter(config.run.dir, self.host, self.num_hosts, keep=config.run.keep_checkpoints)
+        # One attempt id for this launch's saves, the same on every host (checkpoint.py).
+        attempt = self.sharding.broadcast_object(checkpoint.new_attempt_id())
+        self.writer = CheckpointWriter(config.run.dir, self.host, self.num_hosts, keep=config.run.keep_checkpoints,
+                                       attempt=attempt)
+        self.saved_step = saved_step  # the step whose checkpoint exists or is being written
         self.transfers = 0  # device-to-host transfers of the saves (counted apart from the loop's)
 
     def due(self, step: int) -> bool:
         return step % self.config.run.ckpt_every == 0 or step == self.total_steps
 
     def after_step(self, step: int) -> None:
+        self.writer.check()  # a background save that failed stops the run now, not at the next save
         if self.due(step) and step != self.total_steps:  # the last step's save comes after the loop
             self.save(step)
 
     def save(self, step: int, wait: bool = False) -> None:
-        self.log.drain()  # every host has now read the same windows, so all stop here together
-        self._stop_if_not_finite()
-        before = self.sharding.xla_counters()["transfers"]
-        shards = self.trainer.checkpoint_shards(self.host, self.num_hosts)  # the loop's pause
-        self.transfers += self.sharding.xla_counters()["transfers"] - before
-        self.writer.save(step, shards, {"step": step, "config": dataclasses.asdict(self.config),
-                                        "dataset_identifiers": self.identifiers})
+        """Save this step (unless its checkpoint exists or is being written already)."""
+        if step != self.saved_step:
+            self.log.drain()  # every host has now read the same windows, so all stop here together
+            self._stop_if_not_finite()
+            before = self.sharding.xla_counters()["transfers"]
+            shards = self.trainer.checkpoint_shards(self.host, self.num_hosts)  # the loop's pause
+            self.transfers += self.sharding.xla_counters()["transfers"] - before
+            self.writer.save(step, shards, {"step": step, "config": dataclasses.asdict(self.config),
+                                            "dataset_identifiers": self.identifiers})
+            self.saved_step = step
         if wait:
             self.writer.wait()
 
     def wait(self) -> None:
         self.writer.wait()
+
+    def close(self) -> None:
+        """Wait for a save under way. With an exception already on its way out, a failed save
+        is printed rather than raised, so that neither error hides the other."""
+        leaving_on_error = sys.exc_info()[1] is not None
+        if self.writer.busy():
+            self.log.say(f"waiting for the checkpoint of step {self.writer.step} to be written")
+        try:
+            self.writer.wait()
+        except BaseException as e:
+            if not leaving_on_error:
+                raise
+            print(f"error: the checkpoint of step {self.writer.step} was not saved either: {e!r}",
+                  file=sys.stderr, flush=True)
 
     def _stop_if_not_finite(self) -> None:
         """A NaN state must never replace the last good checkpoint."""
@@ -556,10 +708,13 @@ class Checkpoints:
 class Evaluations:
     """Evaluates at the scheduled steps (evaluation_steps) with the EMA weights, on a seeded
     subset of eval.max_examples except the final evaluation; writes {run.dir}/eval/step_N/
-    (metrics.json last, as the mark of a finished evaluation) and the ARC submission."""
+    (metrics.json last, as the mark of a finished evaluation) and the ARC submission. A SIGTERM
+    on any host stops an evaluation between two batches (Preempted), unwritten."""
 
-    def __init__(self, config: Config, trainer: Trainer, test_set: data.Dataset, log: RunLog, eval_steps: list[int]):
+    def __init__(self, config: Config, trainer: Trainer, test_set: data.Dataset, log: RunLog, eval_steps: list[int],
+                 preemption: Preemption, watchdog: Watchdog):
         self.config, self.trainer, self.test_set, self.log = config, trainer, test_set, log
+        self.preemption, self.watchdog = preemption, watchdog
         self.scheduled = set(eval_steps[:-1])  # the final one runs after the loop
         self.root = storage.join_url(config.run.dir, "eval")
         self.arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
@@ -578,11 +733,19 @@ class Evaluations:
     def run(self, step: int, final: bool) -> None:
         config, sharding = self.config, self.trainer.sharding
         started = time.time()
-        batches = data.EvalBatches(self.test_set, config.optim.global_batch_size,
-                                   process_index=sharding.process_index(), process_count=sharding.process_count(),
-                                   max_examples=None if final else config.eval.max_examples, seed=config.run.seed)
+        index, count = sharding.data_split()
+        batches = data.EvalBatches(self.test_set, config.optim.global_batch_size, process_index=index,
+                                   process_count=count, max_examples=None if final else config.eval.max_examples,
+                                   seed=config.run.seed)
+
+        def between_batches(done: int) -> bool:  # True: stop (SIGTERM on some host)
+            self.watchdog.progress(f"evaluation batch {done}/{len(batches)} at step {step}")
+            return self.preemption.agreed_now()
+
         result, submission = evaluate(self.trainer, batches, sharding.sync, self.arc, self.log.say, self.root, step,
-                                      config.eval.arc_aggregate)
+                                      config.eval.arc_aggregate, between_batches)
+        if result is None:
+            raise Preempted(step)
         self.log.evaluation(result, step, time.time() - started)
         if sharding.is_main_process():
             out = storage.join_url(self.root, f"step_{step}")
@@ -611,7 +774,6 @@ class ShutdownDeadline:
 
     def start(self) -> None:
         import socket
-        import threading
 
         self._read, self._write = socket.socketpair()
         self._write.setblocking(False)  # set_wakeup_fd requires it
@@ -627,8 +789,6 @@ class ShutdownDeadline:
         self._write.close()
 
     def _watch(self) -> None:
-        import threading
-
         while (signum := self._read.recv(1)[0]) != 0:
             if signum not in (signal.SIGTERM, signal.SIGINT):
                 continue
@@ -644,9 +804,6 @@ class ShutdownDeadline:
             threading.Thread(target=self._expire, daemon=True, name="trm-shutdown-expire").start()
 
     def _expire(self) -> None:
-        import threading
-        import traceback
-
         time.sleep(self.timeout_s)
         frames = sys._current_frames()
         main_frame = frames.get(threading.main_thread().ident)
@@ -679,10 +836,19 @@ def _say_now(text: str) -> None:
     os.write(2, (text.rstrip("\n") + "\n").encode(errors="replace"))
 
 
+class Preempted(Exception):
+    """SIGTERM reached some host: every host stops after `step` (saving it)."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
 class Preemption:
     """SIGTERM (a spot VM's notice) or Ctrl-C on any host stops every host at the same step:
-    hosts agree every run.preempt_check_every steps (every step on one host), and a non-finite
-    loss seen by any host is agreed on the same way. The stop must end within `deadline`'s time."""
+    hosts agree every run.preempt_check_every steps (every step on one host) and after every
+    evaluation batch, and a non-finite loss seen by any host is agreed on the same way. The stop
+    must end within `deadline`'s time."""
 
     def __init__(self, num_hosts: int, check_every: int, sharding, deadline: ShutdownDeadline | None = None):
         self.requested, self.sharding = False, sharding
@@ -702,6 +868,10 @@ class Preemption:
         """True on every host at the same step once any host got SIGTERM or saw a NaN."""
         return step % self.check_every == 0 and self.sharding.any_host(self.requested or nonfinite)
 
+    def agreed_now(self) -> bool:
+        """True on every host once any host got SIGTERM (a collective: all hosts call it)."""
+        return self.sharding.any_host(self.requested)
+
     def close(self) -> None:
         signal.signal(signal.SIGTERM, self.previous)
         signal.signal(signal.SIGINT, self.previous_sigint)
@@ -709,9 +879,47 @@ class Preemption:
             self.deadline.close()
 
 
+class Watchdog:
+    """Ends this process with EXIT_RETRYABLE when nothing completes (a training step, an
+    evaluation batch) for run.watchdog_minutes: a hung host or collective. It first prints what
+    completed last and where the main thread waits, so that the log of every host that can
+    still run says which step or collective hung; launch.sh --retry then relaunches."""
+
+    def __init__(self, minutes: float, host: int):
+        self.timeout_s, self.host = minutes * 60, host
+        self.last, self.done = time.monotonic(), "the start"
+        self.closed = threading.Event()
+        if self.timeout_s > 0:
+            threading.Thread(target=self._watch, daemon=True, name="trm-watchdog").start()
+
+    def progress(self, done: str) -> None:
+        self.last, self.done = time.monotonic(), done
+
+    def _watch(self) -> None:
+        while not self.closed.wait(min(30.0, self.timeout_s / 4)):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout_s:
+                frame = sys._current_frames().get(threading.main_thread().ident)
+                stack = "".join(traceback.format_stack(frame)) if frame else "(unknown)\n"
+                # The reason last: launch.sh quotes a host's last line.
+                print(f"the main thread waits in:\n{stack}", file=sys.stderr, flush=True)
+                print(f"error: host {self.host}: nothing completed for {idle / 60:.1f} min "
+                      f"(--run.watchdog-minutes {self.timeout_s / 60:g}) after {self.done}: another host or a "
+                      f"collective hangs; exiting with status {EXIT_RETRYABLE} (launch.sh train --retry "
+                      "relaunches)", file=sys.stderr, flush=True)
+                os._exit(EXIT_RETRYABLE)
+
+    def close(self) -> None:
+        self.closed.set()
+
+
 def cli(argv: list[str] | None = None) -> Config:
     """The training configuration from the command line (a preset name, then overrides)."""
     config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
+    try:
+        check_config(config)  # again in start(), which eval and direct callers of main() reach too
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
     if config.data.path == PRESETS["demo"][1].data.path and not os.path.exists(config.data.path):
         import build_data
 
@@ -723,15 +931,23 @@ def cli(argv: list[str] | None = None) -> Config:
 def export(source: tyro.conf.Positional[str], out: str) -> None:
     """Write the EMA weights of a checkpoint as one model.safetensors (config in its metadata).
 
-    source: a run directory (its latest committed checkpoint) or one checkpoint directory.
+    source: a run directory (its newest readable committed checkpoint) or one checkpoint directory.
     out: where to write, local or gs:// (e.g. gs://BUCKET/models/sudoku.safetensors).
     """
-    url = checkpoint.resolve_checkpoint(source)
-    if url is None:
-        raise SystemExit(f"error: no committed checkpoint in {source} "
-                         f"(looked in {storage.join_url(source, 'checkpoints')})")
-    checkpoint.export_model(url, out)
-    print(f"exported the EMA weights of {url} to {out}", flush=True)
+    for what, value in (("the export source", source), ("--out", out)):
+        try:
+            storage.check_url(value, what)
+        except storage.StorageError as e:
+            raise SystemExit(f"error: {e}")
+    try:
+        found = checkpoint.weights_of(source)
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: {e}")
+    if found is None:
+        raise SystemExit(f"error: {source} is not a run or checkpoint directory")
+    weights, state, url = found
+    checkpoint.export_model(weights, state, out)
+    print(f"exported the EMA weights of {url} (step {state['step']}) to {out}", flush=True)
 
 
 def config_from_dict(saved: dict) -> Config:
@@ -753,9 +969,13 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
         weights, model_config, trained_on = checkpoint.read_exported(source)
         config = with_overrides(dataclasses.replace(base, model=TRMConfig(**model_config)))
         return config, {f"model/{k}": v for k, v in weights.items()}, 0, trained_on
-    url = checkpoint.resolve_checkpoint(source)
-    if url is not None:
-        ema, state = checkpoint.read_ema_weights(url)
+    try:
+        found = checkpoint.weights_of(source)
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: {e}")
+    if found is not None:
+        ema, state, url = found
+        print(f"evaluating the EMA weights of {url} (step {state['step']})", flush=True)
         weights = {f"model/{k}": v for k, v in ema.items()}
         config = with_overrides(config_from_dict(state["config"]))
         return config, weights, state["step"], state.get("dataset_identifiers")
@@ -795,16 +1015,21 @@ def evaluate_command(argv: list[str]) -> dict:
     if not source:
         raise SystemExit("error: eval needs --init-from URL (a run directory, checkpoint, exported "
                          "model.safetensors or reference checkpoint)")
+    try:
+        storage.check_url(source, "--init-from")
+    except storage.StorageError as e:
+        raise SystemExit(f"error: {e}")
     preset = args.pop(0) if args and args[0] in PRESETS else "sudoku-mlp"
     config, weights, step, trained_on = load_weights_for_eval(source, PRESETS[preset][1], args)
     table = weights.get("model/puzzle_embedding.weight")
     config, _, test_set, sharding, device_kind, _ = start(config, None if table is None else table.shape[0],
                                                           trained_on, source)
-    host, num_hosts = sharding.process_index(), sharding.process_count()
+    data_index, data_count = sharding.data_split()
     say = print if sharding.is_main_process() else (lambda *a, **k: None)
     mesh = sharding.data_mesh()
     trainer = Trainer(config, sharding, mesh, weights)
-    batches = data.EvalBatches(test_set, config.optim.global_batch_size, process_index=host, process_count=num_hosts,
+    batches = data.EvalBatches(test_set, config.optim.global_batch_size, process_index=data_index,
+                               process_count=data_count,
                                max_examples=config.eval.max_examples, seed=config.run.seed)
     trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
     sharding.sync()
@@ -827,14 +1052,29 @@ def evaluate_command(argv: list[str]) -> dict:
 
 
 def command_line(argv: list[str]) -> int:
-    if argv[:1] == ["export"]:
-        tyro.cli(export, args=argv[1:])
-        return 0
-    if argv[:1] == ["eval"]:
-        evaluate_command(argv[1:])
-        return 0
-    result = main(cli(argv))
-    return 0 if result["final"] is not None or result["preempted"] else 1
+    """Run a command; the exit status: 0 done (or saved and stopped on SIGTERM), 1 a failure a
+    relaunch would repeat, EXIT_RETRYABLE one it may not (storage failing beyond its retries, a
+    lost peer host; the watchdog exits with it too)."""
+    try:
+        if argv[:1] == ["export"]:
+            tyro.cli(export, args=argv[1:])
+            return 0
+        if argv[:1] == ["eval"]:
+            evaluate_command(argv[1:])
+            return 0
+        result = main(cli(argv))
+        return 0 if result["final"] is not None or result["preempted"] else 1
+    except storage.StorageError as e:
+        print(f"error: {e}\nStorage failed beyond its retries; relaunching may help (exit status {EXIT_RETRYABLE}).",
+              file=sys.stderr, flush=True)
+        return EXIT_RETRYABLE
+    except RuntimeError as e:
+        sharding = sys.modules.get("sharding")  # imported by start(): it brings torch_xla
+        if sharding is None or not isinstance(e, sharding.HostLostError):
+            raise
+        print(f"error: the connection to another host broke ({e}); that host was most likely lost or "
+              f"preempted: relaunch the slice (exit status {EXIT_RETRYABLE}).", file=sys.stderr, flush=True)
+        return EXIT_RETRYABLE
 
 
 if __name__ == "__main__":

@@ -10,12 +10,13 @@ computation is replayed every step after; with capture off it is traced again ev
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from checkpoint import Shard, assign_owners
+from checkpoint import IncompleteCheckpointError, Shard, assign_owners, state_differences
 from model import TRM, Carry, loss_and_metrics
 from optim import EMA, AdamATan2, SignSGD
 
@@ -48,8 +49,11 @@ class Trainer:
         restore = restore or {}
         torch.manual_seed(config.run.seed)  # identical initial weights on every host
         model = TRM(config.model, exploration_seed=config.run.seed).train()
-        if restore:
-            model.load_state_dict({k.removeprefix("model/"): v for k, v in restore.items() if k.startswith("model/")})
+        restored_weights = {k: v for k, v in restore.items() if k.startswith("model/")}
+        problems = state_differences({f"model/{k}": (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()},
+                                     restored_weights) if restore else []
+        if restore and not problems:
+            model.load_state_dict({k.removeprefix("model/"): v for k, v in restored_weights.items()})
         self.model = model.to(self.device)
         optim = config.optim
         self.adam = AdamATan2(self.model.parameters(), betas=(optim.beta1, optim.beta2),
@@ -61,6 +65,11 @@ class Trainer:
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
         self.captured = None
+        if len(restored_weights) < len(restore):  # a whole checkpoint, not only weights to start from
+            problems += self._restore_differences(restore)
+        if problems:
+            raise IncompleteCheckpointError("the checkpoint does not hold this run's training state "
+                                            f"({len(problems)} difference(s)):\n  " + "\n  ".join(problems))
         for name, tensor in self.named_state().items():
             if name in restore and not name.startswith("model/"):
                 tensor.data = restore[name].to(self.device)
@@ -74,6 +83,17 @@ class Trainer:
             self.restored_carry = Carry.from_tensors(restored)
         else:
             self.restored_carry = None
+
+    def _restore_differences(self, restore: dict[str, torch.Tensor]) -> list[str]:
+        """How a checkpoint's optimizer state, EMA and carry differ from this state's."""
+        expected = {n: (tuple(t.shape), t.dtype) for n, t in self.named_state().items() if not n.startswith("model/")}
+        problems = state_differences(expected, {k: v for k, v in restore.items()
+                                                if not k.startswith(("model/", "carry/"))})
+        carry_fields = [f"carry/{f.name}" for f in dataclasses.fields(Carry) if f.name != "current_data"]
+        problems += [f"missing: {name}" for name in carry_fields if name not in restore]
+        if not any(k.startswith("carry/current_data.") for k in restore):
+            problems.append("missing: carry/current_data.*")
+        return problems
 
     def state_tensors(self) -> list[StateTensor]:
         """Every tensor a training step reads or writes besides the carry, the batch and the
@@ -116,9 +136,10 @@ class Trainer:
             if t.ndim == 0:
                 if process_index == 0:
                     shards[f"carry/{name}"] = Shard(self.sharding.local_copy(t), ())
-            else:
+            else:  # this host's rows (in a simulated slice this process holds them all)
                 start, rows = self.sharding.local_rows(t)
-                shards[f"carry/{name}"] = Shard(rows, tuple(t.shape), start)
+                lo, hi = process_index * t.shape[0] // process_count, (process_index + 1) * t.shape[0] // process_count
+                shards[f"carry/{name}"] = Shard(rows[lo - start:hi - start], tuple(t.shape), lo)
         return shards
 
     def init_carries(self, batch: dict[str, torch.Tensor]) -> None:

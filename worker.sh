@@ -17,7 +17,8 @@
 #   remote_deploy CODE_HASH          ~/trm-code.tar.gz (copied by scp) unpacked into a fresh ~/trm
 #   remote_preflight                 code hash, venv, running trainer: what train asks first
 #   remote_launch RUN_NAME ARGS...   train.py ARGS in the background, logging to the run's log
-#   remote_status                    the run, its trainer's state, code hash, the log's last line
+#   remote_status                    the run, its trainer's state, code hash, the log's last line,
+#                                    and once it ended the last line train.py printed
 #   remote_stop WAIT_SECONDS KILL    SIGTERM to train.py, wait, SIGKILL if KILL is 1
 #   remote_logs RUN LINES MODE       the run's log (RUN "" = latest): follow, tail or prefix
 #   remote_check BUCKET DATA_URL     versions, bucket, dataset and TPU devices (check)
@@ -233,11 +234,13 @@ remote_launch() {  # remote_launch RUN_NAME TRAIN_ARGS...
     child=$!
     echo "$child" > "$S/pid"
     while :; do
-      wait "$child"; rc=$?
+      wait "$child" 2>/dev/null; rc=$?   # (bash's "Killed" notice: the line below says it)
       kill -0 "$child" 2>/dev/null || break
     done
     echo "$rc" > "$S/exit"
-    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: train.py exited with status $rc"
+    how=""
+    [ "$rc" -le 128 ] || how=" (killed by SIG$(kill -l "$((rc - 128))" 2>/dev/null || echo "NAL $((rc - 128))"))"
+    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: train.py exited with status $rc$how"
   ) < /dev/null >> "$log" 2>&1 &
   for i in $(seq 100); do [ -s "$S/pid" ] && break; sleep 0.1; done
   r_say started "$(cat "$S/pid" 2>/dev/null)"
@@ -263,6 +266,14 @@ remote_status() {
   r_say state "$state"
   last=$(grep -v '^[[:space:]]*$' "$S/logs/$run.log" 2>/dev/null | tail -n 1 | cut -c1-160)
   r_say last "$last"
+  # said: the last line the latest train.py printed (its reason for an exit, by the exit-code
+  # contract; launch.sh train --retry quotes it): skips worker.sh's own "=== " lines.
+  if [ "$state" != RUNNING ]; then
+    last=$(tail -n 200 "$S/logs/$run.log" 2>/dev/null \
+      | awk '/^=== .* worker .*: run .*: train\.py/ { s = ""; next } /^=== / { next } NF { s = $0 } END { print s }' \
+      | cut -c1-160)
+    r_say said "$last"
+  fi
   return 0
 }
 

@@ -64,14 +64,14 @@ def host_shards(state, p, count):
 
 def test_round_trip_on_gcs_by_two_hosts(gcs_url):
     state = sample_state()
-    writers = [CheckpointWriter(gcs_url, p, 2) for p in (1, 0)]  # host 0 commits after host 1
+    writers = [CheckpointWriter(gcs_url, p, 2, attempt="a1") for p in (1, 0)]  # host 0 commits after host 1
     for w in writers:
         w.save(10, host_shards(state, w.process_index, 2), {"step": 10, "config": {"a": 1}})
     for w in writers:
         w.wait()
     assert checkpoint.list_checkpoints(gcs_url) == [(10, checkpoint.step_dir(gcs_url, 10))]
     tensors, saved = checkpoint.read_checkpoint(checkpoint.step_dir(gcs_url, 10))
-    assert saved == {"step": 10, "config": {"a": 1}, "hosts": 2}
+    assert saved == {"step": 10, "config": {"a": 1}, "hosts": 2, "attempt": "a1"}
     assert tensors.keys() == state.keys()
     for k in state:
         assert tensors[k].dtype == state[k].dtype and torch.equal(tensors[k], state[k]), k
@@ -80,7 +80,7 @@ def test_round_trip_on_gcs_by_two_hosts(gcs_url):
     assert torch.equal(rows["carry/steps"], state["carry/steps"][4:])
     # Every file is a plain safetensors file.
     fs, path = storage.filesystem(checkpoint.step_dir(gcs_url, 10))
-    for name in ("host_000.safetensors", "host_001.safetensors"):
+    for name in ("host_000-a1.safetensors", "host_001-a1.safetensors"):
         local = f"/tmp/{os.getpid()}-{name}"
         fs.get(f"{path}/{name}", local)
         with safe_open(local, framework="pt") as f:
@@ -97,14 +97,20 @@ def test_keeps_the_last_k_and_skips_broken_checkpoints(tmp_path, capsys):
     assert [s for s, _ in checkpoint.list_checkpoints(run)] == [3, 2]
     # A save that never committed (a host died) and a committed one whose file is corrupt.
     os.makedirs(tmp_path / "checkpoints" / "step_00000005")
-    (tmp_path / "checkpoints" / "step_00000005" / "host_000.safetensors").write_bytes(b"partial")
-    with open(tmp_path / "checkpoints" / "step_00000003" / "host_000.safetensors", "r+b") as f:
+    (tmp_path / "checkpoints" / "step_00000005" / "host_000-x.safetensors").write_bytes(b"partial")
+    [data_file] = (tmp_path / "checkpoints" / "step_00000003").glob("host_000-*.safetensors")
+    with open(data_file, "r+b") as f:
         f.write(b"\xff" * 16)
-    found = checkpoint.latest_checkpoint(run, checkpoint.read_checkpoint)
+    found = checkpoint.newest_readable(run, checkpoint.read_checkpoint)
     assert found[0] == 2 and torch.equal(found[2][0]["model/w"], sample_state(2)["model/w"])
     err = capsys.readouterr().out
-    assert "skipping" in err and "step_00000005: no COMMITTED marker" in err
-    assert "skipping unreadable checkpoint" in err and "step_00000003" in err
+    assert "passing over" in err and "step_00000005: no COMMITTED marker" in err
+    assert "passing over unreadable checkpoint" in err and "step_00000003" in err
+    # Every committed one unreadable: an error naming them, never "no checkpoint".
+    [data_file] = (tmp_path / "checkpoints" / "step_00000002").glob("host_000-*.safetensors")
+    data_file.write_bytes(b"")
+    with pytest.raises(checkpoint.CheckpointError, match="step_00000003.*step_00000002"):
+        checkpoint.newest_readable(run, checkpoint.read_checkpoint)
 
 
 def test_transient_errors_are_retried_and_permanent_ones_name_the_url():
@@ -132,7 +138,7 @@ def kill_after_writing(step, host):
         _write_bytes = checkpoint.write_bytes
         def _write_then_die(url, payload):
             _write_bytes(url, payload)
-            if url.endswith("step_{step:08d}/host_{host:03d}.safetensors"):
+            if "step_{step:08d}/host_{host:03d}-" in url and url.endswith(".safetensors"):
                 os.kill(os.getpid(), 9)
         checkpoint.write_bytes = _write_then_die
     """)
@@ -145,24 +151,28 @@ WRITER_SCRIPT = textwrap.dedent("""
     from test_checkpoint import host_shards, sample_state
     from checkpoint import CheckpointWriter
     p, count, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    step, seed, attempt = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
     time.sleep(delay)
-    writer = CheckpointWriter(sys.argv[4], p, count, commit_timeout_s=float(sys.argv[5]))
-    writer.save(7, host_shards(sample_state(), p, count), {{"step": 7, "config": {{}}}})
+    writer = CheckpointWriter(sys.argv[4], p, count, commit_timeout_s=float(sys.argv[5]), attempt=attempt)
+    writer.save(step, host_shards(sample_state(seed), p, count), {{"step": step, "config": {{}}}})
     writer.wait()
     print("written", p, flush=True)
 """)
 
 
-def start_writers(url, delays, timeout_s, fault_host=None):
+def start_writers(url, delays, timeout_s, fault_host=None, step=7, seed=0, attempt="a1", hosts=None):
+    """One writer process per host (all of them, or those in `hosts`), each sleeping its delay
+    before saving `step` of sample_state(seed) under save attempt `attempt`."""
     procs = []
     for p, delay in enumerate(delays):
-        fault = kill_after_writing(7, p) if p == fault_host else ""
+        if hosts is not None and p not in hosts:
+            continue
+        fault = kill_after_writing(step, p) if p == fault_host else ""
         script = WRITER_SCRIPT.format(project=PROJECT_DIR, tests=os.path.join(PROJECT_DIR, "tests"),
                                       fault=fault)
-        env = subprocess_env()
         procs.append(subprocess.Popen([sys.executable, "-c", script, str(p), str(len(delays)), str(delay),
-                                       url, str(timeout_s)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+                                       url, str(timeout_s), str(step), str(seed), attempt], env=subprocess_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
 
@@ -185,9 +195,34 @@ def test_a_host_killed_before_the_commit_leaves_no_marker(gcs_url):
     procs = start_writers(gcs_url, delays=[0, 0, 0, 0], timeout_s=8, fault_host=2)
     outputs = [p.communicate(timeout=120) for p in procs]
     assert procs[2].returncode == -signal.SIGKILL
-    assert procs[0].returncode != 0 and "no index from ['host_002.json']" in outputs[0][1]
+    assert procs[0].returncode != 0 and "no index of this save from ['host_002.json']" in outputs[0][1]
     assert not storage.exists(checkpoint.step_dir(gcs_url, 7) + "/COMMITTED")
     assert checkpoint.list_checkpoints(gcs_url) == []
+
+
+def test_a_stale_step_directory_never_mixes_into_the_commit(gcs_url):
+    """An interrupted save of another trajectory left host 1's files in step_10; the next save
+    of step 10 (host 1 late) commits only once host 1's new index exists, with the new values."""
+    stale = start_writers(gcs_url, delays=[0, 0], timeout_s=1, step=10, seed=1, attempt="old", hosts={1})
+    assert [p.wait(timeout=60) for p in stale] == [0]
+    directory = checkpoint.step_dir(gcs_url, 10)
+    assert storage.exists(directory + "/host_001.json") and not storage.exists(directory + "/COMMITTED")
+
+    procs = start_writers(gcs_url, delays=[0, 10], timeout_s=120, step=10, seed=2, attempt="new")
+    deadline = time.time() + 60
+    while not storage.exists(directory + "/host_000.json") and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # host 0's part is written and host 1's stale index is there: the old code committed here
+    assert procs[1].poll() is None, "host 1 should still be sleeping"
+    assert not storage.exists(directory + "/COMMITTED"), "committed with the stale index of host 1"
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outputs]
+    tensors, saved = checkpoint.read_checkpoint(directory)
+    assert saved["attempt"] == "new"
+    for k, v in sample_state(2).items():
+        assert torch.equal(tensors[k], v), k
+    fs, path = storage.filesystem(directory)
+    assert not any("-old." in f for f in fs.ls(path, detail=False)), "the stale data file was left behind"
 
 
 # -- training runs ----------------------------------------------------------------------------------
@@ -212,7 +247,7 @@ def test_killed_during_a_save_resumes_and_matches_the_uninterrupted_run(demo_pat
     assert "step 8/12" in crashed.stdout
     resumed = run_train_subprocess(args)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "skipping" in resumed.stdout and "step_00000008: no COMMITTED marker" in resumed.stdout
+    assert "passing over" in resumed.stdout and "step_00000008: no COMMITTED marker" in resumed.stdout
     assert "(step 4)" in resumed.stdout
     relaunched = {int(line.split()[1].split("/")[0]): float(line.split("loss ")[1].split()[0])
                   for line in resumed.stdout.splitlines() if line.startswith("step ")}

@@ -1,5 +1,6 @@
 """Tests of data.py and build_data.py: reading (local and a GCS emulator), batches, builders, errors,
 the command line."""
+import dataclasses
 import json
 import os
 import shutil
@@ -8,6 +9,7 @@ import sys
 import types
 
 import fsspec
+import fsspec.implementations.memory
 import numpy as np
 import pytest
 
@@ -26,6 +28,8 @@ from tests.data_fixtures import (
     sudoku_csv,
     write_synthetic,
 )
+
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +80,97 @@ def test_gcs_read_caches_once_and_matches_local(gcs_url, demo_root, tmp_path):
         first.downloaded_bytes
     assert len([f for f in os.listdir(os.path.join(cache, "train")) if "labels" in f]) == 1
     assert data.read_identifiers(gcs_url) == ["<blank>"]
+
+
+def _same_arrays(dataset, reference):
+    for name in data.ARRAY_NAMES:
+        np.testing.assert_array_equal(getattr(dataset, name), getattr(reference, name), err_msg=name)
+    assert dataset.metadata == reference.metadata
+
+
+def test_gcs_dataset_rebuilt_at_the_same_url_is_served_whole(gcs_url, tmp_path):
+    cache = str(tmp_path / "cache")
+    build_data.build_demo(gcs_url, train_puzzles=20, num_aug=3, test_puzzles=10, seed=3)
+    first = data.open_train_test(gcs_url, cache_dir=cache)
+    build_data.build_demo(gcs_url, train_puzzles=20, num_aug=3, test_puzzles=10, seed=4)  # same sizes
+    build_data.build_demo(str(tmp_path / "rebuilt"), train_puzzles=20, num_aug=3, test_puzzles=10, seed=4)
+    for old, new, split in zip(first, data.open_train_test(gcs_url, cache_dir=cache), data.SPLITS):
+        assert not np.array_equal(old.inputs, new.inputs)
+        _same_arrays(new, data.open_dataset(str(tmp_path / "rebuilt"), split))
+        assert new.downloaded_bytes == old.downloaded_bytes  # every file is a new object
+
+
+def test_gcs_cache_removes_leftovers_of_killed_downloads(gcs_url, tmp_path):
+    write_synthetic(gcs_url)
+    cache = tmp_path / "cache"
+    data.open_dataset(gcs_url, "train", cache_dir=str(cache))
+    leftovers = [cache / "train" / ".all__inputs.npy.k1ll3d.part",  # a download killed with SIGKILL
+                 cache / "train" / "all__labels.0123456789ab.npy"]  # an older cache layout's copy
+    for path in leftovers:
+        path.write_bytes(b"partial")
+    again = data.open_dataset(gcs_url, "train", cache_dir=str(cache))
+    assert again.downloaded_bytes == 0 and not any(path.exists() for path in leftovers)
+    assert sorted(os.listdir(cache / "train")) == [".lock", "all__group_indices.npy", "all__inputs.npy",
+                                                   "all__labels.npy", "all__puzzle_identifiers.npy",
+                                                   "all__puzzle_indices.npy", "dataset.json", "manifest.json"]
+
+
+def test_gcs_cached_file_written_to_is_fetched_again(gcs_url, tmp_path):
+    """Bytes of a cached copy changed in place (same size) are noticed by the changed modification
+    time: no checksum of the local copy is computed at open (a change that also restores the
+    modification time would go unnoticed)."""
+    write_synthetic(gcs_url)
+    cache = str(tmp_path / "cache")
+    first = data.open_dataset(gcs_url, "train", cache_dir=cache)
+    expected = np.array(first.inputs)
+    with open(first.inputs.filename, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x07\x07\x07")
+    again = data.open_dataset(gcs_url, "train", cache_dir=cache)
+    assert 0 < again.downloaded_bytes == os.path.getsize(first.inputs.filename)
+    np.testing.assert_array_equal(again.inputs, expected)
+
+
+def test_gcs_values_are_checked_once_per_cached_version(gcs_url, tmp_path, monkeypatch):
+    checked = []
+    real_check = data._check_values
+    monkeypatch.setattr(data, "_check_values", lambda arrays, metadata, url: checked.append(url) or
+                        real_check(arrays, metadata, url))
+    cache = str(tmp_path / "cache")
+    for seed in (0, 1):  # a second version at the same URL is checked again, once
+        write_synthetic(gcs_url, seed=seed)  # (write_split checks the values it writes)
+        checked.clear()
+        for _ in range(3):
+            data.open_dataset(gcs_url, "train", cache_dir=cache)
+        assert checked == [f"{gcs_url}/train"]
+
+
+class _RebuiltDuringCopy(fsspec.implementations.memory.MemoryFileSystem):
+    """fsspec's in-memory file system, with a dataset rebuild landing right after the copy of
+    one file: the race of a reader and a builder made deterministic."""
+
+    protocol = "rebuilt-during-copy"
+    rebuild = None
+
+    def get_file(self, rpath, lpath, *args, **kwargs):
+        super().get_file(rpath, lpath, *args, **kwargs)
+        if rpath.endswith("all__labels.npy") and type(self).rebuild:
+            rebuild, type(self).rebuild = type(self).rebuild, None
+            rebuild()
+
+
+def test_split_rebuilt_while_being_copied_is_not_served(tmp_path):
+    fsspec.register_implementation(_RebuiltDuringCopy.protocol, _RebuiltDuringCopy, clobber=True)
+    url = f"{_RebuiltDuringCopy.protocol}://{tmp_path.name}/dataset"
+    cache = str(tmp_path / "cache")
+    sizes = dict(train_puzzles=20, num_aug=3, test_puzzles=10)  # two builds with the same shapes
+    build_data.build_demo(url, seed=3, **sizes)
+    _RebuiltDuringCopy.rebuild = lambda: build_data.build_demo(url, seed=4, **sizes)
+    with pytest.raises(DatasetError, match=r"train changed while it was being copied to .*cache/train "
+                                           r"\(rebuilt or re-uploaded meanwhile\?\)"):
+        data.open_dataset(url, "train", cache_dir=cache)
+    build_data.build_demo(str(tmp_path / "local"), seed=4, **sizes)
+    _same_arrays(data.open_dataset(url, "train", cache_dir=cache), data.open_dataset(str(tmp_path / "local"), "train"))
 
 
 # ----------------------------------------------------------------------------- training batches
@@ -363,6 +458,76 @@ def test_error_arrays(tmp_path, demo_root):
     np.save(root / "test" / "all__puzzle_indices.npy", np.arange(52))
     with pytest.raises(DatasetError, match="puzzle_indices.npy must rise strictly from 0 to 50"):
         data.open_dataset(str(root), "test")
+
+
+def _set(path, index, value):
+    """Write ``value`` at ``index`` of the .npy file at ``path`` (in place, dtype kept)."""
+    array = np.load(path)
+    array[index] = value
+    np.save(path, array)
+
+
+def _edit_json(path, **fields):
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), **fields)))
+
+
+def test_error_tokens_labels_identifiers_out_of_range(tmp_path, demo_root, monkeypatch):
+    """Values the model's tables have no row for are refused when the split is opened, naming the
+    array, the value and its first position; the scan is chunked (here 5 rows per chunk)."""
+    monkeypatch.setattr(data, "_CHECK_CHUNK_BYTES", 5 * 16)
+    root = shutil.copytree(demo_root, tmp_path / "d")
+    split = root / "train"
+    _set(split / "all__inputs.npy", (13, 5), 200)
+    _set(split / "all__inputs.npy", (17, 0), 201)
+    with pytest.raises(DatasetError, match=r"d/train/all__inputs.npy holds the value 200 \(first at row 13, "
+                                           r"position 5\), outside 0..5 \(vocab_size 6 in .*d/train/dataset.json\). "
+                                           r"Rebuild the dataset, or correct vocab_size in dataset.json"):
+        data.open_dataset(str(root), "train")
+    shutil.copy(os.path.join(demo_root, "train", "all__inputs.npy"), split / "all__inputs.npy")
+    _set(split / "all__labels.npy", (301, 15), 99)
+    with pytest.raises(DatasetError, match=r"all__labels.npy holds the value 99 \(first at row 301, position 15\), "
+                                           r"outside 0..5 \(vocab_size 6 in .*; ignore_label_id 0 is allowed too\)"):
+        data.open_dataset(str(root), "train")
+    # An ignore label outside the vocabulary is allowed in labels (and only there).
+    _edit_json(split / "dataset.json", ignore_label_id=99)
+    assert data.open_dataset(str(root), "train").labels[301, 15] == 99
+    _set(split / "all__labels.npy", (302, 0), 98)
+    with pytest.raises(DatasetError, match=r"all__labels.npy holds the value 98 \(first at row 302, position 0\)"):
+        data.open_dataset(str(root), "train")
+    shutil.copy(os.path.join(demo_root, "train", "all__labels.npy"), split / "all__labels.npy")
+    _set(split / "all__puzzle_identifiers.npy", 7, 5000)
+    with pytest.raises(DatasetError, match=r"all__puzzle_identifiers.npy holds the value 5000 \(first at index 7\), "
+                                           r"outside 0..0 \(num_puzzle_identifiers 1 in "):
+        data.open_dataset(str(root), "train")
+
+
+def test_error_pad_and_blank_ids_out_of_range(tmp_path, demo_root):
+    root = shutil.copytree(demo_root, tmp_path / "d")
+    description = root / "test" / "dataset.json"
+    _edit_json(description, pad_id=6)
+    with pytest.raises(DatasetError, match=r"test/dataset.json: pad_id 6 is outside 0..5 \(vocab_size 6\); rebuild"):
+        data.open_dataset(str(root), "test")
+    _edit_json(description, pad_id=0, blank_identifier_id=1)
+    with pytest.raises(DatasetError, match=r"blank_identifier_id 1 is outside 0..0 \(num_puzzle_identifiers 1\)"):
+        data.open_dataset(str(root), "test")
+    metadata = data.read_metadata(demo_root, "test")
+    bad = dataclasses.replace(metadata, pad_id=6)
+    with pytest.raises(DatasetError, match="pad_id 6 is outside"):  # builders are held to the same rules
+        data.write_split(str(tmp_path / "new"), "test", bad, {
+            name: getattr(data.open_dataset(demo_root, "test"), name) for name in data.ARRAY_NAMES})
+
+
+def test_train_refuses_a_bad_dataset_before_the_runtime_starts(tmp_path, demo_root):
+    root = shutil.copytree(demo_root, tmp_path / "d")
+    _set(root / "test" / "all__inputs.npy", (2, 3), 200)
+    proc = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), "demo", "--data.path", str(root),
+                           "--run.dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PJRT_DEVICE="CPU"))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "TRM on" not in proc.stdout
+    assert proc.stderr.startswith(f"error: {root}/test/all__inputs.npy holds the value 200 (first at row 2, "
+                                  "position 3)"), proc.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_error_missing_array_on_gcs(gcs_url, tmp_path):

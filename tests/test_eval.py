@@ -148,7 +148,8 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
     resumed_dir = tmp_path / "resumed"
     with monkeypatch.context() as patch:
         checks = []
-        patch.setattr(sharding, "any_host", lambda flag: checks.append(flag) or len(checks) == 6)
+        # The 7th agreement: after steps 1-6 and the one batch of the evaluation at step 3.
+        patch.setattr(sharding, "any_host", lambda flag: checks.append(flag) or len(checks) == 7)
         stopped = train.main(train.cli(args(resumed_dir)))
     assert stopped["preempted"] and [e["step"] for e in stopped["evals"]] == [3]
     assert not (resumed_dir / "eval" / "step_6").exists()

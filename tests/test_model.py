@@ -227,12 +227,15 @@ def test_exploration_noise_has_the_reference_distribution():
     ("num_heads", 5, "num_heads=5 does not divide hidden_size=32"),
     ("pos_encodings", "alibi", "pos_encodings must be rope, learned or none, got 'alibi'"),
     ("forward_dtype", "float64", "forward_dtype must be one of .* got 'float64'"),
-    ("H_cycles", 0, "H_cycles must be a positive integer, got 0"),
-    ("L_cycles", -1, "L_cycles must be a positive integer, got -1"),
+    ("H_cycles", 0, "H_cycles=0 must be >= 1"),
+    ("L_cycles", -1, "L_cycles=-1 must be >= 1"),
+    ("halt_exploration_prob", 1.5, r"halt_exploration_prob=1.5 must be in \[0, 1\]"),
+    ("rope_theta", float("inf"), "rope_theta=inf must be a finite number > 0"),
 ])
 def test_bad_config_values_are_named(field, value, message):
+    """The model refuses them when built (train.check_config reports the same before a run)."""
     with pytest.raises(ValueError, match=message):
-        tiny_config(**{field: value})
+        TRM(tiny_config(**{field: value}))
 
 
 def test_reference_state_dict_round_trip_and_identifier_reset():

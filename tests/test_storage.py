@@ -1,4 +1,4 @@
-"""Tests of storage.py: local writes, upload_dir, and the messages of failing operations."""
+"""Tests of storage.py: local writes, upload_dir, the messages of failing operations, URL spelling."""
 import os
 
 import pytest
@@ -39,3 +39,15 @@ def test_failures_name_the_url_and_what_to_do():
     with pytest.raises(FileNotFoundError):  # the caller explains what is missing
         with storage.access_errors("gs://b/x"):
             raise FileNotFoundError("b/x")
+
+
+def test_check_url_names_what_cannot_be_opened():
+    for url in ("data/demo", "/abs/path", "gs://bucket/x", "gs://bucket", "memory://x", "simplecache::gs://b/x"):
+        storage.check_url(url, "data.path")
+    for url, message in (("foo://x", "unknown URL scheme foo://"), ("gs://", "names no bucket"),
+                         ("gs:///x", "names no bucket"), ("", "is empty"), ("gcs:/b/x", "one slash"),
+                         ("simplecache::nope://b", "unknown URL scheme nope://")):
+        with pytest.raises(storage.StorageError, match=message):
+            storage.check_url(url, "data.path")
+    with pytest.raises(storage.StorageError, match="must be a local directory"):
+        storage.check_url("gs://b/cache", "data.cache_dir", local_only=True)
