@@ -236,11 +236,35 @@ def write_file(url: str, write: Callable, **retry) -> None:
     (``retry``: with_retries' attempts= and budget_s=)."""
     def attempt():
         fs, path = filesystem(url)
-        if is_local(fs):  # object stores have no directories to create
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        with fs.open(path, "wb") as f:
+        if is_local(fs):
+            _write_local(path, write)
+            return
+        with fs.open(path, "wb") as f:  # an object appears whole when its upload completes
             write(f)
     with_retries("writing", url, attempt, **retry)
+
+
+def _write_local(path: str, write: Callable) -> None:
+    """Write a local file whole or not at all, and durably: into a temporary file, fsync'd,
+    renamed over the target, and the directory fsync'd, so that a crash or power loss never
+    leaves a partial file (or a commit marker pointing at unwritten data) under the real name."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)  # object stores have no directories to create
+    partial = f"{path}.partial-{os.getpid()}"
+    try:
+        with open(partial, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def write_bytes(url: str, payload: bytes, **retry) -> None:

@@ -501,7 +501,8 @@ def main(config: Config) -> dict:
                 f"{100 * log.evals[-1]['exact_accuracy']:.2f}% on held-out puzzles")
     except Preempted as stop:
         checkpoints.save(stop.step, wait=True)
-        log.say(f"SIGTERM: saved checkpoint {checkpoint.step_dir(config.run.dir, stop.step)}; "
+        log.say(f"stop requested (SIGTERM or Ctrl-C): saved checkpoint "
+                f"{checkpoint.step_dir(config.run.dir, stop.step)}; "
                 "run the same command again to resume")
         preempted = True
     finally:

@@ -273,7 +273,8 @@ def test_sigterm_saves_exits_0_and_the_relaunch_resumes(demo_path, tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
-    saved = [line for line in out.splitlines() if line.startswith("SIGTERM: saved checkpoint")]
+    saved = [line for line in out.splitlines()
+             if line.startswith("stop requested (SIGTERM or Ctrl-C): saved checkpoint")]
     assert saved and "run the same command again to resume" in saved[0]
     stop_step = int(saved[0].split("step_")[1][:8])
     assert checkpoint.list_checkpoints(str(tmp_path / "run"))[0][0] == stop_step

@@ -13,6 +13,28 @@ def test_write_bytes_creates_local_parents_and_reads_back(tmp_path):
     assert not storage.exists(str(tmp_path / "a" / "missing"))
 
 
+def test_a_local_write_is_whole_or_absent_and_synced(tmp_path, monkeypatch):
+    url = str(tmp_path / "run" / "COMMITTED")
+    storage.write_bytes(url, b"old")
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+                        or real_fsync(fd))
+
+    def write_then_fail(f):
+        f.write(b"half of the new")
+        raise ValueError("the writer crashed")  # permanent: not retried
+
+    with pytest.raises(storage.StorageError, match="the writer crashed"):
+        storage.write_file(url, write_then_fail)
+    assert storage.read_bytes(url) == b"old" and os.listdir(tmp_path / "run") == ["COMMITTED"]
+    assert synced == []
+    storage.write_bytes(url, b"new")
+    assert storage.read_bytes(url) == b"new" and os.listdir(tmp_path / "run") == ["COMMITTED"]
+    # The file's data before the rename, then the directory entry after it.
+    assert [os.path.basename(p).split(".partial-")[0] for p in synced] == ["COMMITTED", "run"]
+
+
 def test_upload_dir_copies_every_file_with_its_relative_path(tmp_path, gcs_url):
     local = tmp_path / "profile"
     (local / "plugins" / "profile" / "run").mkdir(parents=True)
