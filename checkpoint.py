@@ -113,17 +113,22 @@ class CheckpointWriter:
     def save(self, step: int, shards: dict[str, Shard], state: dict) -> None:
         self.wait()
         self.step = step
-        # Not a daemon: a save under way when the main thread ends still finishes (commits).
-        self._thread = threading.Thread(target=self._write, args=(step, shards, state),
+        # A daemon, so that it never holds the process after the main thread has given up on it:
+        # the training loop joins it (train.Checkpoints.close) however the loop ends.
+        self._thread = threading.Thread(target=self._write, args=(step, shards, state), daemon=True,
                                         name=f"checkpoint-{step}")
         self._thread.start()
 
-    def wait(self) -> None:
-        """Wait for the save under way; raise if it (or an earlier one) failed."""
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait (at most timeout_s) for the save under way; raise if it (or an earlier one)
+        failed. False if it is still under way after timeout_s."""
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return False
             self._thread = None
         self.check()
+        return True
 
     def busy(self) -> bool:
         """Whether a save is under way."""

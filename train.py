@@ -168,8 +168,8 @@ class RunConfig:
     """Start from step 0 when every committed checkpoint in run.dir is unreadable (they are moved
     to checkpoints-unreadable-TIME/); a readable one is still resumed, so relaunching with it is safe."""
     watchdog_minutes: float = resumable(30.0, ge=0, note="0 = off")
-    """Exit (status 75, so launch.sh --retry relaunches) when no training step, evaluation batch
-    or save completes for this long: a hung host or collective; 0 = off."""
+    """Exit (status 75, so launch.sh --retry relaunches) when no training step or evaluation batch
+    completes for this long: a hung host or collective; 0 = off."""
 
 
 @dataclass
@@ -507,9 +507,9 @@ def main(config: Config) -> dict:
         preempted = True
     finally:
         batches.close()
-        preemption.close()
-        watchdog.close()
         checkpoints.close()  # a save under way commits (or is reported) however the loop ends
+        watchdog.close()
+        preemption.close()  # last: its shutdown deadline also bounds the wait for the save
     log.close()
     xla = sharding.xla_counters()
     fallbacks = f" {xla['fallbacks']}" if xla["fallbacks"] else ""
@@ -675,14 +675,18 @@ class Checkpoints:
     def wait(self) -> None:
         self.writer.wait()
 
-    def close(self) -> None:
-        """Wait for a save under way. With an exception already on its way out, a failed save
-        is printed rather than raised, so that neither error hides the other."""
+    def close(self, error_wait_s: float = 120.0) -> None:
+        """Wait for a save under way. With an exception already on its way out, wait at most
+        `error_wait_s` (process 0 may be waiting for a host that is gone) and print a failed
+        save rather than raise it, so that neither error hides the other."""
         leaving_on_error = sys.exc_info()[1] is not None
         if self.writer.busy():
             self.log.say(f"waiting for the checkpoint of step {self.writer.step} to be written")
         try:
-            self.writer.wait()
+            if not self.writer.wait(error_wait_s if leaving_on_error else None):
+                print(f"error: the checkpoint of step {self.writer.step} is still not written after "
+                      f"{error_wait_s:.0f}s (another host's part missing?): exiting without it",
+                      file=sys.stderr, flush=True)
         except BaseException as e:
             if not leaving_on_error:
                 raise
