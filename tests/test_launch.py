@@ -645,6 +645,7 @@ def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, d
         first = first_log.read_text()
         if fault == "hang":  # worker 0's watchdog ends it: exit 75 is the reason to relaunch
             assert "nothing completed for" in first and "exited with status 75" in first
+            assert "any_host" in first  # where it waited: the collective of the SIGTERM agreement
         else:  # worker 1 lost is the reason (worker 0 may be stopped before its own exit 75)
             assert "the connection to another host broke" in first
         assert "resuming from" in first and "done: 40 steps" in first
