@@ -38,6 +38,9 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
                  a step)
   trace ms       the part in Trainer.step; sync ms: the part in torch_xla.sync()
   dev ms         device execution time per step measured here (XLA metric ExecuteReplicatedTime)
+  eval host ms   host time of one evaluation ACT step (Trainer.eval_act_step and sync, measured
+                 like host ms without the data wait; same warmup and step counts): replayed,
+                 or re-traced with --no-capture-step
   compiles       graphs compiled for this preset (seconds); none may happen after the warmup
                  (`compiles_in_timed_steps` in the JSON)
   fallbacks      aten:: CPU fallbacks per timed step; D2H: device-to-host transfers per step
@@ -409,6 +412,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
             "loss": step_loss(values, batch),
         })
     prefetched.close()
+    evaluation = measure_evaluation(trainer, sharding.host_batch_to_global(batches.batch(0), mesh), sharding,
+                                    warmup, steps, on_cpu)
     counters_end = sharding.xla_counters()
     parameters = sum(p.numel() for p in trainer.model.parameters())
     del trainer, window_sums
@@ -446,6 +451,45 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         "steps": [dict({k: round(v, 3) if isinstance(v, float) and k != "loss" else v for k, v in s.items()},
                        warmup=i < warmup)
                   for i, s in enumerate(samples)],
+        **evaluation,
+    }
+
+
+def measure_evaluation(trainer, batch: dict, sharding, warmup: int, steps: int, on_cpu: bool) -> dict:
+    """Run warmup + timed evaluation ACT steps as evaluate.py drives them (EMA weights swapped
+    in, Trainer.eval_act_step then torch_xla.sync()); host time per ACT step, measured like a
+    training step's (trace, plus sync's CPU time on CPU), each started on an idle device."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    sums = torch.zeros(len(trainer_module.EVAL_METRICS)).to(trainer.device)
+    samples = []
+    with trainer.ema.swapped_into(trainer.model):
+        trainer.model.eval()
+        for _ in range(warmup + steps):
+            xm.wait_device_ops()
+            settle()
+            before = sharding.xla_counters()
+            t0 = time.perf_counter()
+            sums, preds, q_halt = trainer.eval_act_step(batch, sums)
+            c1, t1 = time.thread_time(), time.perf_counter()
+            torch_xla.sync()
+            c2, t2 = time.thread_time(), time.perf_counter()
+            after = sharding.xla_counters()
+            sync_ms = ((c2 - c1) if on_cpu else (t2 - t1)) * 1e3
+            samples.append({"trace_ms": (t1 - t0) * 1e3, "sync_ms": sync_ms,
+                            "host_ms": (t1 - t0) * 1e3 + sync_ms,
+                            "compiles": after["compiles"] - before["compiles"]})
+        trainer.model.train()
+    xm.wait_device_ops()
+    del preds, q_halt, sums
+    timed = samples[warmup:]
+    return {
+        "eval_host_ms_per_step": statistics.median(s["host_ms"] for s in timed),
+        "eval_trace_ms_per_step": statistics.median(s["trace_ms"] for s in timed),
+        "eval_sync_ms_per_step": statistics.median(s["sync_ms"] for s in timed),
+        "eval_compiles_in_timed_steps": sum(s["compiles"] for s in timed),
     }
 
 
@@ -511,6 +555,7 @@ COLUMNS = [  # (header, format of a record)
     ("trace ms", lambda r: f"{r['trace_ms_per_step']:.1f}"),
     ("sync ms", lambda r: f"{r['sync_ms_per_step']:.1f}"),
     ("dev ms", lambda r: f"{r['device_ms_per_step']:.0f}"),
+    ("eval host ms", lambda r: f"{r['eval_host_ms_per_step']:.1f}"),
     ("compiles", lambda r: f"{r['compiles']} ({r['compile_s']:.0f}s)"),
     ("fallbacks", lambda r: f"{r['aten_fallbacks_per_step']:g}"),
     ("D2H", lambda r: f"{r['transfers_from_device_per_step']:g}"),

@@ -1,24 +1,95 @@
-"""The training step traced once into one XLA computation and replayed every step.
+"""The training step and the evaluation ACT step, each traced once into one XLA computation and
+replayed every step.
 
 Lazy tensors re-trace the whole step in Python every step, which takes far longer than the step
 takes on a TPU (README, Speed). Here the unchanged project code (TRM forward, loss, backward,
 AdamATan2, SignSGD, EMA, carry sharding) runs once on placeholder tensors; the resulting graph
 is lowered to an HLO computation (torch_xla's LoweringContext, as torch_xla.experimental.scan /
 assume_pure_torch do). Each later step binds the real tensors to that computation (one
-`_xla_user_computation` IR node), swaps the outputs into the training state, and marks the old
+`_xla_user_computation` IR node), swaps the outputs into the trainer's state, and marks the old
 state buffers as donated so XLA updates them in place (same input/output aliasing as the
 in-place optimizer updates).
 
-Rules the traced step must keep (it does today):
+`CapturedComputation` is that machinery for any function of a flat list of tensors;
+`CapturedTrainStep` and `CapturedEvalStep` bind the trainer's state, carry and inputs to it.
+
+Rules a traced step must keep (both do today):
   * everything that changes between steps is a tensor in the state, the carry, the batch or
-    the lrs vector (Python floats are baked into the graph);
+    the step's other tensor inputs (Python floats are baked into the graph);
   * no tensor derived from a placeholder may stay alive after tracing (a sync would try to run
     it and crash the runtime: segfault in PjRtComputationClient::Execute*).
 """
+import contextlib
+
 import torch_xla
 import torch_xla.core.xla_builder as xb
 
 from model import Carry
+
+
+class CapturedComputation:
+    """`run(flat)` == `fn(flat)` for a list of XLA tensors, traced once per list of shapes and
+    dtypes and then replayed as one computation.
+
+    `fn(values)` gets clones of placeholder tensors in the order of `flat` and returns the list
+    of output tensors; it must leave nothing derived from them behind (restore what it set).
+    `run` donates nothing: the caller marks inputs it replaces (`donate`) after the call.
+    """
+
+    def __init__(self, name: str, fn):
+        self.name, self.fn, self.key = name, fn, None
+        # Let XLA reuse the buffers we mark as donated (the old state) for the new state.
+        torch_xla._XLAC._xla_set_enable_alias_with_buffer_donor_config(True)
+
+    def _trace(self, flat):
+        fakes = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in flat]
+        outputs = self.fn([f.clone() for f in fakes])  # clones: the placeholders stay the untouched inputs
+        ctx = torch_xla._XLAC.lowering.LoweringContext(self.name)
+        ctx.set_name_string(self.name)
+        ctx.build(outputs)
+        del outputs
+        self.computation = xb.computation_from_module_proto(self.name, ctx.hlo())
+        params = ctx.device_parameter_id_tensor_mapping()  # every HLO parameter: id -> tensor
+        # HLO parameter id -> the index into `flat` that feeds it, or None for a constant.
+        self.flat_index: list[int | None] = [None] * len(params)
+        for i, f in enumerate(fakes):
+            pid = ctx.tensor_parameter_id(f)
+            if pid != -1:
+                self.flat_index[pid] = i
+                del params[pid]
+        for t in params.values():  # device data made during tracing: scalar constants only
+            if t.dim() != 0:
+                raise RuntimeError(f"the traced {self.name} reads a tensor of shape {tuple(t.shape)} that "
+                                   "is not one of its inputs; add it to Trainer.state_tensors")
+        self.constants = params
+
+    def __call__(self, flat):
+        key = tuple((t.shape, t.dtype) for t in flat)
+        if key != self.key:
+            self._trace(flat)
+            self.key = key
+        inputs = [self.constants[pid] if i is None else flat[i] for pid, i in enumerate(self.flat_index)]
+        return torch_xla._XLAC._xla_user_computation(f"xla::{self.name}", inputs, self.computation)
+
+
+def donate(tensor) -> None:
+    """Let XLA reuse `tensor`'s buffer for an output of the next computation that reads it
+    (the caller drops its reference)."""
+    torch_xla._XLAC._set_buffer_donation(tensor, True)
+
+
+@contextlib.contextmanager
+def bound(state, values):
+    """Within the block, each StateTensor of `state` holds the value at its position in `values`
+    (placeholders while tracing); afterwards the tensors they held before."""
+    saved = [s.get() for s in state]
+    try:
+        for s, v in zip(state, values):
+            s.set(v)
+        yield
+    finally:
+        for s, v in zip(state, saved):
+            s.set(v)
 
 
 class CapturedTrainStep:
@@ -33,46 +104,22 @@ class CapturedTrainStep:
         self.trainer = trainer
         self.state = trainer.state_tensors()
         self.written = [s for s in self.state if s.written_by_step]
-        self.key = None
-        # Let XLA reuse the buffers we mark as donated (the old state) for the new state.
-        torch_xla._XLAC._xla_set_enable_alias_with_buffer_donor_config(True)
+        self.carry_keys = self.batch_keys = None
+        self.computation = CapturedComputation("train_step", self._traced)
 
-    def _trace(self, flat):
+    def _traced(self, work):
         trainer = self.trainer
-        fakes = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in flat]
         n_state, n_carry = len(self.state), len(self.carry_keys)
-        saved_state, saved_carry, saved_lrs = [s.get() for s in self.state], trainer.carry, trainer.lrs()
+        saved_carry, saved_lrs = trainer.carry, trainer.lrs()
         try:
-            work = [f.clone() for f in fakes]  # clones: the placeholders stay the untouched inputs
-            for s, v in zip(self.state, work):
-                s.set(v)
-            trainer.carry = Carry.from_tensors(dict(zip(self.carry_keys, work[n_state:n_state + n_carry])))
-            lrs = work[-1]
-            trainer.set_lrs(lrs[0], lrs[1])
-            batch = dict(zip(self.batch_keys, work[n_state + n_carry:-1]))
-            metrics = trainer.train_step(batch)
-            new_carry = trainer.carry.tensors()
-            outputs = [metrics] + [s.get() for s in self.written] + [new_carry[k] for k in self.carry_keys]
-            ctx = torch_xla._XLAC.lowering.LoweringContext("TrainStep")
-            ctx.set_name_string("train_step")
-            ctx.build(outputs)
-            self.computation = xb.computation_from_module_proto("train_step", ctx.hlo())
-            params = ctx.device_parameter_id_tensor_mapping()  # every HLO parameter: id -> tensor
-            # HLO parameter id -> the index into `flat` that feeds it, or None for a constant.
-            self.flat_index: list[int | None] = [None] * len(params)
-            for i, f in enumerate(fakes):
-                pid = ctx.tensor_parameter_id(f)
-                if pid != -1:
-                    self.flat_index[pid] = i
-                    del params[pid]
-            for t in params.values():  # device data made during tracing: scalar constants only
-                if t.dim() != 0:
-                    raise RuntimeError(f"the traced step reads a tensor of shape {tuple(t.shape)} that is "
-                                       "not part of the training state; add it to Trainer.state_tensors")
-            self.constants = params
+            with bound(self.state, work):
+                trainer.carry = Carry.from_tensors(dict(zip(self.carry_keys, work[n_state:n_state + n_carry])))
+                lrs = work[-1]
+                trainer.set_lrs(lrs[0], lrs[1])
+                metrics = trainer.train_step(dict(zip(self.batch_keys, work[n_state + n_carry:-1])))
+                new_carry = trainer.carry.tensors()
+                return [metrics] + [s.get() for s in self.written] + [new_carry[k] for k in self.carry_keys]
         finally:
-            for s, v in zip(self.state, saved_state):
-                s.set(v)
             trainer.carry = saved_carry
             trainer.set_lrs(*saved_lrs)
             trainer.clear_gradients()
@@ -80,19 +127,57 @@ class CapturedTrainStep:
     def __call__(self, batch, lrs):
         trainer = self.trainer
         carry = trainer.carry.tensors()
-        flat = [s.get() for s in self.state]
-        if self.key is None:
+        if self.carry_keys is None:
             self.carry_keys, self.batch_keys = sorted(carry), sorted(batch)
-        flat += [carry[k] for k in self.carry_keys] + [batch[k] for k in self.batch_keys] + [lrs]
-        key = tuple((t.shape, t.dtype) for t in flat)
-        if key != self.key:
-            self._trace(flat)
-            self.key = key
-        inputs = [self.constants[pid] if i is None else flat[i] for pid, i in enumerate(self.flat_index)]
-        outs = torch_xla._XLAC._xla_user_computation("xla::train_step", inputs, self.computation)
+        flat = ([s.get() for s in self.state] + [carry[k] for k in self.carry_keys]
+                + [batch[k] for k in self.batch_keys] + [lrs])
+        outs = self.computation(flat)
         n = len(self.written)
         for s, new in zip(self.written, outs[1:1 + n]):
-            torch_xla._XLAC._set_buffer_donation(s.get(), True)
+            donate(s.get())
             s.set(new)
         trainer.carry = Carry.from_tensors(dict(zip(self.carry_keys, outs[1 + n:])))
         return outs[0]
+
+
+class CapturedEvalStep:
+    """`step(batch, sums)` == `metrics, preds, q_halt = trainer.eval_step(batch);
+    (sums + metrics, preds, q_halt)` without re-tracing: one evaluation ACT step on
+    `trainer.eval_carry` with whatever weights the model holds (evaluate.py swaps the EMA's in;
+    the state is read, not bound, at every call).
+
+    The computation's inputs are, in order: the model's tensors of `trainer.state_tensors()`
+    (parameters and buffers), the eval carry's tensors, the batch's tensors (both by sorted
+    name) and sums. Its outputs: the new sums, the predicted tokens, the q_halt logits, the new
+    eval carry. It writes no state and donates nothing.
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.state = [s for s in trainer.state_tensors() if not s.name.startswith(("adam/", "ema/"))]
+        self.carry_keys = self.batch_keys = None
+        self.computation = CapturedComputation("eval_step", self._traced)
+
+    def _traced(self, work):
+        trainer = self.trainer
+        n_state, n_carry = len(self.state), len(self.carry_keys)
+        saved_carry = trainer.eval_carry
+        try:
+            with bound(self.state, work):
+                trainer.eval_carry = Carry.from_tensors(dict(zip(self.carry_keys, work[n_state:n_state + n_carry])))
+                metrics, preds, q_halt = trainer.eval_step(dict(zip(self.batch_keys, work[n_state + n_carry:-1])))
+                new_carry = trainer.eval_carry.tensors()
+                return [work[-1] + metrics, preds, q_halt] + [new_carry[k] for k in self.carry_keys]
+        finally:
+            trainer.eval_carry = saved_carry
+
+    def __call__(self, batch, sums):
+        trainer = self.trainer
+        carry = trainer.eval_carry.tensors()
+        if self.carry_keys is None:
+            self.carry_keys, self.batch_keys = sorted(carry), sorted(batch)
+        flat = ([s.get() for s in self.state] + [carry[k] for k in self.carry_keys]
+                + [batch[k] for k in self.batch_keys] + [sums])
+        outs = self.computation(flat)
+        trainer.eval_carry = Carry.from_tensors(dict(zip(self.carry_keys, outs[3:])))
+        return outs[0], outs[1], outs[2]

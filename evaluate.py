@@ -40,8 +40,7 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
             for _ in range(trainer.config.model.halt_max_steps):
                 # preds and q_halt stay referenced across the sync, so every ACT step is the
                 # same graph whether or not this batch's predictions are read.
-                metrics, preds, q_halt = trainer.eval_step(batch)
-                sums = sums + metrics
+                sums, preds, q_halt = trainer.eval_act_step(batch, sums)
                 sync()
             if arc is not None:  # this host's rows only: votes are summarised before crossing hosts
                 arc.update(host_batch, sharding.local_rows(preds)[1].numpy(),

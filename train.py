@@ -159,8 +159,8 @@ class RunConfig:
     compile_cache_dir: str = resumable("~/.cache/trm-xla")
     """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
     capture_step: bool = resumable(True)
-    """Trace the training step once and replay it as one XLA computation (host time per step:
-    README, Speed); False re-traces every step."""
+    """Trace the training step and the evaluation ACT step once each and replay them as XLA
+    computations (host time per step: README, Speed); False re-traces them every step."""
     profile_steps: int = resumable(0, ge=0, note="0 = off")
     """Capture an XLA profile of this many steps (from the 10th step of this launch) into
     {run.dir}/tb/plugins/profile for TensorBoard's profile tab; 0 = off."""

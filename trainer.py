@@ -4,9 +4,10 @@
 tensor of that state in one fixed order (`state_tensors`): checkpoints save and restore it by
 those names, and capture.py binds it as the inputs and outputs of the captured step.
 
-`Trainer.train_step` is the training step as plain PyTorch: by default (`run.capture_step`) it
-runs once, on placeholder tensors, to be traced into one XLA computation (capture.py), and the
-computation is replayed every step after; with capture off it is traced again every step.
+`Trainer.train_step` and `Trainer.eval_step` are the training step and the evaluation ACT step
+as plain PyTorch: by default (`run.capture_step`) each runs once, on placeholder tensors, to be
+traced into one XLA computation (capture.py), and the computation is replayed every step after;
+with capture off they are traced again every step.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class Trainer:
         self.ema = EMA(self.model, rate=optim.ema_rate)
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
-        self.captured = None
+        self.captured_train = self.captured_eval = None  # capture.py's steps, made at first use
         if len(restored_weights) < len(restore):  # a whole checkpoint, not only weights to start from
             problems += self._restore_differences(restore)
         if problems:
@@ -158,11 +159,11 @@ class Trainer:
         # Uploaded as graph inputs (device data), so a new value does not change the graph.
         lrs = torch.tensor([lr, puzzle_emb_lr], dtype=torch.float32).to(self.device)
         if self.config.run.capture_step:
-            if self.captured is None:
+            if self.captured_train is None:
                 from capture import CapturedTrainStep  # imports torch_xla: not at module import
 
-                self.captured = CapturedTrainStep(self)
-            return self.captured(batch, lrs)
+                self.captured_train = CapturedTrainStep(self)
+            return self.captured_train(batch, lrs)
         self.set_lrs(lrs[0], lrs[1])
         return self.train_step(batch)
 
@@ -197,6 +198,20 @@ class Trainer:
         self.ema.update(self.model)
         self.carry = self._sharded_carry(carry)
         return torch.stack([metrics[k] for k in TRAIN_METRICS])
+
+    def eval_act_step(self, batch: dict[str, torch.Tensor],
+                      sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One evaluation ACT step (`eval_step`) with its metric vector added to `sums`:
+        (sums + metrics, predictions, q_halt logits), all lazy. With run.capture_step the step
+        is traced once and replayed (capture.py), else traced again every call."""
+        if self.config.run.capture_step:
+            if self.captured_eval is None:
+                from capture import CapturedEvalStep  # imports torch_xla: not at module import
+
+                self.captured_eval = CapturedEvalStep(self)
+            return self.captured_eval(batch, sums)
+        metrics, predictions, q_halt = self.eval_step(batch)
+        return sums + metrics, predictions, q_halt
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ RECORD_FIELDS = [
     "trace_ms_per_step", "sync_ms_per_step", "device_ms_per_step", "compiles", "compile_s",
     "compiles_in_timed_steps", "aten_fallbacks", "aten_fallbacks_per_step", "transfers_from_device_per_step",
     "data_rows_per_s_per_host", "host_to_projected_device_ratio", "host_cpu_to_projected_device_ratio",
-    "loss", "loss_samples",
+    "loss", "loss_samples", "eval_host_ms_per_step", "eval_compiles_in_timed_steps",
 ]
 
 
@@ -124,6 +124,7 @@ def test_bench_runs_tiny_presets_on_the_cpu_mesh(tmp_path):
         assert record["compiles"] >= 1 and record["compiles_in_timed_steps"] == 0  # one graph per step
         assert record["aten_fallbacks_per_step"] == 0 and record["transfers_from_device_per_step"] == 0
         assert record["executions_per_step"] == 1
+        assert record["eval_host_ms_per_step"] > 0 and record["eval_compiles_in_timed_steps"] == 0
         assert len(record["loss_samples"]) == 2 and record["loss"] == record["loss_samples"][-1]
         assert all(math.isfinite(step["loss"]) and step["loss"] > 0 for step in record["steps"])
     assert "host/peak" in proc.stdout and "sudoku-att" in proc.stdout
@@ -138,6 +139,7 @@ def test_bench_times_the_retraced_step_too(tmp_path):
     assert result["capture_step"] is False
     assert record["host_ms_per_step"] > 0 and record["trace_ms_per_step"] > 0
     assert record["compiles_in_timed_steps"] == 0 and record["transfers_from_device_per_step"] == 0
+    assert record["eval_host_ms_per_step"] > 0 and record["eval_compiles_in_timed_steps"] == 0
     assert json.loads((tmp_path / "bench.json").read_text())["records"][0]["preset"] == "sudoku-mlp"
 
 

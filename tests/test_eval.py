@@ -346,3 +346,26 @@ def test_weights_trained_on_other_identifiers_are_refused(demo_path, tmp_path):
     with pytest.raises(SystemExit, match="puzzle identifiers: fingerprint"):
         train.main(train.cli(["demo", "--data.path", str(renamed),
                               *small(run_dir, tmp_path / "cache2", "--optim.max-steps", "2")]))
+
+
+def test_captured_evaluation_equals_the_retraced_one_with_arc_votes(tmp_path):
+    """The evaluation ACT step traced once and replayed (run.capture_step) gives the metrics,
+    pass@k and saved ARC votes of re-tracing it every ACT step, on the same weights."""
+    arc_path = str(tmp_path / "arc")
+    build_data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+                         test_sets=("evaluation",), num_aug=3, seed=0)
+    run_dir = tmp_path / "run"
+    train.main(train.cli(["arc1", "--data.path", arc_path, "--optim.global-batch-size", "16",
+                          "--optim.lr-warmup-steps", "1",
+                          *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2"), *TINY_ARC]))
+
+    def evaluate_into(out, *extra):
+        result = train.evaluate_command(["--init-from", str(run_dir), "--data.path", arc_path,
+                                         "--data.cache-dir", str(tmp_path / "cache"), "--run.dir", str(out),
+                                         "--eval.no-arc-aggregate", *extra])
+        return result, (out / "eval" / "step_2" / "arc_votes.json.gz").read_bytes()
+
+    replayed, replayed_votes = evaluate_into(tmp_path / "replayed")
+    retraced, retraced_votes = evaluate_into(tmp_path / "retraced", "--run.no-capture-step")
+    assert replayed["count"] == 8 and replayed == retraced
+    assert replayed_votes == retraced_votes

@@ -8,10 +8,10 @@ import torch_xla.core.xla_builder as xb
 PRIVATE_API = [
     # (where it is used, dotted path under torch_xla)
     ("sharding.py host_batch_to_global", "_XLAC._xla_tensors_from_aten"),
-    ("capture.py CapturedTrainStep", "_XLAC._xla_set_enable_alias_with_buffer_donor_config"),
-    ("capture.py CapturedTrainStep", "_XLAC._xla_user_computation"),
-    ("capture.py CapturedTrainStep", "_XLAC._set_buffer_donation"),
-    ("capture.py CapturedTrainStep", "_XLAC.lowering.LoweringContext"),
+    ("capture.py CapturedComputation", "_XLAC._xla_set_enable_alias_with_buffer_donor_config"),
+    ("capture.py CapturedComputation", "_XLAC._xla_user_computation"),
+    ("capture.py donate", "_XLAC._set_buffer_donation"),
+    ("capture.py CapturedComputation", "_XLAC.lowering.LoweringContext"),
     ("tests/test_train.py", "_XLAC._get_xla_sharding_spec"),
 ]
 LOWERING_CONTEXT_METHODS = ["set_name_string", "build", "hlo", "device_parameter_id_tensor_mapping",
