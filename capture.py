@@ -92,7 +92,38 @@ def bound(state, values):
             s.set(v)
 
 
-class CapturedTrainStep:
+class _CapturedStep:
+    """What both captured steps share: the computation's inputs are the tensors of `state`
+    (StateTensors, bound while tracing), a carry's and a batch's tensors (each by sorted name)
+    and one more tensor, flattened in that order."""
+
+    def __init__(self, trainer, state, name: str):
+        self.trainer, self.state = trainer, state
+        self.carry_keys = self.batch_keys = None
+        self.computation = CapturedComputation(name, self._traced)
+
+    def _run(self, carry: Carry, batch, extra) -> list:
+        """The computation's outputs for these inputs (the state as it is now)."""
+        tensors = carry.tensors()
+        if self.carry_keys is None:
+            self.carry_keys, self.batch_keys = sorted(tensors), sorted(batch)
+        return self.computation([s.get() for s in self.state] + [tensors[k] for k in self.carry_keys]
+                                + [batch[k] for k in self.batch_keys] + [extra])
+
+    def _inputs(self, work) -> tuple:
+        """(carry, batch, extra) of a flat input list; its first tensors are the state's."""
+        n_state, n_carry = len(self.state), len(self.carry_keys)
+        return (self._carry(work[n_state:n_state + n_carry]),
+                dict(zip(self.batch_keys, work[n_state + n_carry:-1])), work[-1])
+
+    def _carry(self, tensors) -> Carry:
+        return Carry.from_tensors(dict(zip(self.carry_keys, tensors)))
+
+    def _traced(self, work) -> list:
+        raise NotImplementedError
+
+
+class CapturedTrainStep(_CapturedStep):
     """`step(batch, lrs)` == `trainer.set_lrs(*lrs); trainer.train_step(batch)` without re-tracing.
 
     The computation's inputs are, in order: `trainer.state_tensors()`, the carry's tensors, the
@@ -101,22 +132,17 @@ class CapturedTrainStep:
     """
 
     def __init__(self, trainer):
-        self.trainer = trainer
-        self.state = trainer.state_tensors()
+        super().__init__(trainer, trainer.state_tensors(), "train_step")
         self.written = [s for s in self.state if s.written_by_step]
-        self.carry_keys = self.batch_keys = None
-        self.computation = CapturedComputation("train_step", self._traced)
 
     def _traced(self, work):
         trainer = self.trainer
-        n_state, n_carry = len(self.state), len(self.carry_keys)
         saved_carry, saved_lrs = trainer.carry, trainer.lrs()
         try:
             with bound(self.state, work):
-                trainer.carry = Carry.from_tensors(dict(zip(self.carry_keys, work[n_state:n_state + n_carry])))
-                lrs = work[-1]
+                trainer.carry, batch, lrs = self._inputs(work)
                 trainer.set_lrs(lrs[0], lrs[1])
-                metrics = trainer.train_step(dict(zip(self.batch_keys, work[n_state + n_carry:-1])))
+                metrics = trainer.train_step(batch)
                 new_carry = trainer.carry.tensors()
                 return [metrics] + [s.get() for s in self.written] + [new_carry[k] for k in self.carry_keys]
         finally:
@@ -125,22 +151,16 @@ class CapturedTrainStep:
             trainer.clear_gradients()
 
     def __call__(self, batch, lrs):
-        trainer = self.trainer
-        carry = trainer.carry.tensors()
-        if self.carry_keys is None:
-            self.carry_keys, self.batch_keys = sorted(carry), sorted(batch)
-        flat = ([s.get() for s in self.state] + [carry[k] for k in self.carry_keys]
-                + [batch[k] for k in self.batch_keys] + [lrs])
-        outs = self.computation(flat)
+        outs = self._run(self.trainer.carry, batch, lrs)
         n = len(self.written)
         for s, new in zip(self.written, outs[1:1 + n]):
             donate(s.get())
             s.set(new)
-        trainer.carry = Carry.from_tensors(dict(zip(self.carry_keys, outs[1 + n:])))
+        self.trainer.carry = self._carry(outs[1 + n:])
         return outs[0]
 
 
-class CapturedEvalStep:
+class CapturedEvalStep(_CapturedStep):
     """`step(batch, sums)` == `metrics, preds, q_halt = trainer.eval_step(batch);
     (sums + metrics, preds, q_halt)` without re-tracing: one evaluation ACT step on
     `trainer.eval_carry` with whatever weights the model holds (evaluate.py swaps the EMA's in;
@@ -153,31 +173,22 @@ class CapturedEvalStep:
     """
 
     def __init__(self, trainer):
-        self.trainer = trainer
-        self.state = [s for s in trainer.state_tensors() if not s.name.startswith(("adam/", "ema/"))]
-        self.carry_keys = self.batch_keys = None
-        self.computation = CapturedComputation("eval_step", self._traced)
+        super().__init__(trainer, [s for s in trainer.state_tensors() if not s.name.startswith(("adam/", "ema/"))],
+                         "eval_step")
 
     def _traced(self, work):
         trainer = self.trainer
-        n_state, n_carry = len(self.state), len(self.carry_keys)
         saved_carry = trainer.eval_carry
         try:
             with bound(self.state, work):
-                trainer.eval_carry = Carry.from_tensors(dict(zip(self.carry_keys, work[n_state:n_state + n_carry])))
-                metrics, preds, q_halt = trainer.eval_step(dict(zip(self.batch_keys, work[n_state + n_carry:-1])))
+                trainer.eval_carry, batch, sums = self._inputs(work)
+                metrics, preds, q_halt = trainer.eval_step(batch)
                 new_carry = trainer.eval_carry.tensors()
-                return [work[-1] + metrics, preds, q_halt] + [new_carry[k] for k in self.carry_keys]
+                return [sums + metrics, preds, q_halt] + [new_carry[k] for k in self.carry_keys]
         finally:
             trainer.eval_carry = saved_carry
 
     def __call__(self, batch, sums):
-        trainer = self.trainer
-        carry = trainer.eval_carry.tensors()
-        if self.carry_keys is None:
-            self.carry_keys, self.batch_keys = sorted(carry), sorted(batch)
-        flat = ([s.get() for s in self.state] + [carry[k] for k in self.carry_keys]
-                + [batch[k] for k in self.batch_keys] + [sums])
-        outs = self.computation(flat)
-        trainer.eval_carry = Carry.from_tensors(dict(zip(self.carry_keys, outs[3:])))
+        outs = self._run(self.trainer.eval_carry, batch, sums)
+        self.trainer.eval_carry = self._carry(outs[3:])
         return outs[0], outs[1], outs[2]
