@@ -244,13 +244,14 @@ def remove_if_present(url: str) -> None:
         with_retries("deleting", url, lambda: fs.rm(path))
 
 
-def read_checkpoint(url: str, row_range: Callable[[tuple], tuple[int, int]] | None = None,
+def read_checkpoint(url: str, row_range: Callable[[str, tuple], tuple[int, int]] | None = None,
                     names: Callable[[str], bool] = lambda name: True) -> tuple[dict[str, torch.Tensor], dict]:
     """Read a committed checkpoint: (tensors, state).
 
-    Whole tensors are read in full; for a batch-sharded tensor, `row_range(global_shape)` gives
-    the rows this host needs (default: all), assembled from whichever hosts wrote them, so a
-    run can resume on a different number of hosts. `names` filters the tensors to read.
+    Whole tensors are read in full; for a tensor saved by rows (the carry, the puzzle table),
+    `row_range(name, global_shape)` gives the rows this host needs (default: all), assembled
+    from whichever hosts wrote them, so a run can resume on a different number of hosts.
+    `names` filters the tensors to read.
     Raises CheckpointError for contents that cannot be what was saved (no marker, indexes of
     another save attempt, unreadable files, missing rows) and storage.StorageError when storage
     fails.
@@ -313,7 +314,7 @@ def _assemble(key: str, entries: list[dict], handles: dict, row_range) -> torch.
     if entries[0]["row_start"] is None:
         return handles[entries[0]["file"]].get_tensor(key)
     shape = tuple(entries[0]["global_shape"])
-    start, stop = row_range(shape) if row_range else (0, shape[0])
+    start, stop = row_range(key, shape) if row_range else (0, shape[0])
     parts = []
     for e in sorted(entries, key=lambda e: e["row_start"]):
         lo, hi = max(start, e["row_start"]), min(stop, e["row_start"] + e["rows"])

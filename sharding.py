@@ -3,9 +3,9 @@ annotations, the small cross-host protocol (barrier, broadcast, config check), a
 runtime calls the training loop needs (sync, counters, profiles); capture.py holds the rest.
 
 Data parallel over one global 1-D mesh named "data": batch-shaped tensors (inputs, the ACT
-carry) are split on their first dimension across every device of every host; parameters and
-optimizer state are replicated. Every host runs the same program; the runtime finds its peers
-from the TPU VM metadata.
+carry) and the puzzle-embedding table are split on their first dimension across every device
+of every host; parameters and optimizer state are replicated. Every host runs the same
+program; the runtime finds its peers from the TPU VM metadata.
 """
 from __future__ import annotations
 
@@ -114,10 +114,23 @@ def data_split() -> tuple[int, int]:
     return (0, 1) if _simulated_slice() else (process_index(), process_count())
 
 
+def row_block(num_rows: int, index: int, count: int) -> tuple[int, int]:
+    """[start, stop) of the rows that host `index` of `count` holds of a tensor split by rows over
+    the whole mesh. XLA gives every device ceil(num_rows / devices) rows (the last ones fewer,
+    or none), and a host's devices hold consecutive blocks; when the count of hosts does not
+    divide the devices (only in a simulated slice) the rows are split evenly instead."""
+    devices = xr.global_runtime_device_count()
+    if devices % count:
+        return index * num_rows // count, (index + 1) * num_rows // count
+    rows_per_host = devices // count * -(-num_rows // devices)
+    return min(num_rows, index * rows_per_host), min(num_rows, (index + 1) * rows_per_host)
+
+
 def rows_here(num_rows: int) -> tuple[int, int]:
-    """[start, stop) of the rows of a batch-sharded tensor held by this process's devices."""
+    """[start, stop) of the rows of a tensor split by rows (a batch, the carry, the puzzle table)
+    held by this process's devices."""
     index, count = data_split()
-    return index * num_rows // count, (index + 1) * num_rows // count
+    return (0, num_rows) if count == 1 else row_block(num_rows, index, count)
 
 
 # -- sharding -----------------------------------------------------------------------------------
@@ -138,6 +151,15 @@ def shard_batch_dim(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
     if tensor.ndim:
         xs.mark_sharding(tensor, mesh, _batch_spec(tensor.ndim))
     return tensor
+
+
+def rows_to_device(cpu_tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
+    """A whole CPU tensor as an XLA tensor split by rows over the mesh (each device gets only its
+    rows, and each host sends only its devices' rows): the puzzle-embedding table, which would
+    not fit replicated on every device. Gathers and scatters by row index on it stay local
+    (XLA's partitioner masks each device's lookups and sums them across devices)."""
+    spec = xs.ShardingSpec(mesh, _batch_spec(cpu_tensor.ndim)).xla_spec(cpu_tensor)
+    return torch_xla._XLAC._xla_tensors_from_aten([cpu_tensor.contiguous()], [str(device())], [spec])[0]
 
 
 def replicate(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:

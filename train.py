@@ -158,6 +158,9 @@ class RunConfig:
     """After SIGTERM or Ctrl-C, exit with status 75 (relaunch resumes) if still running this long later."""
     compile_cache_dir: str = resumable("~/.cache/trm-xla")
     """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
+    shard_puzzle_table: bool = resumable(True)
+    """Split the puzzle-embedding table's rows over the devices (each holds and saves 1/N of it);
+    a table with fewer rows than devices stays replicated. False replicates it on every device."""
     capture_step: bool = resumable(True)
     """Trace the training step and the evaluation ACT step once each and replay them as XLA
     computations (host time per step: README, Speed); False re-traces them every step."""
@@ -592,10 +595,13 @@ def resume_or_start(config: Config, identifiers: str | None, sharding, mesh, log
     error, candidates = sharding.broadcast_object((error, candidates))
     if error:
         raise SystemExit(f"error: cannot list the checkpoints of {config.run.dir} (host 0): {error[1]}")
+    def carry_rows(name, shape):  # this host's rows of the carry; every row of the puzzle table
+        return sharding.rows_here(shape[0]) if name.startswith("carry/") else (0, shape[0])
+
     unreadable = []
     for step, url in candidates:
         def resume(url=url):
-            restore, saved = checkpoint.read_checkpoint(url, lambda shape: sharding.rows_here(shape[0]))
+            restore, saved = checkpoint.read_checkpoint(url, carry_rows)
             refuse_changed_config(config, saved, identifiers)
             return Trainer(config, sharding, mesh, restore)
         error, trainer = attempt(resume)

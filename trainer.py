@@ -22,6 +22,7 @@ from model import TRM, Carry, loss_and_metrics
 from optim import EMA, AdamATan2, SignSGD
 
 TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
+TABLE = "model/puzzle_embedding.weight"  # the puzzle-embedding table's checkpoint name
 EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
 
 
@@ -55,7 +56,19 @@ class Trainer:
                                      restored_weights) if restore else []
         if restore and not problems:
             model.load_state_dict({k.removeprefix("model/"): v for k, v in restored_weights.items()})
+        # The puzzle table goes to the devices split by rows (`row_split`): moved with the model,
+        # the whole table would first land on every device.
+        table = model.puzzle_embedding.weight if config.model.puzzle_emb_ndim > 0 else None
+        if table is not None:
+            model.puzzle_embedding.weight = table[:0]
         self.model = model.to(self.device)
+        self.row_split = set()  # names of state tensors split by rows over the mesh (not replicated)
+        if table is not None:
+            if config.run.shard_puzzle_table and table.shape[0] >= mesh.size():
+                self.model.puzzle_embedding.weight = sharding.rows_to_device(table, mesh)
+                self.row_split.add(TABLE)
+            else:
+                self.model.puzzle_embedding.weight = table.to(self.device)
         optim = config.optim
         self.adam = AdamATan2(self.model.parameters(), betas=(optim.beta1, optim.beta2),
                               weight_decay=optim.weight_decay)
@@ -74,8 +87,9 @@ class Trainer:
         for name, tensor in self.named_state().items():
             if name in restore and not name.startswith("model/"):
                 tensor.data = restore[name].to(self.device)
-        for tensor in self.named_state().values():
-            sharding.replicate(tensor, mesh)
+        for name, tensor in self.named_state().items():
+            if name not in self.row_split:
+                sharding.replicate(tensor, mesh)
         if "carry/rng_counter" in restore:
             host_rows = {k.removeprefix("carry/"): v for k, v in restore.items()
                          if k.startswith("carry/") and v.ndim}
@@ -127,20 +141,25 @@ class Trainer:
         return {s.name: s.get() for s in self.state_tensors() if s.name}
 
     def checkpoint_shards(self, process_index: int, process_count: int) -> dict[str, Shard]:
-        """This host's share of the state, copied to the CPU: the replicated tensors it owns
-        and its rows of the carry."""
+        """This host's share of the state, copied to the CPU: the replicated tensors it owns,
+        its rows of the carry and of the row-split puzzle table."""
+        def host_rows(t: torch.Tensor) -> Shard:  # (in a simulated slice this process holds them all)
+            start, rows = self.sharding.local_rows(t)
+            lo, hi = self.sharding.row_block(t.shape[0], process_index, process_count)
+            return Shard(rows[lo - start:hi - start], tuple(t.shape), lo)
+
         state = self.named_state()
-        owners = assign_owners({n: t.numel() * t.element_size() for n, t in state.items()}, process_count)
-        shards = {n: Shard(self.sharding.local_copy(t), tuple(t.shape)) for n, t in state.items()
+        replicated = {n: t for n, t in state.items() if n not in self.row_split}
+        owners = assign_owners({n: t.numel() * t.element_size() for n, t in replicated.items()}, process_count)
+        shards = {n: Shard(self.sharding.local_copy(t), tuple(t.shape)) for n, t in replicated.items()
                   if owners[n] == process_index}
+        shards.update({n: host_rows(state[n]) for n in self.row_split})
         for name, t in self.carry.tensors().items():
             if t.ndim == 0:
                 if process_index == 0:
                     shards[f"carry/{name}"] = Shard(self.sharding.local_copy(t), ())
-            else:  # this host's rows (in a simulated slice this process holds them all)
-                start, rows = self.sharding.local_rows(t)
-                lo, hi = process_index * t.shape[0] // process_count, (process_index + 1) * t.shape[0] // process_count
-                shards[f"carry/{name}"] = Shard(rows[lo - start:hi - start], tuple(t.shape), lo)
+            else:
+                shards[f"carry/{name}"] = host_rows(t)
         return shards
 
     def init_carries(self, batch: dict[str, torch.Tensor]) -> None:
@@ -195,6 +214,8 @@ class Trainer:
         if self.sign_sgd is not None:
             self.sign_sgd.step()
             self.sign_sgd.zero_grad()
+            if TABLE in self.row_split:  # keep the written table's annotation, as the carry's
+                self.sharding.shard_batch_dim(self.model.puzzle_embedding.weight, self.mesh)
         self.ema.update(self.model)
         self.carry = self._sharded_carry(carry)
         return torch.stack([metrics[k] for k in TRAIN_METRICS])

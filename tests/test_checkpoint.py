@@ -76,7 +76,7 @@ def test_round_trip_on_gcs_by_two_hosts(gcs_url):
     for k in state:
         assert tensors[k].dtype == state[k].dtype and torch.equal(tensors[k], state[k]), k
     # Host 1 on resume reads only its rows, whoever wrote them.
-    rows, _ = checkpoint.read_checkpoint(checkpoint.step_dir(gcs_url, 10), row_range=lambda shape: (4, 8))
+    rows, _ = checkpoint.read_checkpoint(checkpoint.step_dir(gcs_url, 10), row_range=lambda name, shape: (4, 8))
     assert torch.equal(rows["carry/steps"], state["carry/steps"][4:])
     # Every file is a plain safetensors file.
     fs, path = storage.filesystem(checkpoint.step_dir(gcs_url, 10))
