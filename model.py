@@ -613,6 +613,13 @@ def reference_config(state_dict: dict[str, torch.Tensor], base: TRMConfig) -> TR
     return dataclasses.replace(base, expansion=fitting[0], **fields)
 
 
+def mean_row_table(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """A puzzle-embedding table of `rows` rows, each the mean of `table`'s rows: how the reference
+    starts the table when fine-tuning on puzzles whose identifiers the weights were not trained
+    on (the dense weights carry over; the new puzzles' rows are learned from there)."""
+    return table.float().mean(0, keepdim=True).expand(rows, table.shape[1]).contiguous()
+
+
 def load_reference_state_dict(model: TRM, state_dict: dict[str, torch.Tensor],
                               resize_puzzle_table: bool = True) -> None:
     """Load a reference checkpoint (keys `model.inner.*`, optionally prefixed `_orig_mod.`).
@@ -639,7 +646,7 @@ def load_reference_state_dict(model: TRM, state_dict: dict[str, torch.Tensor],
                 and value.shape[1:] == expected[1:]):
             print(f"puzzle embedding has {value.shape[0]} identifiers, this dataset {expected[0]}: "
                   "resetting every row to the checkpoint's mean row")
-            value = value.float().mean(0, keepdim=True).expand(expected).contiguous()
+            value = mean_row_table(value, expected[0])
         if value.shape != expected:
             raise ValueError(f"reference tensor model.inner.{theirs} has shape {tuple(value.shape)}, "
                              f"this TRMConfig expects {tuple(expected)} (check hidden_size, "

@@ -148,8 +148,9 @@ class RunConfig:
     keep_checkpoints: int = resumable(3, ge=1, note="the latest is always kept")
     """Committed checkpoints to keep; older ones are deleted."""
     init_from: str | None = resumable(None)
-    """Start from these weights (a reference-implementation checkpoint or an exported
-    model.safetensors) when the run directory has no checkpoint yet."""
+    """Start from these weights when the run directory has no checkpoint yet: a run or checkpoint
+    directory (its EMA weights), an exported model.safetensors or a reference checkpoint. A puzzle
+    table trained on other identifiers restarts from its mean row (fine-tuning on new puzzles)."""
     allow_config_change: bool = resumable(False)
     """Resume even though the run directory was created with a different configuration."""
     preempt_check_every: int = resumable(10, ge=1)
@@ -372,20 +373,43 @@ def read_reference_checkpoint(url: str) -> dict[str, torch.Tensor]:
 
 
 def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers: str | None = None,
-                         resize_puzzle_table: bool = True) -> dict[str, torch.Tensor]:
-    """`model/*` tensors from an exported model.safetensors or a reference checkpoint.
+                         say=print) -> dict[str, torch.Tensor]:
+    """`model/*` tensors to start training from: the EMA weights of a run or checkpoint
+    directory, an exported model.safetensors, or a reference checkpoint.
 
-    An exported model trained on a dataset whose identifiers differ from `dataset_identifiers`
-    (data.identifiers_fingerprint) is refused: its table rows belong to other puzzles."""
-    from model import load_reference_state_dict
+    Fine-tuning on other puzzles: when the weights' puzzle-embedding table was trained on other
+    identifiers (another row count, or another fingerprint than `dataset_identifiers`), the
+    dense weights are kept and every row of the table starts as the mean of the old rows (as the
+    reference does), with one line said; the same identifiers keep the table."""
+    from model import load_reference_state_dict, mean_row_table
 
     model = TRM(model_config)
-    if url.endswith(".safetensors"):
+    try:
+        found = checkpoint.weights_of(url, say)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    if found is None and not url.endswith(".safetensors"):
+        load_reference_state_dict(model, read_reference_checkpoint(url))
+        return {f"model/{k}": v for k, v in model.state_dict().items()}
+    if found is None:
         weights, _, trained_on = checkpoint.read_exported(url)
-        check_same_identifiers(trained_on, dataset_identifiers, url)
-        model.load_state_dict(weights)
     else:
-        load_reference_state_dict(model, read_reference_checkpoint(url), resize_puzzle_table)
+        weights, state, _ = found
+        trained_on = state.get("dataset_identifiers")
+    table, expected = weights.get("puzzle_embedding.weight"), model.state_dict().get("puzzle_embedding.weight")
+    if table is not None and expected is not None and table.shape[1:] == expected.shape[1:]:
+        other_rows = table.shape[0] != expected.shape[0]
+        if other_rows or (trained_on and dataset_identifiers and trained_on != dataset_identifiers):
+            why = (f"{table.shape[0]} identifiers, this dataset {expected.shape[0]}" if other_rows else
+                   f"identifiers with fingerprint {trained_on}, this dataset's {dataset_identifiers}")
+            say(f"fine-tuning: the puzzle embedding of {url} was trained on {why}; the dense weights start "
+                "from it and every table row from its mean row")
+            weights["puzzle_embedding.weight"] = mean_row_table(table, expected.shape[0])
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise ConfigError(f"the weights of {url} do not fit this model (check mlp_t, pos_encodings, "
+                          f"hidden_size, L_layers, puzzle_emb_ndim): {e}") from None
     return {f"model/{k}": v for k, v in model.state_dict().items()}
 
 
@@ -626,7 +650,7 @@ def resume_or_start(config: Config, identifiers: str | None, sharding, mesh, log
     restore = None
     if config.run.init_from:
         try:
-            restore = load_initial_weights(config.run.init_from, config.model, identifiers)
+            restore = load_initial_weights(config.run.init_from, config.model, identifiers, log.say)
         except ConfigError as e:
             raise SystemExit(f"error: {e}")
         log.say(f"initial weights from {config.run.init_from}")

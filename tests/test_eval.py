@@ -8,9 +8,10 @@ import types
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import build_data
+import checkpoint
 import data
 import evaluate
 import model
@@ -324,7 +325,8 @@ def test_eval_of_a_reference_checkpoint_with_other_sizes_equals_the_same_weights
         train.evaluate_command(["sudoku-att", "--init-from", reference_file, "--data.path", other])
 
 
-def test_weights_trained_on_other_identifiers_are_refused(demo_path, tmp_path):
+def test_weights_trained_on_other_identifiers_are_refused_by_eval_and_fine_tuned_by_training(demo_path, tmp_path,
+                                                                                            capsys):
     # Same shapes, other identifier names: the demo's table rows would belong to other puzzles.
     run_dir = tmp_path / "run"
     train.main(train.cli(["demo", "--data.path", demo_path,
@@ -338,10 +340,28 @@ def test_weights_trained_on_other_identifiers_are_refused(demo_path, tmp_path):
         with pytest.raises(SystemExit, match="trained on a dataset with other puzzle identifiers"):
             train.evaluate_command(["--init-from", source, "--data.path", str(renamed),
                                     "--data.cache-dir", str(tmp_path / "cache2")])
-    with pytest.raises(SystemExit, match="trained on a dataset with other puzzle identifiers"):
-        train.main(train.cli(["demo", "--data.path", str(renamed),
-                              *small(tmp_path / "finetune", tmp_path / "cache2", "--optim.max-steps", "1",
-                                     "--run.init-from", exported)]))
+    # Training from them fine-tunes: dense weights kept, every table row restarted from the mean row
+    # (the reference's rule), here on the renamed identifiers and on a dataset with 5 of them.
+    more = tmp_path / "more"
+    shutil.copytree(demo_path, more)
+    for split in ("train", "test"):
+        meta = json.loads((more / split / "dataset.json").read_text())
+        (more / split / "dataset.json").write_text(json.dumps(dict(meta, num_puzzle_identifiers=5)))
+    (more / "identifiers.json").write_text(json.dumps(["<blank>"] + [f"new puzzle {i}" for i in range(4)]))
+    weights = load_file(exported)
+    for dataset, source, rows in ((renamed, exported, 1), (more, str(run_dir), 5)):
+        capsys.readouterr()
+        tuned_dir = tmp_path / f"tuned-{dataset.name}"
+        train.main(train.cli(["demo", "--data.path", str(dataset),
+                              *small(tuned_dir, tmp_path / f"cache-{dataset.name}", "--optim.max-steps", "0",
+                                     "--run.init-from", source)]))
+        said = capsys.readouterr().out
+        assert f"fine-tuning: the puzzle embedding of {source} was trained on " in said
+        assert ("1 identifiers, this dataset 5" in said) == (rows == 5)
+        start, _ = checkpoint.read_ema_weights(checkpoint.list_checkpoints(str(tuned_dir))[0][1])
+        assert [k for k in weights if k != "puzzle_embedding.weight" and not torch.equal(start[k], weights[k])] == []
+        table = weights["puzzle_embedding.weight"]
+        assert torch.equal(start["puzzle_embedding.weight"], table.mean(0, keepdim=True).expand(rows, -1))
     # Resuming the run on the renamed dataset is a configuration change.
     with pytest.raises(SystemExit, match="puzzle identifiers: fingerprint"):
         train.main(train.cli(["demo", "--data.path", str(renamed),
