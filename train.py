@@ -10,8 +10,9 @@ With a dataset in the reference format (local path or gs://), a preset and any o
     python train.py sudoku-mlp --data.path gs://BUCKET/data/sudoku-extreme-1k-aug-1000 \\
         --run.dir gs://BUCKET/runs/sudoku-mlp-1
     python train.py arc1 --optim.lr 3e-4 --data.path gs://BUCKET/data/arc1 --run.dir gs://BUCKET/runs/x
-    python train.py --help               # the presets
+    python train.py --help               # the presets and the commands
     python train.py arc1 --help          # every setting, with its preset value
+    python train.py eval --help          # each command's flags
 
 Relaunching the same command continues from the run directory's latest checkpoint; SIGTERM
 (a spot VM's preemption notice) or Ctrl-C saves one and exits 0 (or 75 when that does not end
@@ -38,7 +39,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 import tyro
@@ -1034,27 +1035,47 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     return config, {f"model/{k}": v for k, v in model.state_dict().items()}, 0, None
 
 
+@dataclass
+class WeightsCommand:
+    """The flags of a command that runs given weights (eval): the weights, then any setting
+    of the training configuration (they override what the weights' run used)."""
+
+    init_from: str
+    """The weights: a run directory (its newest readable checkpoint), a checkpoint directory, an
+    exported model.safetensors or a reference checkpoint; local or gs://."""
+    config: Annotated[Config, tyro.conf.arg(name="")] = field(default_factory=Config)
+
+
+def parse_weights_command(command: str, argv: list[str], description: str) -> tuple[str, str, list[str]]:
+    """(preset, --init-from value, the other flags as typed) of `train.py COMMAND [PRESET] ...`;
+    tyro checks the flags and prints `--help` (exit 0). The configuration flags are returned
+    unparsed: they apply on top of the weights' own run configuration, not of the preset."""
+    preset = argv[0] if argv and argv[0] in PRESETS else "sudoku-mlp"
+    rest = argv[1:] if argv and argv[0] in PRESETS else argv
+    parsed = tyro.cli(WeightsCommand, args=rest, default=WeightsCommand("", PRESETS[preset][1]),
+                      prog=f"train.py {command} [PRESET]", description=description)
+    if not parsed.init_from:
+        raise SystemExit(f"error: {command} needs --init-from URL (a run directory, checkpoint, exported "
+                         "model.safetensors or reference checkpoint)")
+    overrides = []
+    for i, arg in enumerate(rest):  # every flag but --init-from URL / --init-from=URL
+        if not (arg == "--init-from" or arg.startswith("--init-from=")
+                or (i > 0 and rest[i - 1] == "--init-from")):
+            overrides.append(arg)
+    return preset, parsed.init_from, overrides
+
+
 def evaluate_command(argv: list[str]) -> dict:
     """`python train.py eval [PRESET] --init-from URL --data.path URL [overrides]`: evaluate a
     run directory / checkpoint, an exported model.safetensors or a reference checkpoint on a
     dataset's test split; prints and saves the metrics (and ARC scores) under
     {run.dir}/eval/step_N/."""
-    args, source = [], None
-    for i, arg in enumerate(argv):  # --init-from URL or --init-from=URL
-        if arg.startswith("--init-from="):
-            source = arg.split("=", 1)[1]
-        elif arg == "--init-from" and i + 1 < len(argv):
-            source = argv[i + 1]
-        elif not (i > 0 and argv[i - 1] == "--init-from"):
-            args.append(arg)
-    if not source:
-        raise SystemExit("error: eval needs --init-from URL (a run directory, checkpoint, exported "
-                         "model.safetensors or reference checkpoint)")
+    preset, source, args = parse_weights_command("eval", argv, "Evaluate " + " ".join(
+        evaluate_command.__doc__.split(":", 1)[1].split()).removeprefix("evaluate "))
     try:
         storage.check_url(source, "--init-from")
     except storage.StorageError as e:
         raise SystemExit(f"error: {e}")
-    preset = args.pop(0) if args and args[0] in PRESETS else "sudoku-mlp"
     config, weights, step, trained_on = load_weights_for_eval(source, PRESETS[preset][1], args)
     table = weights.get("model/puzzle_embedding.weight")
     config, _, test_set, sharding, device_kind, _ = start(config, None if table is None else table.shape[0],
@@ -1086,13 +1107,27 @@ def evaluate_command(argv: list[str]) -> dict:
     return result
 
 
+def usage() -> str:
+    """`python train.py --help`: the presets and the commands."""
+    width = max(map(len, PRESETS))
+    return "\n".join([
+        "usage: python train.py PRESET [FLAGS]                          train (PRESET --help: every flag)",
+        "       python train.py eval [PRESET] --init-from URL [FLAGS]   evaluate weights on a test split",
+        "       python train.py export SOURCE --out URL                 the EMA weights as one safetensors file",
+        "", "presets:", *(f"  {name.ljust(width)}  {about}" for name, (about, _) in PRESETS.items()),
+        "", "Each command's --help lists its flags; flags take `--flag value` or `--flag=value`."])
+
+
 def command_line(argv: list[str]) -> int:
     """Run a command; the exit status: 0 done (or saved and stopped on SIGTERM), 1 a failure a
     relaunch would repeat, EXIT_RETRYABLE one it may not (storage failing beyond its retries, a
     lost peer host; the watchdog exits with it too)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
     try:
         if argv[:1] == ["export"]:
-            tyro.cli(export, args=argv[1:])
+            tyro.cli(export, args=argv[1:], prog="train.py export")
             return 0
         if argv[:1] == ["eval"]:
             evaluate_command(argv[1:])

@@ -144,3 +144,26 @@ def test_resume_may_change_where_and_how_but_not_what():
     assert {"run.dir", "run.profile_steps", "run.capture_step", "run.compile_cache_dir", "run.ckpt_every",
             "optim.max_steps", "eval.every_epochs"} <= train.resumable_fields()
     assert not {"optim.lr", "optim.global_batch_size", "run.seed"} & train.resumable_fields()
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["--help"], ["eval [PRESET] --init-from URL", "export SOURCE --out URL", "sudoku-mlp", "arc2", "demo"]),
+    (["arc1", "--help"], ["--data.path", "--optim.puzzle-emb-lr", "--run.shard-puzzle-table", "(default: 0.01)"]),
+    (["eval", "--help"], ["--init-from", "--data.path", "--eval.arc-aggregate", "train.py eval [PRESET]"]),
+    (["eval", "arc1", "-h"], ["--init-from", "--model.seq-len", "(default: 900)"]),
+    (["export", "--help"], ["--out", "train.py export"]),
+])
+def test_every_command_prints_its_flags_with_help(argv, flags, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        sys.exit(train.command_line(argv))
+    assert stopped.value.code == 0
+    printed = capsys.readouterr().out
+    assert [f for f in flags if f not in printed] == []
+
+
+def test_eval_flags_are_checked_before_anything_runs(capsys):
+    with pytest.raises(SystemExit, match="eval needs --init-from URL"):
+        train.command_line(["eval", "--data.path", MISSING])
+    with pytest.raises(SystemExit) as stopped:
+        train.command_line(["eval", "--init-from=x", "--optim.no-such-flag", "1"])
+    assert stopped.value.code == 2 and "--optim.no-such-flag" in capsys.readouterr().err
