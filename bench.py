@@ -18,7 +18,7 @@ the step, when a step's training loss is not finite (after printing the table an
 Columns (the JSON file has these and more, with units in the names; see `bench_preset`):
   params         trainable parameters (the puzzle-embedding table, a SignSGD buffer, not counted)
   GF/ex train    model GFLOP per example of one training step (one ACT segment, forward and
-                 backward; formula in `model_flops`); GF/ex eval: of one evaluation ACT step
+                 backward; formula in model.py's `model_flops`); GF/ex eval: of one evaluation ACT step
                  (an evaluation batch runs halt_max_steps = 16 of them)
   dev@peak ms    device time of one training step of the preset's global batch (768) on the
                  chosen slice at 100% of its bf16 peak (`slice_spec`)
@@ -79,7 +79,7 @@ import data
 import report
 import train
 import trainer as trainer_module  # `trainer` names the Trainer instance below
-from model import TRM, TRMConfig, swiglu_width
+from model import PEAK_TFLOPS_PER_CHIP, TRM, TRMConfig, block_flops, heads_flops, model_flops  # noqa: F401
 
 PresetName = Literal["sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2"]
 PRESET_NAMES: tuple[PresetName, ...] = ("sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2")
@@ -117,65 +117,8 @@ class BenchConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model FLOPs
-
-
-def block_flops(c: TRMConfig) -> int:
-    """Forward FLOPs of one block for one example (2·m·n·k per matmul, nothing else counted).
-
-    With T = seq_len + prefix positions, h = hidden_size, I = swiglu_width(h), I_T = swiglu_width(T):
-      SwiGLU over channels:      gate_up 2·T·h·2I + down 2·T·I·h              = 6·T·h·I
-      attention (not mlp_t):     qkv 2·T·h·3h + scores 2·T·T·h + values 2·T·T·h + out 2·T·h·h
-                                                                              = 8·T·h² + 4·T²·h
-      token-mixing SwiGLU (mlp_t, over positions for each of the h channels) = 6·h·T·I_T
-    """
-    T, h = c.total_len, c.hidden_size
-    channel_mlp = 6 * T * h * swiglu_width(h, c.expansion)
-    if c.mlp_t:
-        mixing = 6 * h * T * swiglu_width(T, c.expansion)
-    else:
-        mixing = 8 * T * h * h + 4 * T * T * h
-    return mixing + channel_mlp
-
-
-def heads_flops(c: TRMConfig) -> int:
-    """Forward FLOPs of the output heads for one example: lm_head over all T positions
-    (the prefix is dropped after the matmul) 2·T·h·vocab, and q_head on position 0, 2·h·2."""
-    return 2 * c.total_len * c.hidden_size * c.vocab_size + 2 * c.hidden_size * 2
-
-
-def model_flops(c: TRMConfig) -> dict[str, int]:
-    """Model FLOPs per example of one training step and of one evaluation ACT step.
-
-    net = L_layers · block_flops (the one shared network); one ACT step applies it
-    A = H_cycles · (L_cycles + 1) times (each cycle: L_cycles updates of z_L, one of z_H), then
-    the heads once. Only the last cycle (L_cycles + 1 applications) and the heads run backward,
-    which costs twice their forward (gradients of inputs and of weights):
-
-      eval  = A · net + heads
-      train = A · net + heads + 2 · ((L_cycles + 1) · net + heads)
-              (+ A · net + heads without gradient when no_ACT_continue is False: the Q target)
-
-    Embedding lookups, norms, RoPE, activations, the loss and the optimizers are not counted
-    (elementwise; SignSGD's [B, B] id-matching matmul adds 2·B·puzzle_emb_ndim per example,
-    under 0.01% here). For sudoku-mlp: 21 forward applications, 7 of them with backward,
-    about 43 GFLOP per example.
-    """
-    net = c.L_layers * block_flops(c)
-    heads = heads_flops(c)
-    applications = c.H_cycles * (c.L_cycles + 1)
-    forward = applications * net + heads
-    train_flops = forward + 2 * ((c.L_cycles + 1) * net + heads)
-    if not c.no_ACT_continue:
-        train_flops += forward
-    return {"train": train_flops, "eval": forward}
-
-
-# ----------------------------------------------------------------------------------------------
-# TPU slices
-
-
-PEAK_TFLOPS_PER_CHIP = {"v4": 275.0, "v5e": 197.0, "v6e": 918.0}  # bf16 dense, Google's figures
+# TPU slices (the FLOP formula, `model_flops`, and the peak per chip live in model.py, where
+# train.py reads them for its MFU without importing this measurement code)
 
 
 @dataclass(frozen=True)

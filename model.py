@@ -2,9 +2,11 @@
 
 Same math as the reference implementation (github.com/SamsungSAILMontreal/TinyRecursiveModels):
 the recursive network with its ACT carry, the stablemax loss with the Q-halt head, and the
-interop with the reference's checkpoints (the optimizers and the EMA are in optim.py). Everything here
-keeps static shapes and never reads a device value on the host, so one training step traces to
-one XLA graph. This file never imports torch_xla: it runs the same on CPU eager and on XLA.
+interop with the reference's checkpoints (the optimizers and the EMA are in optim.py), and the
+model's FLOP count with the peak of each TPU generation (bench.py's projections, the MFU that
+train.py logs). Everything here keeps static shapes and never reads a device value on the host,
+so one training step traces to one XLA graph. This file never imports torch_xla: it runs the
+same on CPU eager and on XLA.
 
     model = TRM(TRMConfig(seq_len=81, vocab_size=11, num_puzzle_identifiers=1))
     carry = model.initial_carry(batch)
@@ -528,6 +530,78 @@ def loss_and_metrics(carry: Carry, outputs: dict[str, torch.Tensor],
         loss = loss + 0.5 * q_continue_loss
         metrics["q_continue_loss"] = q_continue_loss.detach()
     return loss, {k: v.float() for k, v in metrics.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Model FLOPs and the peak of each accelerator (bench.py's projections, train.py's MFU)
+
+
+def block_flops(c: TRMConfig) -> int:
+    """Forward FLOPs of one block for one example (2·m·n·k per matmul, nothing else counted).
+
+    With T = seq_len + prefix positions, h = hidden_size, I = swiglu_width(h), I_T = swiglu_width(T):
+      SwiGLU over channels:      gate_up 2·T·h·2I + down 2·T·I·h              = 6·T·h·I
+      attention (not mlp_t):     qkv 2·T·h·3h + scores 2·T·T·h + values 2·T·T·h + out 2·T·h·h
+                                                                              = 8·T·h² + 4·T²·h
+      token-mixing SwiGLU (mlp_t, over positions for each of the h channels) = 6·h·T·I_T
+    """
+    T, h = c.total_len, c.hidden_size
+    channel_mlp = 6 * T * h * swiglu_width(h, c.expansion)
+    if c.mlp_t:
+        mixing = 6 * h * T * swiglu_width(T, c.expansion)
+    else:
+        mixing = 8 * T * h * h + 4 * T * T * h
+    return mixing + channel_mlp
+
+
+def heads_flops(c: TRMConfig) -> int:
+    """Forward FLOPs of the output heads for one example: lm_head over all T positions
+    (the prefix is dropped after the matmul) 2·T·h·vocab, and q_head on position 0, 2·h·2."""
+    return 2 * c.total_len * c.hidden_size * c.vocab_size + 2 * c.hidden_size * 2
+
+
+def model_flops(c: TRMConfig) -> dict[str, int]:
+    """Model FLOPs per example of one training step and of one evaluation ACT step.
+
+    net = L_layers · block_flops (the one shared network); one ACT step applies it
+    A = H_cycles · (L_cycles + 1) times (each cycle: L_cycles updates of z_L, one of z_H), then
+    the heads once. Only the last cycle (L_cycles + 1 applications) and the heads run backward,
+    which costs twice their forward (gradients of inputs and of weights):
+
+      eval  = A · net + heads
+      train = A · net + heads + 2 · ((L_cycles + 1) · net + heads)
+              (+ A · net + heads without gradient when no_ACT_continue is False: the Q target)
+
+    Embedding lookups, norms, RoPE, activations, the loss and the optimizers are not counted
+    (elementwise; SignSGD's [B, B] id-matching matmul adds 2·B·puzzle_emb_ndim per example,
+    under 0.01% here). For sudoku-mlp: 21 forward applications, 7 of them with backward,
+    about 43 GFLOP per example.
+    """
+    net = c.L_layers * block_flops(c)
+    heads = heads_flops(c)
+    applications = c.H_cycles * (c.L_cycles + 1)
+    forward = applications * net + heads
+    train_flops = forward + 2 * ((c.L_cycles + 1) * net + heads)
+    if not c.no_ACT_continue:
+        train_flops += forward
+    return {"train": train_flops, "eval": forward}
+
+
+PEAK_TFLOPS_PER_CHIP = {"v4": 275.0, "v5e": 197.0, "v6e": 918.0}  # bf16 dense, Google's figures
+"""Peak bf16 TFLOP/s of one chip per TPU generation. A chip is one PyTorch/XLA device on each of
+them (a v4 chip's two TensorCores are one megacore device), so this is also the peak per device."""
+
+# The runtime's device kind (PJRT's name, e.g. "TPU v4"; v5e calls itself "TPU v5 lite", v6e
+# "TPU v6 lite") -> the generation of PEAK_TFLOPS_PER_CHIP.
+_KIND_GENERATIONS = {"tpu v4": "v4", "tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5litepod": "v5e",
+                     "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
+
+
+def peak_tflops_per_device(device_kind: str | None) -> float | None:
+    """bf16 peak TFLOP/s of one device of this kind ("TPU v4", "TPU v5 lite", "TPU v6 lite"), or
+    None for any other kind (CPU, an unknown TPU): no peak, so no MFU."""
+    generation = _KIND_GENERATIONS.get((device_kind or "").strip().lower())
+    return PEAK_TFLOPS_PER_CHIP[generation] if generation else None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,12 @@
 """What a run tells its user: progress lines, TensorBoard scalars and profiles in the run
 directory, and the history that train.main returns.
 
+A step line (every run.log_every steps) reports a window of steps: loss, exact accuracy, lr,
+the mean global norm of the dense gradients, wall ms per step, steps/s, examples/s, model
+TFLOP/s per device and, on a TPU whose peak is known (model.PEAK_TFLOPS_PER_CHIP), MFU; device
+memory in use and peak as a share of the limit when the runtime reports it. The same values go
+to TensorBoard as train/... scalars.
+
 Metric sums stay on the device during a window of steps and are read by one background
 thread, in order, so the step loop never waits for a device value. The reader also watches
 for a non-finite loss (`RunLog.nonfinite`), which the loop turns into a stop. Copies of the
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 
 import storage
+from model import model_flops, peak_tflops_per_device
 from trainer import TRAIN_METRICS
 
 
@@ -33,11 +40,27 @@ def format_duration(seconds: float) -> str:
 
 def summarize(names, values: np.ndarray, steps: int, global_batch_size: int) -> dict[str, float]:
     """Sums over a window of steps → the reference's normalisation: losses per example, the
-    rest per halted (counted) example."""
+    rest per halted (counted) example; grad_norm (one value per step) is the window's mean."""
     sums = dict(zip(names, values.tolist()))
     count = max(sums["count"], 1.0)
-    return {k: v if k == "count" else v / (global_batch_size * steps if k.endswith("loss") else count)
-            for k, v in sums.items()}
+
+    def per(k):
+        return global_batch_size * steps if k.endswith("loss") else steps if k == "grad_norm" else count
+    return {k: v if k == "count" else v / per(k) for k, v in sums.items()}
+
+
+def speed(steps: int, seconds: float, global_batch_size: int, flops_per_example: float, devices: int,
+          peak_tflops: float | None) -> dict[str, float]:
+    """Rates of a window of `steps` steps that took `seconds` of wall time: step_ms,
+    steps_per_s, examples_per_s, tflops_per_device (model FLOPs, `model.model_flops`, per
+    second and device) and, when the device's peak is known (`peak_tflops`, TFLOP/s per
+    device), mfu = achieved / peak. Without a peak (CPU, an unknown TPU) there is no mfu key."""
+    step_s = max(seconds, 1e-9) / steps
+    out = {"step_ms": 1e3 * step_s, "steps_per_s": 1 / step_s, "examples_per_s": global_batch_size / step_s,
+           "tflops_per_device": flops_per_example * global_batch_size / step_s / devices / 1e12}
+    if peak_tflops:
+        out["mfu"] = out["tflops_per_device"] / peak_tflops
+    return out
 
 
 class Uploads:
@@ -101,14 +124,27 @@ class RunLog:
     """Progress lines (process 0), TensorBoard scalars under {run_dir}/tb (process 0) and the
     returned history. Device values are read on one background thread, in order, so the step
     loop never waits for them; the event files are copied to a remote run directory by
-    `Uploads`, which never hold the reader."""
+    `Uploads`, which never hold the reader.
+
+    Each history row (and train/... scalar) holds the window's normalised metrics (`summarize`:
+    grad_norm is the mean over the window's steps of the step's dense gradient norm), lr, loss,
+    the rates of `speed` (wall time of the window over its steps: the time from the end of the
+    previous window's last step to the end of this one's, which includes the host's waits, with
+    no extra device read), and memory_used / memory_peak (fractions of the device's limit) when
+    the runtime reports memory.
+    """
 
     CLOSE_TIMEOUT_S = 30.0
     """close() waits at most this long for the last copy of the event files."""
 
-    def __init__(self, config, total_steps: int, main_host: bool, sharding):
-        """config: train.Config (read: run.dir, run.log_every, optim.global_batch_size)."""
+    def __init__(self, config, total_steps: int, main_host: bool, sharding, device_kind: str | None = None):
+        """config: train.Config (read: run.dir, run.log_every, optim.global_batch_size, model);
+        device_kind: the accelerator's kind for the MFU's peak ("TPU v4", ...; default: asked of
+        `sharding.accelerator_kind()`); no known peak, no MFU."""
         self.config, self.total_steps, self.main_host, self.sharding = config, total_steps, main_host, sharding
+        self.flops_per_example = model_flops(config.model)["train"]
+        self.devices = sharding.device_counts()[0]
+        self.peak_tflops = peak_tflops_per_device(sharding.accelerator_kind() if device_kind is None else device_kind)
         self.history: list[dict[str, float]] = []
         self.evals: list[dict[str, float]] = []
         self.nonfinite: str | None = None  # the first window whose loss or metrics were NaN/inf
@@ -124,6 +160,7 @@ class RunLog:
             self.tb = SummaryWriter(self.tb_local)
             self.uploads = Uploads(self.tb_local, self.tb_remote, "TensorBoard logs") \
                 if self.tb_local != self.tb_remote else None
+        self.memory = None  # whether the runtime reports device memory: asked at the first window
 
     def say(self, *parts) -> None:
         if self.main_host:
@@ -139,6 +176,15 @@ class RunLog:
 
     def start_window(self, device) -> None:
         """A fresh window of summed step metrics (a device tensor, added to by every step)."""
+        if self.memory is None:  # once, before the first step: memory is read at log lines only
+            self.memory = False
+            if self.main_host:
+                try:
+                    self.sharding.memory_info()
+                    self.memory = True
+                except Exception as e:  # noqa: BLE001 - any runtime's refusal: the field is left out
+                    reason = str(e).strip().splitlines()[-1][-160:] if str(e).strip() else type(e).__name__
+                    self.say(f"memory n/a: step lines leave device memory out ({reason})")
         self.window_sums = torch.zeros(len(TRAIN_METRICS)).to(device)
         self.window_steps, self.window_start = 0, time.time()
 
@@ -160,16 +206,27 @@ class RunLog:
     def _report_train(self, sums, step, steps, seconds, lr):
         batch_size = self.config.optim.global_batch_size
         row = summarize(TRAIN_METRICS, sums.cpu().numpy(), steps, batch_size)
-        rate = steps / max(seconds, 1e-9)
-        row.update(step=step, lr=lr, loss=row["lm_loss"] + 0.5 * row["q_halt_loss"], steps_per_s=rate,
-                 examples_per_s=rate * batch_size)
+        row.update(step=step, lr=lr, loss=row["lm_loss"] + 0.5 * row["q_halt_loss"])
+        row.update(speed(steps, seconds, batch_size, self.flops_per_example, self.devices, self.peak_tflops))
+        memory = ""
+        info = self._memory()
+        if info:
+            row["memory_used"] = info["used"] / info["limit"]
+            memory = f"  mem {100 * row['memory_used']:.0f}%"
+            if "peak" in info:
+                row["memory_peak"] = info["peak"] / info["limit"]
+                memory += f" (peak {100 * row['memory_peak']:.0f}%)"
+            memory += f" of {info['limit'] / 1e9:.1f} GB"
         self.history.append(row)
         bad = sorted((k for k, v in row.items() if not math.isfinite(v)), key=lambda k: k != "loss")
         if bad and self.nonfinite is None:
             self.nonfinite = f"steps {step - steps + 1}-{step}: " + ", ".join(f"{k} {row[k]}" for k in bad)
+        mfu = f"  MFU {100 * row['mfu']:.1f}%" if "mfu" in row else ""
         self.say(f"step {step}/{self.total_steps} ({100 * step / self.total_steps:.1f}%)  loss {row['loss']:.4f}  "
-                 f"exact {row['exact_accuracy']:.3f}  lr {lr:.2e}  {rate:.2f} steps/s  "
-                 f"{row['examples_per_s']:.0f} ex/s  ETA {format_duration((self.total_steps - step) / rate)}")
+                 f"exact {row['exact_accuracy']:.3f}  lr {lr:.2e}  grad norm {row['grad_norm']:.3g}  "
+                 f"{row['step_ms']:.0f} ms/step  {row['steps_per_s']:.2f} steps/s  {row['examples_per_s']:.0f} ex/s  "
+                 f"{row['tflops_per_device']:.3g} TFLOP/s/device{mfu}{memory}  "
+                 f"ETA {format_duration((self.total_steps - step) / row['steps_per_s'])}")
         if self.tb:
             for k, v in row.items():
                 if k != "step":
@@ -177,12 +234,23 @@ class RunLog:
             self.tb.add_scalar("xla/compiles", self.sharding.xla_counters()["compiles"], step)
             self._upload_tb()
 
+    def _memory(self) -> dict[str, int] | None:
+        """The device's memory now (process 0, when the runtime reports it), or None."""
+        if not self.memory:
+            return None
+        try:
+            return self.sharding.memory_info()
+        except Exception:  # noqa: BLE001 - reported at start; a later refusal only drops the field
+            return None
+
     def _upload_tb(self) -> int:
         """Flush the event files; for a remote run directory, ask for a copy (its number)."""
         self.tb.flush()
         return self.uploads.request() if self.uploads else 0
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
+        """An evaluation's line and eval/... scalars (its metrics, eval/seconds: the
+        evaluation's wall time, eval/examples_per_s); the history keeps only its metrics."""
         self.evals.append(dict(result, step=step))
         arc = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith(("pass@", "aggregated_pass@")))
         if "aggregated_evaluations" in result:
@@ -192,9 +260,11 @@ class RunLog:
                  f"accuracy {result['accuracy']:.4f}  q_halt_accuracy {result['q_halt_accuracy']:.4f}  "
                  f"steps {result['steps']:.2f}  lm_loss {result['lm_loss']:.4f}  "
                  f"q_halt_loss {result['q_halt_loss']:.4f}  {arc + '  ' if arc else ''}"
-                 f"on {result['num_examples']} examples in {seconds:.0f}s")
+                 f"on {result['num_examples']} examples in {seconds:.0f}s "
+                 f"({result['num_examples'] / max(seconds, 1e-9):.0f} ex/s)")
         if self.tb:
-            for k, v in result.items():
+            timing = {"seconds": seconds, "examples_per_s": result["num_examples"] / max(seconds, 1e-9)}
+            for k, v in {**result, **timing}.items():
                 self._in_order(self.tb.add_scalar, f"eval/{k}", v, step)
             self._in_order(self._upload_tb)
 

@@ -1,6 +1,7 @@
 """The only file that speaks torch_xla SPMD: runtime start, the device mesh, sharding
 annotations, the small cross-host protocol (barrier, broadcast, config check), and the few
-runtime calls the training loop needs (sync, counters, profiles); capture.py holds the rest.
+runtime calls the training loop needs (sync, counters, profiles, the accelerator's kind, device
+memory); capture.py holds the rest.
 
 Data parallel over one global 1-D mesh named "data": batch-shaped tensors (inputs, the ACT
 carry) and the puzzle-embedding table are split on their first dimension across every device
@@ -240,6 +241,51 @@ def xla_counters() -> dict:
         "fallbacks": {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")},
         "transfers": transfers[0] if transfers else 0,
     }
+
+
+# PJRT's device kinds, from the TPU VM's accelerator type (v4-64, v5litepod-16, v6e-8, ...).
+_TPU_KINDS = {"v4": "TPU v4", "v5litepod": "TPU v5 lite", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite"}
+
+
+def accelerator_kind() -> str:
+    """The kind of this slice's devices as PJRT names them ("TPU v4", "TPU v5 lite" for v5e,
+    "TPU v6 lite" for v6e), "CPU" on the virtual mesh, or "TPU" when the generation cannot be
+    told. torch_xla 2.9 answers `xm.xla_device_kind` only for a real device, and under SPMD the
+    only device Python can name is the virtual one, so the generation of a TPU comes from the
+    VM's accelerator type (TPU metadata) when the runtime does not say it."""
+    if xr.device_type() != "TPU":
+        return xr.device_type() or "CPU"
+    try:
+        return torch_xla._XLAC._xla_device_kind(str(device()))
+    except RuntimeError:  # "Unknown device SPMD:0"
+        pass
+    try:
+        from torch_xla._internal import tpu
+
+        generation = tpu.get_tpu_type()
+    except Exception:  # noqa: BLE001 - no metadata: the kind stays unknown (no MFU), training goes on
+        return "TPU"
+    return _TPU_KINDS.get(generation, f"TPU {generation}")
+
+
+def memory_info() -> dict[str, int]:
+    """Memory of this host's device as the runtime reports it (`xm.get_memory_info`), in bytes:
+    {"used", "peak", "limit"} ("peak" absent when the runtime does not track it). Raises
+    RuntimeError with the runtime's reason when it reports nothing: the CPU client has no
+    allocator statistics, and torch_xla 2.9 refuses the SPMD virtual device."""
+    try:
+        info = xm.get_memory_info(device())
+    except RuntimeError as e:  # the runtime's check message, said plainly
+        message = str(e)
+        if "SPMD virtual device" in message:
+            raise RuntimeError("torch_xla reports no memory for the SPMD virtual device") from e
+        if "GetAllocatorStats" in message:
+            raise RuntimeError(f"the {xr.device_type()} client keeps no allocator statistics") from e
+        raise
+    out = {"used": int(info["bytes_used"]), "limit": int(info["bytes_limit"])}
+    if "peak_bytes_used" in info:
+        out["peak"] = int(info["peak_bytes_used"])
+    return out
 
 
 def start_profile(local_dir: str) -> None:

@@ -21,7 +21,10 @@ from checkpoint import IncompleteCheckpointError, Shard, assign_owners, state_di
 from model import TRM, Carry, loss_and_metrics
 from optim import EMA, AdamATan2, SignSGD
 
-TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
+TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss",
+                 "grad_norm")
+"""The training step's metric vector: sums over the batch's halted rows (count and the rest),
+the batch's summed losses, and the step's global gradient norm (`dense_grad_norm`)."""
 TABLE = "model/puzzle_embedding.weight"  # the puzzle-embedding table's checkpoint name
 EVAL_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss")
 
@@ -35,6 +38,15 @@ class StateTensor:
     get: Callable[[], torch.Tensor]
     set: Callable[[torch.Tensor], None]
     written_by_step: bool  # the training step updates it (weights, table, optimizer state, EMA)
+
+
+def dense_grad_norm(parameters) -> torch.Tensor:
+    """The global L2 norm of the gradients of `parameters` (float32, a lazy device value): the
+    total norm `torch.nn.utils.clip_grad_norm_` reports, without clipping anything. The
+    training step passes AdamATan2's parameters, the dense weights; the puzzle-embedding table
+    (a buffer trained by SignSGD) is not among them, so its gradient is not in the norm."""
+    norms = [torch.linalg.vector_norm(p.grad.float()) for p in parameters if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 class Trainer:
@@ -204,11 +216,14 @@ class Trainer:
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One ACT segment, backward, both optimizers and the EMA; returns the metric vector
-        (TRAIN_METRICS order) as a lazy device tensor. With run.capture_step (the default) this
-        runs once, on placeholders, and capture.py replays its traced computation after."""
+        (TRAIN_METRICS order) as a lazy device tensor, the norm of the dense gradients (of the
+        loss / global batch, which AdamATan2 steps with) included: part of the same graph, read
+        with the other metrics. With run.capture_step (the default) this runs once, on
+        placeholders, and capture.py replays its traced computation after."""
         carry, outputs = self.model(self.carry, batch)
         loss, metrics = loss_and_metrics(carry, outputs)
         (loss / self.config.optim.global_batch_size).backward()
+        metrics["grad_norm"] = dense_grad_norm(p for group in self.adam.param_groups for p in group["params"])
         self.adam.step()
         self.adam.zero_grad(set_to_none=True)
         if self.sign_sgd is not None:

@@ -40,8 +40,9 @@ def run_in_fresh_process(args, cpu_devices=8):
 
 
 def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
-    result, _ = run_in_fresh_process(tiny_args(demo_path, tmp_path, "--optim.max-steps", "150", "--run.log-every",
-                                               "50", "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "5"))
+    result, stdout = run_in_fresh_process(tiny_args(demo_path, tmp_path, "--optim.max-steps", "150",
+                                                    "--run.log-every", "50", "--eval.every-epochs", "1000",
+                                                    "--optim.lr-warmup-steps", "5"))
     xla = result["xla"]
     # One graph to materialise the initial state, one training step, one evaluation step:
     # anything more is a recompile.
@@ -55,6 +56,14 @@ def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
     assert history[-1]["lm_loss"] < 0.8 * history[0]["lm_loss"], history
     assert history[0]["exact_accuracy"] < 0.05 and history[-1]["exact_accuracy"] > 0.3, history
     assert result["final"]["count"] == 40  # every held-out puzzle, no padding row counted
+    # The step line's rates and the grad norm come with the same reads; on CPU no MFU and no
+    # memory (said once at start).
+    for row in history:
+        assert row["step_ms"] > 0 and row["tflops_per_device"] > 0 and 0 < row["grad_norm"] < math.inf, row
+        assert row["step_ms"] == pytest.approx(1e3 / row["steps_per_s"])
+        assert "mfu" not in row and "memory_used" not in row
+    assert stdout.count("memory n/a") == 1 and "MFU" not in stdout
+    assert " ms/step " in stdout and "grad norm " in stdout and " ex/s)" in stdout  # the eval line's rate too
 
 
 def test_sharded_over_8_devices_equals_1_device(demo_path, tmp_path):
@@ -212,3 +221,90 @@ def test_prefetched_batches_come_in_step_order_from_a_background_thread():
     batches.close()
     assert [step for step, _ in loaded] == [2, 3, 4, 5]  # each step once, none past the last
     assert all(name.startswith("trm-batches") for _, name in loaded)
+
+
+def test_grad_norm_is_clip_grad_norms_total_norm_of_the_eager_cpu_gradients(demo_path, tmp_path):
+    """The captured step's grad_norm (AdamATan2's parameters; the table's SignSGD gradient is not
+    in it) equals torch.nn.utils.clip_grad_norm_'s total norm of the same gradients computed
+    eagerly on the CPU from the same weights, batch and carry, in float32."""
+    import torch
+
+    import data
+    import sharding
+    from model import TRM, Carry, loss_and_metrics
+    from trainer import TRAIN_METRICS, Trainer
+
+    config = train.cli(tiny_args(demo_path, tmp_path, "--model.forward-dtype", "float32", "--model.H-cycles", "2",
+                                 "--model.L-cycles", "1"))  # smaller than the demo's 3 x 6: compiles faster
+    train_set = data.open_dataset(demo_path, "train")
+    config = train.check_against_dataset(config, train_set.metadata)
+    mesh = sharding.data_mesh()
+    trainer = Trainer(config, sharding, mesh)
+    host_batch = data.TrainBatches(train_set, config.optim.global_batch_size, seed=0).batch(0)
+    trainer.init_carries(sharding.host_batch_to_global(host_batch, mesh))
+    sharding.sync()
+    weights = {k: v.cpu() for k, v in trainer.model.state_dict().items()}
+    carry = {k: v.cpu() for k, v in trainer.carry.tensors().items()}
+    metrics = trainer.step(sharding.host_batch_to_global(host_batch, mesh), 1e-4, 1e-4)
+    sharding.sync()
+    grad_norm = metrics.cpu()[TRAIN_METRICS.index("grad_norm")].item()
+
+    model = TRM(config.model, exploration_seed=config.run.seed).train()
+    model.load_state_dict(weights)
+    new_carry, outputs = model(Carry.from_tensors(carry), {k: torch.from_numpy(v) for k, v in host_batch.items()})
+    loss, _ = loss_and_metrics(new_carry, outputs)
+    (loss / config.optim.global_batch_size).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf")).item()
+    assert expected > 0
+    assert grad_norm == pytest.approx(expected, rel=1e-5)  # float32 sums in another order
+
+
+class _Slice:
+    """What RunLog asks of sharding.py, for a slice of `devices` devices of `kind`."""
+
+    def __init__(self, devices: int, kind: str):
+        self.devices, self.kind = devices, kind
+
+    def device_counts(self):
+        return self.devices, self.devices
+
+    def accelerator_kind(self):
+        return self.kind
+
+    def memory_info(self):
+        raise RuntimeError("no memory statistics here")
+
+
+def test_mfu_is_model_flops_over_time_and_peak_and_absent_on_cpu():
+    import torch
+
+    import report
+    from model import model_flops, peak_tflops_per_device
+    from trainer import TRAIN_METRICS
+
+    # 43 GFLOP per example, 768 per step, 100 steps in 2 s (20 ms each) on 32 devices of a v4:
+    # 43e9 * 768 / 0.02 s / 32 = 51.6 TFLOP/s per device, 51.6 / 275 = 18.76% MFU.
+    rates = report.speed(100, 2.0, 768, 43e9, 32, 275.0)
+    assert rates["step_ms"] == pytest.approx(20.0) and rates["examples_per_s"] == pytest.approx(38400.0)
+    assert rates["tflops_per_device"] == pytest.approx(51.6) and rates["mfu"] == pytest.approx(51.6 / 275)
+    assert "mfu" not in report.speed(100, 2.0, 768, 43e9, 32, None)
+    assert [peak_tflops_per_device(k) for k in ("TPU v4", "TPU v5 lite", "TPU v6 lite", "CPU", "TPU", None)] == \
+        [275.0, 197.0, 918.0, None, None, None]
+
+    # Through RunLog's step line, with the accelerator kind injected, and the real FLOP formula.
+    config = train.PRESETS["sudoku-mlp"][1]
+    flops = model_flops(config.model)["train"]
+    sums = torch.zeros(len(TRAIN_METRICS))
+    sums[TRAIN_METRICS.index("count")] = 768 * 100
+    sums[TRAIN_METRICS.index("grad_norm")] = 0.25 * 100  # 100 steps of norm 0.25: the window's mean is 0.25
+    rows = {}
+    for kind in ("TPU v4", "CPU"):
+        log = report.RunLog(config, 1000, main_host=False, sharding=_Slice(32, "CPU"), device_kind=kind)
+        log._report_train(sums, 100, 100, 2.0, 1e-4)
+        log.close()
+        rows[kind] = log.history[-1]
+    assert rows["TPU v4"]["mfu"] == pytest.approx(flops * 768 / (0.02 * 32 * 275e12))
+    assert rows["TPU v4"]["grad_norm"] == pytest.approx(0.25)
+    assert "mfu" not in rows["CPU"]
+    assert rows["CPU"]["tflops_per_device"] == pytest.approx(flops * 768 / 0.02 / 32 / 1e12)
+    assert rows["CPU"]["step_ms"] == pytest.approx(20.0)
