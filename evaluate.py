@@ -18,11 +18,12 @@ from trainer import EVAL_METRICS, Trainer
 
 def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None,
              eval_root: str | None = None, step: int = 0, aggregate: bool = False,
-             between_batches=lambda done: False):
+             between_batches=lambda done: False, first_predictions=None):
     """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
     metrics over real (non-padding) examples, plus ARC pass@k when `arc` (an ArcEvaluator)
     is given. Returns (metrics, ARC submission or None), or (None, None) when
     `between_batches(batches done)`, called after every batch, returns True (a SIGTERM).
+    `first_predictions(host batch, predicted tokens)` gets this host's rows of the first batch.
 
     With `arc` and `eval_root`, process 0 saves this evaluation's votes to
     {eval_root}/step_{step}/arc_votes.json.gz; with `aggregate` too, aggregated_pass@k (and the
@@ -42,9 +43,13 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
                 # same graph whether or not this batch's predictions are read.
                 sums, preds, q_halt = trainer.eval_act_step(batch, sums)
                 sync()
-            if arc is not None:  # this host's rows only: votes are summarised before crossing hosts
-                arc.update(host_batch, sharding.local_rows(preds)[1].numpy(),
-                           sharding.local_rows(q_halt)[1].float().numpy(), batches.valid(index))
+            if arc is not None or (index == 0 and first_predictions is not None):
+                predicted = sharding.local_rows(preds)[1].numpy()  # this host's rows only
+                if index == 0 and first_predictions is not None:
+                    first_predictions(host_batch, predicted)
+                if arc is not None:  # votes are summarised before crossing hosts
+                    arc.update(host_batch, predicted, sharding.local_rows(q_halt)[1].float().numpy(),
+                               batches.valid(index))
             done = index + 1
             if between_batches(done):
                 trainer.model.train()

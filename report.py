@@ -31,6 +31,42 @@ import storage
 from model import model_flops, peak_tflops_per_device
 from trainer import TRAIN_METRICS
 
+# Token colours of the puzzle pictures: 0 pad (dark grey), 1 white (ARC's end of grid, Sudoku's
+# blank, Maze's wall), then ARC's ten colours for tokens 2..11 (Sudoku's digits, Maze's cells).
+PALETTE = np.array([(48, 48, 48), (255, 255, 255), (0, 0, 0), (0, 116, 217), (255, 65, 54), (46, 204, 64),
+                    (255, 220, 0), (170, 170, 170), (240, 18, 190), (255, 133, 27), (127, 219, 255),
+                    (135, 12, 37)], dtype=np.uint8)
+PICTURE_PUZZLES = 4
+"""Evaluations show this many test puzzles (the first ones, the same every time) as pictures."""
+WRONG = np.array((255, 0, 0), dtype=np.uint8)
+
+
+def grid_picture(tokens: np.ndarray, wrong: np.ndarray | None = None) -> np.ndarray:
+    """A sequence of tokens as an RGB picture [H, W, 3] of its square grid (a row when the
+    length is not a square), one coloured cell per token, 1-pixel grid lines; the cells where
+    `wrong` is true get a red frame. Tokens beyond the palette (or ignored labels, < 0) are pad."""
+    length = len(tokens)
+    side = math.isqrt(length)
+    rows, cols = (side, side) if side * side == length else (1, length)
+    cell = max(4, 240 // max(rows, cols))
+    colours = PALETTE[np.where((tokens >= 0) & (tokens < len(PALETTE)), tokens, 0)].reshape(rows, cols, 3)
+    picture = np.kron(colours, np.ones((cell, cell, 1), dtype=np.uint8))
+    if wrong is not None:
+        frame, width = np.zeros((cell, cell), dtype=bool), 1 + max(1, cell // 8)
+        frame[1:-1, 1:-1] = True
+        frame[width:-width, width:-width] = False
+        picture[np.kron(wrong.reshape(rows, cols), frame).astype(bool)] = WRONG
+    picture[::cell, :] = picture[:, ::cell] = (96, 96, 96)
+    return picture
+
+
+def puzzle_picture(inputs: np.ndarray, prediction: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Input, prediction (its wrong cells framed in red) and answer of one puzzle, side by side."""
+    wrong = (labels >= 0) & (prediction != labels)
+    panels = [grid_picture(inputs), grid_picture(prediction, wrong), grid_picture(labels)]
+    gap = np.full((panels[0].shape[0], 8, 3), 255, dtype=np.uint8)
+    return np.concatenate([panels[0], gap, panels[1], gap, panels[2]], axis=1)
+
 
 def format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -247,6 +283,14 @@ class RunLog:
         """Flush the event files; for a remote run directory, ask for a copy (its number)."""
         self.tb.flush()
         return self.uploads.request() if self.uploads else 0
+
+    def puzzles(self, step: int, host_batch: dict, predictions: np.ndarray) -> None:
+        """TensorBoard pictures (puzzles/N) of the first PICTURE_PUZZLES rows of an evaluation's
+        first batch: input, prediction and answer; process 0, which holds those rows."""
+        if self.tb:
+            for row in range(min(PICTURE_PUZZLES, len(predictions))):
+                picture = puzzle_picture(host_batch["inputs"][row], predictions[row], host_batch["labels"][row])
+                self._in_order(self.tb.add_image, f"puzzles/{row}", picture.transpose(2, 0, 1), step)
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         """An evaluation's line and eval/... scalars (its metrics, eval/seconds: the

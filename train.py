@@ -39,6 +39,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Annotated, Literal
 
 import torch
@@ -779,7 +780,8 @@ class Evaluations:
             return self.preemption.agreed_now()
 
         result, submission = evaluate(self.trainer, batches, sharding.sync, self.arc, self.log.say, self.root, step,
-                                      config.eval.arc_aggregate, between_batches)
+                                      config.eval.arc_aggregate, between_batches,
+                                      partial(self.log.puzzles, step) if sharding.is_main_process() else None)
         if result is None:
             raise Preempted(step)
         self.log.evaluation(result, step, time.time() - started)

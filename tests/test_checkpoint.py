@@ -316,6 +316,11 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     assert [round(e.value, 5) for e in losses] == [round(h["loss"], 5) for h in result["history"]]
     assert events.Scalars("eval/exact_accuracy")[-1].step == 6
     assert "xla/compiles" in events.Tags()["scalars"] and "config/text_summary" in events.Tags()["tensors"]
+    # The first 4 test puzzles as pictures at the evaluation: input | prediction | answer, each a
+    # 4x4 grid of 60-pixel cells, 8-pixel gaps between them.
+    assert sorted(events.Tags()["images"]) == [f"puzzles/{i}" for i in range(4)]
+    for tag in events.Tags()["images"]:
+        assert [(e.step, e.width, e.height) for e in events.Images(tag)] == [(6, 3 * 240 + 2 * 8, 240)]
 
     # Export, then load it in a process without torch_xla, and start a new run from it.
     exported = f"{gcs_url}/models/demo.safetensors"

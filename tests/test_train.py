@@ -48,9 +48,11 @@ def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
     # anything more is a recompile.
     assert xla["compiles"] == 3, xla
     assert not xla["fallbacks"]
-    # Device-to-host reads: one per log line and one per evaluation, nothing in the steps.
-    # The final checkpoint's copies are counted apart.
-    assert xla["transfers"] - result["checkpoint_transfers"] == len(result["history"]) + len(result["evals"]) == 3 + 1
+    # Device-to-host reads: one per log line and two per evaluation (its metrics, and its first
+    # batch's predictions for the puzzle pictures), nothing in the steps. The final checkpoint's
+    # copies are counted apart.
+    assert (xla["transfers"] - result["checkpoint_transfers"] == len(result["history"]) + 2 * len(result["evals"])
+            == 3 + 2)
     history = result["history"]
     assert [h["step"] for h in history] == [50, 100, 150]
     assert history[-1]["lm_loss"] < 0.8 * history[0]["lm_loss"], history
