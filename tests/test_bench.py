@@ -97,6 +97,24 @@ def test_arc_like_synthetic_data_has_many_identifiers_and_puzzle_sizes(tmp_path)
     assert bench.data_rows_per_s(dataset, 768, hosts=8, batches=2) > 0
 
 
+def test_bytes_per_device_of_a_replicated_and_a_row_sharded_tensor(spmd_mesh):
+    import torch_xla.distributed.spmd as xs
+
+    import sharding
+
+    replicated = sharding.replicate(torch.zeros(10, 4).to(sharding.device()), spmd_mesh)
+    assert sharding.bytes_per_device(replicated) == 10 * 4 * 4
+    rows = torch.zeros(10, 4).to(sharding.device())
+    xs.mark_sharding(rows, spmd_mesh, ("data", None))
+    assert sharding.bytes_per_device(rows) == 2 * 4 * 4  # ceil(10 / 8) = 2 rows of 4 floats
+    unannotated = torch.zeros(3, 5, dtype=torch.bfloat16).to(sharding.device())
+    assert sharding.bytes_per_device(unannotated) == 3 * 5 * 2  # SPMD puts it whole on every device
+    grid = xs.Mesh(np.arange(8), (4, 2), ("x", "y"))
+    halves = torch.zeros(10, 4).to(sharding.device())
+    xs.mark_sharding(halves, grid, (None, "y"))  # 2 tiles of columns, replicated over x
+    assert sharding.bytes_per_device(halves) == 10 * 2 * 4
+
+
 def test_flops_only_needs_no_device():
     result = bench.run(bench.BenchConfig(presets=("sudoku-mlp", "arc1"), flops_only=True, slice="v6e-8"))
     assert result["peak_tflops_per_chip"] == 918.0 and result["slice_chips"] == 8
