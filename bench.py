@@ -1,19 +1,23 @@
-"""Cost of one TRM training step: model FLOPs, the device time a TPU slice needs for them at
-full speed, and what this machine measures for the real step (host time, device time, compiles,
-CPU fallbacks, device-to-host transfers, data rate).
+"""Cost of one TRM training step and of a whole paper run: model FLOPs, the device time a TPU
+slice needs for them at full speed, what this machine measures for the real step (host time,
+device time, compiles, CPU fallbacks, device-to-host transfers, data rate, the checkpoint pause,
+the state's bytes per device), and the wall time of the preset's recipe on the slice.
 
     python bench.py                                   # every preset at its real size, slice v4-64
     python bench.py --presets sudoku-mlp arc1 --batch 8 --steps 10 --slice v4-64 --json bench.json
-    python bench.py --flops-only --slice v6e-64       # the FLOP columns only, no device needed
+    python bench.py --presets arc1 --cpu-devices 4 --mfu 0.3   # fewer virtual devices (memory), 30% MFU
+    python bench.py --flops-only --slice v6e-64       # the FLOP and projection columns only, no device needed
     python bench.py --tiny --presets sudoku-mlp       # a tiny model (hidden 32) of each preset, for tests
 
 Without a TPU it runs on a virtual CPU mesh of 8 devices (like `train.py --run.device cpu`); on
 a TPU VM it measures the TPU (`--device tpu`). Each preset is measured on a synthetic dataset of
-its shape (random tokens, the preset's seq_len and vocabulary) written to a temporary directory,
-with the real `trainer.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then
-`--steps` timed steps, each started on an idle device, at the preset's learning rates after
-warmup. Times are medians over the timed steps. bench.py exits non-zero, naming the preset and
-the step, when a step's training loss is not finite (after printing the table and the JSON).
+its shape (random tokens, the preset's seq_len and vocabulary, a puzzle-embedding table of the
+real dataset's size, `--table-rows`) written to a temporary directory, with the real
+`trainer.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then `--steps`
+timed steps, each started on an idle device, at the preset's learning rates after warmup, then
+the evaluation ACT steps, then the checkpoint copy of every host of the slice. Times are medians
+over the timed steps. bench.py exits non-zero, naming the preset and the step, when a step's
+training loss is not finite (after printing the tables and the JSON).
 
 Columns (the JSON file has these and more, with units in the names; see `bench_preset`):
   params         trainable parameters (the puzzle-embedding table, a SignSGD buffer, not counted)
@@ -41,6 +45,14 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   eval host ms   host time of one evaluation ACT step (Trainer.eval_act_step and sync, measured
                  like host ms without the data wait; same warmup and step counts): replayed,
                  or re-traced with --no-capture-step
+  ckpt ms        the training loop's pause for one checkpoint: the longest over the slice's hosts
+                 of Trainer.checkpoint_shards(host, hosts), the copy of that host's share of the
+                 state to its memory (median of --checkpoint-repeats, from an idle device; the
+                 files are written on a background thread; `measure_checkpoint`)
+  ckpt MB/host   the most bytes one host copies; ckpt MB: the whole checkpoint (state and carry)
+  MB/device      bytes one device holds of the training state (every named_state tensor) and
+                 the ACT carries of the measured batch, from the sharding annotations
+                 (sharding.bytes_per_device); table MB/device: the puzzle-embedding table's part
   compiles       graphs compiled for this preset (seconds); none may happen after the warmup
                  (`compiles_in_timed_steps` in the JSON)
   fallbacks      aten:: CPU fallbacks per timed step; D2H: device-to-host transfers per step
@@ -59,6 +71,17 @@ threads set up or even run the step: on CPU, sync counts with the calling thread
 (its wall time is `sync_wall_ms_per_step`); on TPU with its wall time.
 The JSON keeps every step's numbers under `steps`. A preset whose step graph equals one
 compiled earlier in the same run (arc2 after arc1) compiles nothing.
+
+The second table projects the paper's recipe (the preset's epochs, evaluation and checkpoint
+schedule) on the real dataset (PAPER_DATASETS) to the slice, at --mfu of its bf16 peak (default
+40%); each training step or evaluation ACT step takes the longer of its measured host time and
+its device time at that MFU (`project_paper_run`; `paper_run` in the JSON):
+  train steps    epochs x total_groups x mean_puzzle_examples / global batch; ms/step: each
+  train h        train steps x ms/step
+  evals          evaluations (every eval.every_epochs and the final one); eval ACT steps: of all
+                 of them, halt_max_steps per batch of the test split; eval h: their time
+  ckpts          checkpoints (every run.ckpt_every steps and the final one); ckpt min: their pauses
+  total h        the sum (start-up, compiles and restarts not counted)
 """
 from __future__ import annotations
 
