@@ -1,19 +1,23 @@
-"""Cost of one TRM training step: model FLOPs, the device time a TPU slice needs for them at
-full speed, and what this machine measures for the real step (host time, device time, compiles,
-CPU fallbacks, device-to-host transfers, data rate).
+"""Cost of one TRM training step and of a whole paper run: model FLOPs, the device time a TPU
+slice needs for them at full speed, what this machine measures for the real step (host time,
+device time, compiles, CPU fallbacks, device-to-host transfers, data rate, the checkpoint pause,
+the state's bytes per device), and the wall time of the preset's recipe on the slice.
 
     python bench.py                                   # every preset at its real size, slice v4-64
     python bench.py --presets sudoku-mlp arc1 --batch 8 --steps 10 --slice v4-64 --json bench.json
-    python bench.py --flops-only --slice v6e-64       # the FLOP columns only, no device needed
+    python bench.py --presets arc1 --cpu-devices 4 --mfu 0.3   # fewer virtual devices (memory), 30% MFU
+    python bench.py --flops-only --slice v6e-64       # the FLOP and projection columns only, no device needed
     python bench.py --tiny --presets sudoku-mlp       # a tiny model (hidden 32) of each preset, for tests
 
 Without a TPU it runs on a virtual CPU mesh of 8 devices (like `train.py --run.device cpu`); on
 a TPU VM it measures the TPU (`--device tpu`). Each preset is measured on a synthetic dataset of
-its shape (random tokens, the preset's seq_len and vocabulary) written to a temporary directory,
-with the real `trainer.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then
-`--steps` timed steps, each started on an idle device, at the preset's learning rates after
-warmup. Times are medians over the timed steps. bench.py exits non-zero, naming the preset and
-the step, when a step's training loss is not finite (after printing the table and the JSON).
+its shape (random tokens, the preset's seq_len and vocabulary, a puzzle-embedding table of the
+real dataset's size, `--table-rows`) written to a temporary directory, with the real
+`trainer.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then `--steps`
+timed steps, each started on an idle device, at the preset's learning rates after warmup, then
+the evaluation ACT steps, then the checkpoint copy of every host of the slice. Times are medians
+over the timed steps. bench.py exits non-zero, naming the preset and the step, when a step's
+training loss is not finite (after printing the tables and the JSON).
 
 Columns (the JSON file has these and more, with units in the names; see `bench_preset`):
   params         trainable parameters (the puzzle-embedding table, a SignSGD buffer, not counted)
@@ -41,6 +45,14 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   eval host ms   host time of one evaluation ACT step (Trainer.eval_act_step and sync, measured
                  like host ms without the data wait; same warmup and step counts): replayed,
                  or re-traced with --no-capture-step
+  ckpt ms        the training loop's pause for one checkpoint: the longest over the slice's hosts
+                 of Trainer.checkpoint_shards(host, hosts), the copy of that host's share of the
+                 state to its memory (median of --checkpoint-repeats, from an idle device; the
+                 files are written on a background thread; `measure_checkpoint`)
+  ckpt MB/host   the most bytes one host copies; ckpt MB: the whole checkpoint (state and carry)
+  MB/device      bytes one device holds of the training state (every named_state tensor) and
+                 the ACT carries of the measured batch, from the sharding annotations
+                 (sharding.bytes_per_device); table MB/device: the puzzle-embedding table's part
   compiles       graphs compiled for this preset (seconds); none may happen after the warmup
                  (`compiles_in_timed_steps` in the JSON)
   fallbacks      aten:: CPU fallbacks per timed step; D2H: device-to-host transfers per step
@@ -59,6 +71,17 @@ threads set up or even run the step: on CPU, sync counts with the calling thread
 (its wall time is `sync_wall_ms_per_step`); on TPU with its wall time.
 The JSON keeps every step's numbers under `steps`. A preset whose step graph equals one
 compiled earlier in the same run (arc2 after arc1) compiles nothing.
+
+The second table projects the paper's recipe (the preset's epochs, evaluation and checkpoint
+schedule) on the real dataset (PAPER_DATASETS) to the slice, at --mfu of its bf16 peak (default
+40%); each training step or evaluation ACT step takes the longer of its measured host time and
+its device time at that MFU (`project_paper_run`; `paper_run` in the JSON):
+  train steps    epochs x total_groups x mean_puzzle_examples / global batch; ms/step: each
+  train h        train steps x ms/step
+  evals          evaluations (every eval.every_epochs and the final one); eval ACT steps: of all
+                 of them, halt_max_steps per batch of the test split; eval h: their time
+  ckpts          checkpoints (every run.ckpt_every steps and the final one); ckpt min: their pauses
+  total h        the sum (start-up, compiles and restarts not counted)
 """
 from __future__ import annotations
 
@@ -114,6 +137,13 @@ class BenchConfig:
     capture_step: bool = True
     """Time the captured step (run.capture_step, the training loop's default); with
     --no-capture-step, the step re-traced in Python every time."""
+    table_rows: int | None = None
+    """Rows of the puzzle-embedding table (default: the preset's real dataset's identifiers,
+    PAPER_DATASETS; the synthetic data uses few of them, only the table's size matters)."""
+    checkpoint_repeats: int = 3
+    """Times each host's checkpoint copy is timed (the median is reported)."""
+    mfu: float = 0.4
+    """Model FLOPs utilisation of the paper-run projection (device time = dev@peak / mfu)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -164,6 +194,51 @@ def projected_ms(flops_per_example: int, global_batch: int, spec: SliceSpec) -> 
 
 
 # ----------------------------------------------------------------------------------------------
+# The paper's datasets
+
+
+@dataclass(frozen=True)
+class PaperDataset:
+    """A preset's real dataset as the reference's builder writes it: the sizes a paper run
+    trains and evaluates on (the projection reads them; the measured steps use synthetic data)."""
+
+    name: str
+    """The reference builder's output directory."""
+    total_groups: int
+    """Groups of the train split (an epoch draws one puzzle of each)."""
+    mean_puzzle_examples: float
+    """Examples per puzzle of the train split (an epoch's examples per group)."""
+    test_examples: int
+    """Examples of the test split (an evaluation reads them all, unless eval.max_examples)."""
+    puzzle_identifiers: int
+    """Rows of the puzzle-embedding table (num_puzzle_identifiers, <blank> included)."""
+    source: str
+    """Where the numbers come from."""
+
+
+_SUDOKU = PaperDataset(
+    "sudoku-extreme-1k-aug-1000", 1000, 1.0, 423_000, 1,
+    "1000 groups of 1001 one-example puzzles (build_sudoku_dataset.py --subsample-size 1000 --num-aug 1000); "
+    "test: the whole Sudoku-Extreme test set, 423k (DESIGN.md section 3, rounded)")
+_ARC_SOURCE = ("counted by running build_data.py's ARC variant drawing (byte-equal to the reference's "
+               "build_arc_dataset.py, seed 42, 1000 augmentations) on the reference repository's "
+               "kaggle/combined files; test: the test pairs of every variant of the test set's tasks")
+PAPER_DATASETS: dict[str, PaperDataset] = {
+    "sudoku-mlp": _SUDOKU,
+    "sudoku-att": _SUDOKU,
+    "maze": PaperDataset("maze-30x30-hard-1k", 1000, 1.0, 1000, 1,
+                         "build_maze_dataset.py defaults: 1000 train and 1000 test mazes, no augmentation"),
+    # 960 tasks; 876,405 puzzles (tasks with few colours or symmetries have fewer than 1000
+    # distinct augmentations) holding 3,633,410 train examples
+    "arc1": PaperDataset("arc1concept-aug-1000", 960, 3_633_410 / 876_405, 385_815, 876_406,
+                         "subsets training evaluation concept, test set evaluation; " + _ARC_SOURCE),
+    # 1280 tasks; 1,191,729 puzzles holding 5,163,277 train examples
+    "arc2": PaperDataset("arc2concept-aug-1000", 1280, 5_163_277 / 1_191_729, 170_393, 1_191_730,
+                         "subsets training2 evaluation2 concept, test set evaluation2; " + _ARC_SOURCE),
+}
+
+
+# ----------------------------------------------------------------------------------------------
 # Configurations and synthetic data
 
 
@@ -183,13 +258,15 @@ def bench_config(preset: str, args: BenchConfig) -> train.Config:
                                                        capture_step=args.capture_step))
 
 
-def write_synthetic_dataset(root: str, preset: str, model: TRMConfig, seed: int = 0) -> data.Metadata:
-    """A train split shaped like the preset's data: random tokens, its seq_len and vocabulary.
+def write_synthetic_dataset(root: str, preset: str, model: TRMConfig, table_rows: int, seed: int = 0) -> data.Metadata:
+    """A train split shaped like the preset's data: random tokens, its seq_len and vocabulary,
+    and a puzzle-embedding table of `table_rows` rows (the real table: PAPER_DATASETS).
 
     Sudoku and maze: 1000 groups of 16 one-example puzzles, all with identifier 0 (the real sets
     have 1 identifier; Sudoku groups hold 1001 augmentations). ARC: 1000 groups of 8 puzzles of
-    2 to 6 examples, one identifier per puzzle (the real ARC sets have about 1M identifiers and
-    1001 puzzles per group; the table is kept small so that 8 virtual devices fit in memory).
+    2 to 6 examples, one identifier per puzzle, taken from 1 .. table_rows - 1 (the real ARC sets
+    have about 1M identifiers and up to 1001 puzzles per group; which rows a step reads changes
+    no timing, the table's size changes memory and checkpoints).
     """
     rng = np.random.default_rng(seed)
     arc_like = preset.startswith("arc")
@@ -199,10 +276,13 @@ def write_synthetic_dataset(root: str, preset: str, model: TRMConfig, seed: int 
     examples = int(sizes.sum())
     inputs = rng.integers(1, model.vocab_size, size=(examples, model.seq_len), dtype=np.uint8)
     labels = rng.integers(0, model.vocab_size, size=(examples, model.seq_len), dtype=np.uint8)
-    identifiers = np.arange(1, puzzles + 1) if arc_like else np.zeros(puzzles, dtype=np.int64)
+    if arc_like and table_rows > 1:
+        identifiers = 1 + np.arange(puzzles) % (table_rows - 1)
+    else:
+        identifiers = np.zeros(puzzles, dtype=np.int64)
     metadata = data.Metadata(
         pad_id=0, ignore_label_id=0, blank_identifier_id=0, vocab_size=model.vocab_size, seq_len=model.seq_len,
-        num_puzzle_identifiers=puzzles + 1 if arc_like else 1, total_groups=groups,
+        num_puzzle_identifiers=table_rows, total_groups=groups,
         mean_puzzle_examples=examples / puzzles, total_puzzles=puzzles, sets=("all",))
     data.write_split(root, "train", metadata, {
         "inputs": inputs, "labels": labels, "puzzle_identifiers": identifiers,
@@ -287,7 +367,7 @@ def step_loss(metrics: np.ndarray, batch: int) -> float:
 
 
 def measure_training(config: train.Config, dataset: data.Dataset, sharding, batch: int, warmup: int,
-                     steps: int, on_cpu: bool) -> dict:
+                     steps: int, on_cpu: bool, hosts: int = 1, checkpoint_repeats: int = 1) -> dict:
     """Run warmup + timed training steps as train.main drives them; per-step times and counters."""
     import torch
     import torch_xla
@@ -359,6 +439,8 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
                                     warmup, steps, on_cpu)
     counters_end = sharding.xla_counters()
     parameters = sum(p.numel() for p in trainer.model.parameters())
+    memory = state_bytes_per_device(trainer, sharding)
+    pause = measure_checkpoint(trainer, hosts, checkpoint_repeats)
     del trainer, window_sums
     timed = samples[warmup:]
 
@@ -395,7 +477,55 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
                        warmup=i < warmup)
                   for i, s in enumerate(samples)],
         **evaluation,
+        **memory,
+        **pause,
     }
+
+
+def state_bytes_per_device(trainer, sharding) -> dict:
+    """Bytes one device holds of the training state (every named_state tensor, the puzzle
+    table among them) and of the ACT carries (training and evaluation), from the sharding
+    annotations (sharding.bytes_per_device; nothing is copied). The carries hold this run's
+    measured batch, not the preset's global batch."""
+    state = trainer.named_state()
+    carries = [t for carry in (trainer.carry, trainer.eval_carry) for t in carry.tensors().values()]
+    table = state.get("model/puzzle_embedding.weight")
+    state_bytes = sum(sharding.bytes_per_device(t) for t in state.values())
+    carry_bytes = sum(sharding.bytes_per_device(t) for t in carries)
+    return {"state_bytes_per_device": state_bytes + carry_bytes,
+            "carry_bytes_per_device": carry_bytes,
+            "puzzle_embedding_bytes_per_device": 0 if table is None else sharding.bytes_per_device(table)}
+
+
+def measure_checkpoint(trainer, hosts: int, repeats: int) -> dict:
+    """The training loop's pause for one checkpoint, for each host p of the slice: the wall
+    time of trainer.checkpoint_shards(p, hosts), the copy of host p's share of the state to its
+    memory (median of `repeats`, each from an idle device). That copy is what the loop's thread
+    does in train.Checkpoints.save; the files are written on a background thread. Before it the
+    loop waits (RunLog.drain) for the metric read of the step just run, i.e. for the device to
+    finish that step: device time the step already counts, so not counted again here; the
+    wait for the previous save (CheckpointWriter.save) is over long before (ckpt_every steps)."""
+    import torch_xla.core.xla_model as xm
+
+    pauses, copied = [], []
+    for process_index in range(hosts):
+        times = []
+        for _ in range(repeats):
+            xm.wait_device_ops()
+            settle()
+            started = time.perf_counter()
+            shards = trainer.checkpoint_shards(process_index, hosts)
+            times.append((time.perf_counter() - started) * 1e3)
+            copied_bytes = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
+            del shards
+        pauses.append(statistics.median(times))
+        copied.append(copied_bytes)
+    state = trainer.named_state()
+    whole = sum(t.numel() * t.element_size() for t in state.values())
+    whole += sum(t.numel() * t.element_size() for t in trainer.carry.tensors().values())
+    return {"checkpoint_pause_ms": max(pauses), "checkpoint_pause_ms_per_host": [round(p, 3) for p in pauses],
+            "checkpoint_bytes_per_host_max": max(copied), "checkpoint_bytes_per_host": copied,
+            "checkpoint_bytes": whole, "checkpoint_hosts": hosts, "checkpoint_repeats": repeats}
 
 
 def measure_evaluation(trainer, batch: dict, sharding, warmup: int, steps: int, on_cpu: bool) -> dict:
@@ -437,6 +567,63 @@ def measure_evaluation(trainer, batch: dict, sharding, warmup: int, steps: int, 
 
 
 # ----------------------------------------------------------------------------------------------
+# A whole paper run
+
+
+def project_paper_run(record: dict, config: train.Config, dataset: PaperDataset, mfu: float) -> dict:
+    """Wall time of the preset's whole recipe on the record's slice, from its measured host
+    times and its device time at `mfu` of the slice's peak; each step takes the longer of the
+    two (the host dispatches a step while the device runs the one before).
+
+      train steps  data.total_train_steps (epochs x total_groups x mean_puzzle_examples / global batch)
+      evaluations  train.evaluation_steps of the recipe, the final one included; each reads
+                   ceil(examples / global batch) batches (examples: the whole test split, or
+                   eval.max_examples of it except in the final one), halt_max_steps ACT steps each
+      checkpoints  every run.ckpt_every steps and the final one (train.Checkpoints), each
+                   pausing the loop for checkpoint_pause_ms
+    Not counted: start-up, compiles, the evaluation's other host work (reading predictions,
+    ARC votes), restarts. A record without host times (--flops-only) counts device time only.
+    """
+    optim, model = config.optim, config.model
+    global_batch = optim.global_batch_size
+    train_steps = data.total_train_steps(dataset, optim.epochs, global_batch)  # reads the two size fields
+    evaluation_at = train.evaluation_steps(train_steps, optim.epochs, config.eval.every_epochs, train_steps)
+    capped = min(dataset.test_examples, config.eval.max_examples or dataset.test_examples)
+    eval_batches = (len(evaluation_at) - 1) * math.ceil(capped / global_batch) \
+        + math.ceil(dataset.test_examples / global_batch)
+    eval_act_steps = eval_batches * model.halt_max_steps
+    checkpoints = (train_steps - 1) // config.run.ckpt_every + 1
+    train_step_ms = max(record.get("host_ms_per_step", 0.0), record["projected_device_ms_per_train_step"] / mfu)
+    eval_step_ms = max(record.get("eval_host_ms_per_step", 0.0), record["projected_device_ms_per_eval_step"] / mfu)
+    pause_ms = record.get("checkpoint_pause_ms", 0.0)
+    train_h = train_steps * train_step_ms / 3.6e6
+    eval_h = eval_act_steps * eval_step_ms / 3.6e6
+    checkpoint_h = checkpoints * pause_ms / 3.6e6
+    return {
+        "dataset": dataclasses.asdict(dataset), "mfu": mfu, "slice": record["slice"],
+        "train_steps": train_steps, "train_ms_per_step": train_step_ms, "train_hours": train_h,
+        "evaluations": len(evaluation_at), "eval_batches": eval_batches, "eval_act_steps": eval_act_steps,
+        "eval_ms_per_act_step": eval_step_ms, "eval_hours": eval_h,
+        "checkpoints": checkpoints, "checkpoint_pause_ms": pause_ms, "checkpoint_minutes": checkpoint_h * 60,
+        "total_hours": train_h + eval_h + checkpoint_h,
+    }
+
+
+PAPER_RUN_COLUMNS = [  # (header, format of a record's paper_run)
+    ("preset", lambda r: r["preset"]),
+    ("train steps", lambda r: f"{r['paper_run']['train_steps']:,}"),
+    ("ms/step", lambda r: f"{r['paper_run']['train_ms_per_step']:.2f}"),
+    ("train h", lambda r: f"{r['paper_run']['train_hours']:.2f}"),
+    ("evals", lambda r: f"{r['paper_run']['evaluations']}"),
+    ("eval ACT steps", lambda r: f"{r['paper_run']['eval_act_steps']:,}"),
+    ("eval h", lambda r: f"{r['paper_run']['eval_hours']:.2f}"),
+    ("ckpts", lambda r: f"{r['paper_run']['checkpoints']}"),
+    ("ckpt min", lambda r: f"{r['paper_run']['checkpoint_minutes']:.1f}"),
+    ("total h", lambda r: f"{r['paper_run']['total_hours']:.2f}"),
+]
+
+
+# ----------------------------------------------------------------------------------------------
 # Records and the table
 
 
@@ -465,7 +652,8 @@ def bench_preset(preset: str, args: BenchConfig, spec: SliceSpec, sharding, devi
     batch = args.batch or num_devices
     train.check_batch_layout(batch, num_devices, sharding.process_count())
     with tempfile.TemporaryDirectory(prefix=f"trm-bench-{preset}-") as root:
-        write_synthetic_dataset(root, preset, config.model)
+        table_rows = args.table_rows or PAPER_DATASETS[preset].puzzle_identifiers
+        write_synthetic_dataset(root, preset, config.model, table_rows)
         dataset = data.open_dataset(root, "train")
         config = train.check_against_dataset(config, dataset.metadata)
         record = flop_record(preset, config, spec)
@@ -474,7 +662,8 @@ def bench_preset(preset: str, args: BenchConfig, spec: SliceSpec, sharding, devi
                        "warmup_steps": args.warmup, "timed_steps": args.steps,
                        "puzzle_embedding_rows": config.model.num_puzzle_identifiers})
         record.update(measure_training(measured, dataset, sharding, batch, args.warmup, args.steps,
-                                       on_cpu=device_kind == "CPU"))
+                                       on_cpu=device_kind == "CPU", hosts=spec.hosts,
+                                       checkpoint_repeats=args.checkpoint_repeats))
         rate = data_rows_per_s(dataset, config.optim.global_batch_size, spec.hosts, args.data_batches)
         del dataset
     record["data_rows_per_s_per_host"] = rate
@@ -499,6 +688,11 @@ COLUMNS = [  # (header, format of a record)
     ("sync ms", lambda r: f"{r['sync_ms_per_step']:.1f}"),
     ("dev ms", lambda r: f"{r['device_ms_per_step']:.0f}"),
     ("eval host ms", lambda r: f"{r['eval_host_ms_per_step']:.1f}"),
+    ("ckpt ms", lambda r: f"{r['checkpoint_pause_ms']:.0f}"),
+    ("ckpt MB/host", lambda r: f"{r['checkpoint_bytes_per_host_max'] / 1e6:,.1f}"),
+    ("ckpt MB", lambda r: f"{r['checkpoint_bytes'] / 1e6:,.1f}"),
+    ("MB/device", lambda r: f"{r['state_bytes_per_device'] / 1e6:,.1f}"),
+    ("table MB/device", lambda r: f"{r['puzzle_embedding_bytes_per_device'] / 1e6:,.1f}"),
     ("compiles", lambda r: f"{r['compiles']} ({r['compile_s']:.0f}s)"),
     ("fallbacks", lambda r: f"{r['aten_fallbacks_per_step']:g}"),
     ("D2H", lambda r: f"{r['transfers_from_device_per_step']:g}"),
@@ -509,14 +703,14 @@ COLUMNS = [  # (header, format of a record)
 ]
 
 
-def format_table(records: list[dict]) -> str:
+def format_table(records: list[dict], all_columns: list = COLUMNS) -> str:
     def cell(column, record):
         try:
             return column[1](record)
         except KeyError:
             return None
 
-    columns = [c for c in COLUMNS if any(cell(c, r) is not None for r in records)]
+    columns = [c for c in all_columns if any(cell(c, r) is not None for r in records)]
     rows = [[c[0] for c in columns]] + [[cell(c, r) or "-" for c in columns] for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
@@ -548,6 +742,12 @@ def check_args(args: BenchConfig) -> SliceSpec:
         raise ValueError("--steps and --warmup must be at least 1 (the first step compiles)")
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch must be positive, got {args.batch}")
+    if args.table_rows is not None and args.table_rows < 1:
+        raise ValueError(f"--table-rows must be positive, got {args.table_rows}")
+    if args.checkpoint_repeats < 1:
+        raise ValueError(f"--checkpoint-repeats must be at least 1, got {args.checkpoint_repeats}")
+    if not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
     return slice_spec(args.slice)
 
 
@@ -576,7 +776,10 @@ def run(args: BenchConfig) -> dict:
             started = time.time()
             records.append(bench_preset(preset, args, spec, sharding, device_kind))
             say(f"  {preset}: {time.time() - started:.0f}s", flush=True)
-    result = {"slice": spec.name, "slice_chips": spec.chips, "slice_hosts": spec.hosts,
+    for record in records:
+        record["paper_run"] = project_paper_run(record, bench_config(record["preset"], args),
+                                                PAPER_DATASETS[record["preset"]], args.mfu)
+    result = {"slice": spec.name, "slice_chips": spec.chips, "slice_hosts": spec.hosts, "mfu": args.mfu,
               "peak_tflops_per_chip": spec.peak_tflops_per_chip, "peak_tflops": spec.peak_tflops,
               "device_kind": device_kind, "devices": num_devices, "tiny": args.tiny,
               "capture_step": args.capture_step, "records": records}
@@ -584,6 +787,12 @@ def run(args: BenchConfig) -> dict:
         f"measured on {num_devices or 0} {device_kind or 'no'} device(s)"
         + ("" if args.flops_only else f", {'captured' if args.capture_step else 're-traced'} step"))
     say(format_table(records))
+    say(f"\nthe paper's recipe on {spec.name} at {args.mfu:.0%} MFU: each step takes the longer of host ms "
+        f"and dev@peak ms / {args.mfu:g}"
+        + (" (device only: --flops-only measures no host time)" if args.flops_only else "")
+        + "; evaluations of halt_max_steps ACT steps per batch of the test split (eval.max_examples caps all "
+          "but the last); checkpoint pauses of ckpt ms; real dataset sizes (bench.PAPER_DATASETS)")
+    say(format_table(records, PAPER_RUN_COLUMNS))
     if args.json and say is print:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

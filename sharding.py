@@ -13,7 +13,9 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import math
 import os
+import re
 
 import numpy as np
 import torch
@@ -222,6 +224,20 @@ def local_rows(tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
 def local_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU copy of a replicated tensor, read from one local device (no cross-host traffic)."""
     return tensor.cpu()
+
+
+def bytes_per_device(tensor: torch.Tensor) -> int:
+    """Bytes that one device holds for this XLA tensor, read from its sharding annotation (no
+    copy to the host). Replicated or unannotated (SPMD places an unannotated tensor whole on
+    every device): the whole tensor. Tiled ("{devices=[8,1]...}"): one tile, each dimension
+    ceil(dim / tiles) long, as the runtime pads uneven tiles; tile dimensions beyond the
+    tensor's own (last_tile_dim_replicate, last_tile_dims={...}) hold replicas and split nothing."""
+    shape = list(tensor.shape)
+    tiled = re.search(r"devices=\[([\d,]+)\]", torch_xla._XLAC._get_xla_sharding_spec(tensor))
+    if tiled:
+        tiles = [int(t) for t in tiled.group(1).split(",")]
+        shape = [-(-size // count) for size, count in zip(shape, tiles)]
+    return math.prod(shape) * tensor.element_size()
 
 
 def sync() -> None:

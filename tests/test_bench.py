@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import bench
 import data
 import train
+from bench import PRESET_NAMES
 from model import TRM, loss_and_metrics
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +31,8 @@ RECORD_FIELDS = [
     "compiles_in_timed_steps", "aten_fallbacks", "aten_fallbacks_per_step", "transfers_from_device_per_step",
     "data_rows_per_s_per_host", "host_to_projected_device_ratio", "host_cpu_to_projected_device_ratio",
     "loss", "loss_samples", "eval_host_ms_per_step", "eval_compiles_in_timed_steps",
+    "checkpoint_pause_ms", "checkpoint_pause_ms_per_host", "checkpoint_bytes_per_host_max", "checkpoint_bytes",
+    "state_bytes_per_device", "carry_bytes_per_device", "puzzle_embedding_bytes_per_device", "paper_run",
 ]
 
 
@@ -87,14 +90,88 @@ def test_slice_names():
 
 def test_arc_like_synthetic_data_has_many_identifiers_and_puzzle_sizes(tmp_path):
     model = train.PRESETS["arc1"][1].model
-    metadata = bench.write_synthetic_dataset(str(tmp_path), "arc1", model)
+    metadata = bench.write_synthetic_dataset(str(tmp_path), "arc1", model, table_rows=876_406)
     dataset = data.open_dataset(str(tmp_path), "train")
     assert (metadata.seq_len, metadata.vocab_size) == (900, 12)
-    assert metadata.num_puzzle_identifiers > 1000
+    assert metadata.num_puzzle_identifiers == 876_406 and len(np.unique(dataset.puzzle_identifiers)) == 8000
     assert len(np.unique(np.diff(dataset.puzzle_indices))) > 1
     batch = data.TrainBatches(dataset, 768, seed=0).batch(3)
     assert batch["inputs"].shape == (768, 900)
     assert bench.data_rows_per_s(dataset, 768, hosts=8, batches=2) > 0
+
+
+def test_a_small_table_still_holds_every_synthetic_identifier(tmp_path):
+    bench.write_synthetic_dataset(str(tmp_path), "arc1", bench.tiny_model(train.PRESETS["arc1"][1].model), 50)
+    identifiers = data.open_dataset(str(tmp_path), "train").puzzle_identifiers
+    assert identifiers.min() == 1 and identifiers.max() == 49  # 0 is the blank row
+
+
+def test_table_rows_default_to_the_real_datasets():
+    assert [bench.PAPER_DATASETS[p].puzzle_identifiers for p in PRESET_NAMES] == [1, 1, 1, 876_406, 1_191_730]
+
+
+def test_bytes_per_device_of_a_replicated_and_a_row_sharded_tensor(spmd_mesh):
+    import torch_xla.distributed.spmd as xs
+
+    import sharding
+
+    replicated = sharding.replicate(torch.zeros(10, 4).to(sharding.device()), spmd_mesh)
+    assert sharding.bytes_per_device(replicated) == 10 * 4 * 4
+    rows = torch.zeros(10, 4).to(sharding.device())
+    xs.mark_sharding(rows, spmd_mesh, ("data", None))
+    assert sharding.bytes_per_device(rows) == 2 * 4 * 4  # ceil(10 / 8) = 2 rows of 4 floats
+    unannotated = torch.zeros(3, 5, dtype=torch.bfloat16).to(sharding.device())
+    assert sharding.bytes_per_device(unannotated) == 3 * 5 * 2  # SPMD puts it whole on every device
+    grid = xs.Mesh(np.arange(8), (4, 2), ("x", "y"))
+    halves = torch.zeros(10, 4).to(sharding.device())
+    xs.mark_sharding(halves, grid, (None, "y"))  # 2 tiles of columns, replicated over x
+    assert sharding.bytes_per_device(halves) == 10 * 2 * 4
+
+
+RECIPE = dataclasses.replace(
+    train.PRESETS["sudoku-mlp"][1],
+    optim=dataclasses.replace(train.PRESETS["sudoku-mlp"][1].optim, epochs=100, global_batch_size=100),
+    eval=dataclasses.replace(train.PRESETS["sudoku-mlp"][1].eval, every_epochs=25),
+    run=dataclasses.replace(train.PRESETS["sudoku-mlp"][1].run, ckpt_every=400))
+SMALL_SET = bench.PaperDataset("small", total_groups=1000, mean_puzzle_examples=1.5, test_examples=2000,
+                               puzzle_identifiers=1, source="test")
+
+
+@pytest.mark.parametrize("max_examples, host_ms, eval_act_steps, train_hours, eval_hours, total_hours", [
+    # 1500 steps of max(5, 3/0.5) = 6 ms = 9 s; 4 evaluations of 20 batches of 16 ACT steps of
+    # max(2, 0.5/0.5) = 2 ms = 2.56 s; checkpoints at 400, 800, 1200 and 1500, 1.5 s each = 6 s
+    (None, 5.0, 1280, 9 / 3600, 2.56 / 3600, 17.56 / 3600),
+    # host-bound training, 8 ms; 3 capped evaluations of 5 batches + the final one of 20:
+    # 35 batches, 560 ACT steps of 2 ms; 12 s + 1.12 s + 6 s
+    (500, 8.0, 560, 12 / 3600, 1.12 / 3600, 19.12 / 3600),
+])
+def test_paper_run_projection(max_examples, host_ms, eval_act_steps, train_hours, eval_hours, total_hours):
+    recipe = dataclasses.replace(RECIPE, eval=dataclasses.replace(RECIPE.eval, max_examples=max_examples))
+    record = {"slice": "v4-64", "host_ms_per_step": host_ms, "eval_host_ms_per_step": 2.0,
+              "projected_device_ms_per_train_step": 3.0, "projected_device_ms_per_eval_step": 0.5,
+              "checkpoint_pause_ms": 1500.0}
+    run = bench.project_paper_run(record, recipe, SMALL_SET, mfu=0.5)
+    assert (run["train_steps"], run["evaluations"], run["eval_act_steps"], run["checkpoints"]) == \
+        (1500, 4, eval_act_steps, 4)
+    assert run["train_hours"] == pytest.approx(train_hours)
+    assert run["eval_hours"] == pytest.approx(eval_hours)
+    assert run["checkpoint_minutes"] == pytest.approx(0.1)
+    assert run["total_hours"] == pytest.approx(total_hours)
+
+
+def test_paper_runs_of_the_presets():
+    """The recipes' step counts: Sudoku 50,000 epochs of 1000 one-example groups at 768 per
+    step (DESIGN.md: about 65k steps), evaluated every 5000 epochs with 16 ACT steps per batch
+    of the 423k test puzzles (README: about 88k ACT steps)."""
+    sudoku = bench.project_paper_run(bench.flop_record("sudoku-mlp", train.PRESETS["sudoku-mlp"][1],
+                                                       bench.slice_spec("v4-64")),
+                                     train.PRESETS["sudoku-mlp"][1], bench.PAPER_DATASETS["sudoku-mlp"], 0.4)
+    assert (sudoku["train_steps"], sudoku["evaluations"], sudoku["checkpoints"]) == (65104, 10, 33)
+    assert sudoku["eval_act_steps"] == 10 * 551 * 16
+    arc1 = bench.project_paper_run(bench.flop_record("arc1", train.PRESETS["arc1"][1], bench.slice_spec("v4-64")),
+                                   train.PRESETS["arc1"][1], bench.PAPER_DATASETS["arc1"], 0.4)
+    assert arc1["train_steps"] == 100_000 * 3_633_410 * 960 // (876_405 * 768)
+    assert arc1["evaluations"] == 10 and arc1["eval_act_steps"] == 10 * 503 * 16  # 385,815 test examples
 
 
 def test_flops_only_needs_no_device():
@@ -102,6 +179,7 @@ def test_flops_only_needs_no_device():
     assert result["peak_tflops_per_chip"] == 918.0 and result["slice_chips"] == 8
     assert [r["preset"] for r in result["records"]] == ["sudoku-mlp", "arc1"]
     assert all(r["parameters"] > 1_000_000 for r in result["records"])
+    assert all(r["paper_run"]["total_hours"] > 0 for r in result["records"])  # device time alone
 
 
 def test_bench_runs_tiny_presets_on_the_cpu_mesh(tmp_path):
@@ -109,7 +187,8 @@ def test_bench_runs_tiny_presets_on_the_cpu_mesh(tmp_path):
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8")
     proc = subprocess.run(
         [sys.executable, os.path.join(PROJECT_DIR, "bench.py"), "--tiny", "--presets", "sudoku-mlp", "sudoku-att",
-         "--steps", "2", "--warmup", "1", "--data-batches", "3", "--slice", "v4-32", "--json", str(out)],
+         "--steps", "2", "--warmup", "1", "--data-batches", "3", "--slice", "v4-32", "--json", str(out),
+         "--table-rows", "1000", "--checkpoint-repeats", "1"],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -127,8 +206,16 @@ def test_bench_runs_tiny_presets_on_the_cpu_mesh(tmp_path):
         assert record["eval_host_ms_per_step"] > 0 and record["eval_compiles_in_timed_steps"] == 0
         assert len(record["loss_samples"]) == 2 and record["loss"] == record["loss_samples"][-1]
         assert all(math.isfinite(step["loss"]) and step["loss"] > 0 for step in record["steps"])
+        # the table, 1000 rows of 32 float32, is replicated on every device (one copy in the checkpoint)
+        assert record["puzzle_embedding_rows"] == 1000 and record["puzzle_embedding_bytes_per_device"] == 128_000
+        assert record["carry_bytes_per_device"] > 0
+        assert record["state_bytes_per_device"] > 128_000 + record["carry_bytes_per_device"]
+        assert len(record["checkpoint_bytes_per_host"]) == 4 and record["checkpoint_pause_ms"] > 0
+        assert record["checkpoint_bytes"] > record["checkpoint_bytes_per_host_max"] >= 128_000
+        assert record["paper_run"]["train_steps"] == 65104 and record["paper_run"]["total_hours"] > 0
     assert "host/peak" in proc.stdout and "sudoku-att" in proc.stdout
     assert proc.stdout.split("\n-")[0].split()[-1] == "loss"  # the table's last column
+    assert "at 40% MFU" in proc.stdout and "total h" in proc.stdout
 
 
 def test_bench_times_the_retraced_step_too(tmp_path):
