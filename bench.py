@@ -504,23 +504,35 @@ def measure_checkpoint(trainer, hosts: int, repeats: int) -> dict:
     does in train.Checkpoints.save; the files are written on a background thread. Before it the
     loop waits (RunLog.drain) for the metric read of the step just run, i.e. for the device to
     finish that step: device time the step already counts, so not counted again here; the
-    wait for the previous save (CheckpointWriter.save) is over long before (ckpt_every steps)."""
+    wait for the previous save (CheckpointWriter.save) is over long before (ckpt_every steps).
+
+    A puzzle table split by rows (trainer.row_split) is the one part measured differently: this
+    process holds every device, so it copies every device's rows of the table to keep host p's,
+    where host p of the slice copies only its own devices' rows. The copy of the whole table
+    (sharding.local_rows, timed apart) is counted at host p's share of the rows."""
     import torch_xla.core.xla_model as xm
 
-    pauses, copied = [], []
-    for process_index in range(hosts):
+    def timed(fn) -> tuple[float, object]:
         times = []
         for _ in range(repeats):
             xm.wait_device_ops()
             settle()
             started = time.perf_counter()
-            shards = trainer.checkpoint_shards(process_index, hosts)
+            out = fn()
             times.append((time.perf_counter() - started) * 1e3)
-            copied_bytes = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
-            del shards
-        pauses.append(statistics.median(times))
-        copied.append(copied_bytes)
+        return statistics.median(times), out
+
     state = trainer.named_state()
+    split_table_ms = {name: timed(lambda t=state[name]: trainer.sharding.local_rows(t))[0]
+                      for name in trainer.row_split}
+    pauses, copied = [], []
+    for process_index in range(hosts):
+        ms, shards = timed(lambda p=process_index: trainer.checkpoint_shards(p, hosts))
+        for name, whole_ms in split_table_ms.items():  # all devices' rows copied here, host p's there
+            ms += whole_ms * (shards[name].tensor.shape[0] / state[name].shape[0] - 1)
+        pauses.append(ms)
+        copied.append(sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values()))
+        del shards
     whole = sum(t.numel() * t.element_size() for t in state.values())
     whole += sum(t.numel() * t.element_size() for t in trainer.carry.tensors().values())
     return {"checkpoint_pause_ms": max(pauses), "checkpoint_pause_ms_per_host": [round(p, 3) for p in pauses],
