@@ -57,11 +57,7 @@ def start_runtime(device: str, cpu_devices: int = 8, compile_cache_dir: str | No
     `cpu_devices` CPU devices), or "auto" (PJRT_DEVICE if set, else TPU when one is attached).
     compile_cache_dir: persistent compilation cache on TPU (the CPU client cannot reload it).
     """
-    from torch_xla._internal import tpu
-
-    has_tpu = bool(torch_xla._found_libtpu) and tpu.num_available_chips() > 0
-    if device == "auto":
-        device = os.environ.get("PJRT_DEVICE", "TPU" if has_tpu else "CPU").lower()
+    device, has_tpu = _resolve_device(device)
     if device == "tpu":
         if not has_tpu:
             raise NoTPUError(
@@ -78,6 +74,31 @@ def start_runtime(device: str, cpu_devices: int = 8, compile_cache_dir: str | No
         raise ValueError(f"run.device must be auto, tpu or cpu, got {device!r}")
     init_spmd()
     return xr.device_type()
+
+
+def _resolve_device(device: str) -> tuple[str, bool]:
+    """(device with "auto" resolved as start_runtime does, whether TPU chips are attached)."""
+    from torch_xla._internal import tpu
+
+    has_tpu = bool(torch_xla._found_libtpu) and tpu.num_available_chips() > 0
+    if device == "auto":
+        device = os.environ.get("PJRT_DEVICE", "TPU" if has_tpu else "CPU").lower()
+    return device, has_tpu
+
+
+def accelerator_type(device: str) -> str:
+    """What this host compiles for, known before the runtime starts (the compile cache's key):
+    the TPU's accelerator type from the VM's metadata (e.g. v4-64), "tpu" if that cannot be read,
+    or "cpu"."""
+    device, has_tpu = _resolve_device(device)
+    if device != "tpu" or not has_tpu:
+        return device
+    from torch_xla._internal import tpu
+
+    try:
+        return str(tpu.get_tpu_env()["ACCELERATOR_TYPE"])
+    except Exception:  # noqa: BLE001 - no metadata server: still a usable (coarser) key
+        return "tpu"
 
 
 def init_spmd() -> None:

@@ -6,6 +6,9 @@
     read_bytes(url) -> bytes          write_bytes(url, payload)        exists(url) -> bool
     write_file(url, write)            write(f) fills the file's binary handle (e.g. np.save)
     upload_dir(local_dir, url)        copy every file under a local directory, whole files
+    list_files(url) -> {name: size}   every file under a URL, by relative path ({} if none)
+    download_dir(url, local_dir)      copy every file under a URL (missing ones only) to a local
+                                      directory, each whole (renamed into place when complete)
     with_retries(what, url, fn)       fn() with retries; what the functions above use (they take its
                                       attempts= and budget_s= too: attempts=1 for best effort)
     read_json(url, what, error)       one attempt: FileNotFoundError passes, for the caller to
@@ -39,7 +42,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import fsspec
 
@@ -271,12 +274,12 @@ def write_bytes(url: str, payload: bytes, **retry) -> None:
     write_file(url, lambda f: f.write(payload), **retry)
 
 
-def read_bytes(url: str) -> bytes:
+def read_bytes(url: str, **retry) -> bytes:
     def read():
         fs, path = filesystem(url)
         with fs.open(path, "rb") as f:
             return f.read()
-    return with_retries("reading", url, read)
+    return with_retries("reading", url, read, **retry)
 
 
 def exists(url: str) -> bool:
@@ -284,18 +287,58 @@ def exists(url: str) -> bool:
     return with_retries("checking", url, lambda: fs.exists(path))
 
 
-def upload_dir(local_dir: str, url: str, **retry) -> int:
+def upload_dir(local_dir: str, url: str, only: Collection[str] | None = None, **retry) -> int:
     """Copy every file under ``local_dir`` (subdirectories included) to the same relative path
     under ``url``, whole files, each with write_bytes (``retry``: its attempts= and budget_s=);
-    the first file that fails stops the copy. Returns the number of files copied."""
+    the first file that fails stops the copy. ``only``: copy just these relative paths ('/'
+    separated). Returns the number of files copied."""
     copied = 0
     for root, _, files in os.walk(local_dir):
         for name in sorted(files):
             relative = os.path.relpath(os.path.join(root, name), local_dir)
+            if only is not None and relative.replace(os.sep, "/") not in only:
+                continue
             with open(os.path.join(root, name), "rb") as f:
                 write_bytes(join_url(url, *relative.split(os.sep)), f.read(), **retry)
             copied += 1
     return copied
+
+
+def list_files(url: str, **retry) -> dict[str, int]:
+    """Every file under ``url`` (subdirectories included) as {relative path, '/' separated: size
+    in bytes}; {} when there is none. One listing, retried (``retry``: with_retries' attempts=
+    and budget_s=)."""
+    def attempt():
+        fs, path = filesystem(url)
+        path = path.rstrip("/")
+        fs.invalidate_cache(path)  # another host or run may have written since the last listing
+        try:
+            found = fs.find(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {name[len(path) + 1:]: int(info.get("size") or 0) for name, info in found.items()
+                if name.startswith(path + "/") and info.get("type") != "directory"}
+    return with_retries("listing", url, attempt, **retry)
+
+
+def download_dir(url: str, local_dir: str, skip_existing: bool = True, **retry) -> tuple[int, int]:
+    """Copy every file under ``url`` to the same relative path under ``local_dir``; with
+    ``skip_existing`` the files already there are left alone. Each file is read whole and
+    written to a temporary name, then renamed, so that nothing ever reads part of one
+    (``retry``: with_retries' attempts= and budget_s=, for the listing and each file); the first
+    file that fails stops the copy. Returns (files copied, bytes copied)."""
+    files = bytes_copied = 0
+    for relative in sorted(list_files(url, **retry)):
+        parts = relative.split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            continue  # nothing outside local_dir
+        target = os.path.join(local_dir, *parts)
+        if skip_existing and os.path.exists(target):
+            continue
+        payload = read_bytes(join_url(url, relative), **retry)
+        _write_local(target, lambda f, payload=payload: f.write(payload))
+        files, bytes_copied = files + 1, bytes_copied + len(payload)
+    return files, bytes_copied
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ import torch
 import tyro
 
 import checkpoint
+import compile_cache
 import data
 import storage
 from arc import ArcEvaluator, write_submission
@@ -161,6 +162,11 @@ class RunConfig:
     """After SIGTERM or Ctrl-C, exit with status 75 (relaunch resumes) if still running this long later."""
     compile_cache_dir: str = resumable("~/.cache/trm-xla")
     """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
+    compile_cache_url: str | None = resumable(None)
+    """Keep the compilation cache's files under {this}/{key}/ too (key: accelerator type, torch_xla
+    and libtpu versions, code hash), so that a new VM does not recompile: each host restores them
+    before the runtime starts, process 0 uploads new ones after the first steps and at the end
+    (best effort; compile_cache.py). launch.sh train passes gs://BUCKET/xla-cache."""
     shard_puzzle_table: bool = resumable(True)
     """Split the puzzle-embedding table's rows over the devices (each holds and saves 1/N of it);
     a table with fewer rows than devices stays replicated. False replicates it on every device."""
@@ -449,6 +455,7 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
 
     import sharding
 
+    compile_cache.restore_run(config.run)  # the bucket's copy, before the runtime reads the cache
     device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices, config.run.compile_cache_dir)
     num_devices, _ = sharding.device_counts()
     try:
@@ -496,6 +503,7 @@ def main(config: Config) -> dict:
     watchdog = Watchdog(config.run.watchdog_minutes, host)
     evaluations = Evaluations(config, trainer, test_set, log, eval_steps, preemption, watchdog)
     profile = Profile(config, start_step + 10, sharding.is_main_process(), sharding, log.say)
+    cache_uploads = compile_cache.Uploader.for_run(config.run, sharding.is_main_process(), start_step)
 
     # 4. The loop. Nothing in it reads a device value: metric sums are read by a background
     # thread at the end of each logging window, while the host runs the following steps.
@@ -515,6 +523,7 @@ def main(config: Config) -> dict:
             sharding.sync()
             watchdog.progress(f"step {step}")
             profile.after_step(step)
+            cache_uploads.after_step(step)
             stop = preemption.agreed_stop(step, log.nonfinite is not None)
             log.after_step(step, lr, end_window=stop or checkpoints.due(step))
             if stop:  # SIGTERM on some host (a NaN stops inside save instead)
@@ -538,6 +547,7 @@ def main(config: Config) -> dict:
         batches.close()
         checkpoints.close()  # a save under way commits (or is reported) however the loop ends
         watchdog.close()
+        cache_uploads.close()  # best effort, bounded (after SIGTERM by the shutdown deadline too)
         preemption.close()  # last: its shutdown deadline also bounds the wait for the save
     log.close()
     xla = sharding.xla_counters()

@@ -141,8 +141,8 @@ def test_resume_may_change_where_and_how_but_not_what():
     current["model"]["H_cycles"] = 3
     assert train.config_differences(saved, current) == [
         "model.H_cycles: 2 in the run directory, 3 now", "optim.lr: 0.001 in the run directory, 0.003 now"]
-    assert {"run.dir", "run.profile_steps", "run.capture_step", "run.compile_cache_dir", "run.ckpt_every",
-            "optim.max_steps", "eval.every_epochs"} <= train.resumable_fields()
+    assert {"run.dir", "run.profile_steps", "run.capture_step", "run.compile_cache_dir", "run.compile_cache_url",
+            "run.ckpt_every", "optim.max_steps", "eval.every_epochs"} <= train.resumable_fields()
     assert not {"optim.lr", "optim.global_batch_size", "run.seed"} & train.resumable_fields()
 
 

@@ -1,4 +1,5 @@
-"""Tests of storage.py: local writes, upload_dir, the messages of failing operations, URL spelling."""
+"""Tests of storage.py: local writes, upload_dir, list_files and download_dir, the messages of failing
+operations, URL spelling."""
 import os
 
 import pytest
@@ -46,6 +47,25 @@ def test_upload_dir_copies_every_file_with_its_relative_path(tmp_path, gcs_url):
         nested = storage.join_url(target, "plugins", "profile", "run", "host.xplane.pb")
         assert storage.read_bytes(nested) == b"2"
     assert sorted(os.listdir(tmp_path / "copy")) == ["events.out", "plugins"]
+
+
+def test_list_files_and_download_dir_keep_relative_paths_and_local_files(tmp_path, gcs_url):
+    local = tmp_path / "src"
+    (local / "sub").mkdir(parents=True)
+    (local / "a").write_bytes(b"aa")
+    (local / "sub" / "b").write_bytes(b"bbb")
+    for target in (str(tmp_path / "copy"), gcs_url):
+        assert storage.list_files(target) == {}
+        assert storage.upload_dir(str(local), target, only={"sub/b"}) == 1
+        assert storage.upload_dir(str(local), target) == 2
+        assert storage.list_files(target) == {"a": 2, "sub/b": 3}
+        into = tmp_path / f"into-{len(target)}"
+        into.mkdir()
+        (into / "a").write_bytes(b"mine")
+        assert storage.download_dir(target, str(into)) == (1, 3)   # missing files only
+        assert (into / "a").read_bytes() == b"mine" and (into / "sub" / "b").read_bytes() == b"bbb"
+        assert storage.download_dir(target, str(into), skip_existing=False) == (2, 5)
+        assert (into / "a").read_bytes() == b"aa"
 
 
 def test_failures_name_the_url_and_what_to_do():

@@ -1,0 +1,193 @@
+"""The persistent XLA compilation cache kept in a bucket, so that a new VM (a spot slice created
+again after a preemption) starts stepping without compiling from scratch.
+
+Each TPU host keeps torch_xla's persistent cache in --run.compile-cache-dir (sharding.start_runtime
+turns it on), on the VM's disk, which a recreated slice loses. With --run.compile-cache-url
+(`launch.sh train` passes gs://BUCKET/xla-cache) its files also live under {url}/{key}/, the key
+naming what a compiled program depends on: the accelerator type, the torch_xla and libtpu
+versions and the code hash (launch.sh's, see code_hash). Then
+
+    key_for(device) -> key           this host's key (cache_key of sharding.accelerator_type)
+    restore(url, local_dir, key)     before the runtime starts, on every host: the key's files
+                                     that the local cache lacks are copied into it
+    Uploader(url, local_dir, key, main_host)
+        .after_step(step)            after the first steps of a launch have compiled (a
+                                     background thread): process 0 copies the local files that
+                                     the bucket lacks
+        .close()                     at the end of the run or on exit: the same, once more
+    restore_run(run), Uploader.for_run(run, main_host, first_step): the same for a RunConfig
+
+Everything here is best effort: a failure prints a warning and the run goes on (compiling).
+The files are copied through storage.py. The CPU backend does not use the persistent cache (no
+files appear), so only a TPU shows the time saved.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+import re
+import threading
+import time
+
+import storage
+
+MANIFEST = ".trm-code-sha256sums"
+"""The sha256 sums of every deployed file, written by launch.sh deploy next to train.py; the
+sha256 of this file is the code hash that deploy, check and status show."""
+UPLOAD_AFTER_STEPS = 2
+"""The first upload follows this many training steps of a launch: the training step's programs
+are compiled by then (the evaluation's are uploaded at the end of the run)."""
+RETRY = dict(attempts=2, budget_s=20.0)
+"""Retries of each listing and file: a cache that cannot be reached costs little time."""
+JOIN_TIMEOUT_S = 120.0
+"""How long close() waits for an upload under way before it gives up on the last one."""
+
+PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def code_hash(project_dir: str = PROJECT_DIR) -> str:
+    """The code hash of deployed code (the sha256 of launch.sh deploy's manifest, as launch.sh
+    and worker.sh compute it); elsewhere the sha256 of the .py files next to this one."""
+    manifest = os.path.join(project_dir, MANIFEST)
+    if os.path.isfile(manifest):
+        with open(manifest, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    digest = hashlib.sha256()
+    for name in sorted(n for n in os.listdir(project_dir) if n.endswith(".py")):
+        with open(os.path.join(project_dir, name), "rb") as f:
+            digest.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
+
+
+def _version(*packages: str) -> str:
+    for package in packages:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return "none"
+
+
+def cache_key(accelerator: str, project_dir: str = PROJECT_DIR) -> str:
+    """One directory name per (accelerator type, torch_xla version, libtpu version, code hash),
+    e.g. v4-64_torch_xla-2.9.0_libtpu-0.0.21_code-0123456789abcdef."""
+    key = (f"{accelerator}_torch_xla-{_version('torch_xla')}_libtpu-{_version('libtpu', 'libtpu-nightly')}"
+           f"_code-{code_hash(project_dir)[:16]}")
+    return re.sub(r"[^A-Za-z0-9._+-]", "-", key)
+
+
+@functools.cache
+def key_for(device: str) -> str:
+    """The cache key of this host for run.device (auto, tpu or cpu), before the runtime starts."""
+    import sharding
+
+    return cache_key(sharding.accelerator_type(device))
+
+
+def restore_run(run) -> tuple[int, int] | None:
+    """restore() for a RunConfig (run.compile_cache_url, run.compile_cache_dir, run.device)."""
+    if not run.compile_cache_url:
+        return None
+    return restore(run.compile_cache_url, run.compile_cache_dir, key_for(run.device))
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _local_files(local_dir: str) -> dict[str, int]:
+    """{relative path, '/' separated: size} of the complete files of the local cache."""
+    out = {}
+    for root, _, files in os.walk(local_dir):
+        for name in files:
+            if name.startswith(".") or ".partial-" in name:
+                continue  # temporary files (ours, or being written)
+            path = os.path.join(root, name)
+            try:
+                out[os.path.relpath(path, local_dir).replace(os.sep, "/")] = os.path.getsize(path)
+            except OSError:
+                pass
+    return out
+
+
+def restore(url: str | None, local_dir: str, key: str) -> tuple[int, int] | None:
+    """Copy the files of {url}/{key}/ that `local_dir` lacks into it; one line says how many
+    from where. Returns (files, bytes), or None when off (no url) or on failure (a warning)."""
+    if not url:
+        return None
+    remote, local_dir = storage.join_url(url, key), os.path.expanduser(local_dir)
+    started = time.time()
+    try:
+        storage.check_url(url, "run.compile_cache_url")
+        files, size = storage.download_dir(remote, local_dir, skip_existing=True, **RETRY)
+    except Exception as e:  # noqa: BLE001 - best effort: the run compiles instead
+        print(f"warning: compile cache: could not restore from {remote} ({type(e).__name__}: {e}); "
+              "compiling from scratch", flush=True)
+        return None
+    print(f"compile cache: restored {files} files ({_megabytes(size)}) from {remote} into {local_dir} "
+          f"in {time.time() - started:.1f}s", flush=True)
+    return files, size
+
+
+def upload(url: str, local_dir: str, key: str, names: dict[str, int] | None = None) -> tuple[int, int] | None:
+    """Copy the files of the local cache (or just `names`, {relative path: size}) that
+    {url}/{key}/ lacks; one line says how many to where. Returns (files, bytes), or None on
+    failure (a warning)."""
+    remote, local_dir = storage.join_url(url, key), os.path.expanduser(local_dir)
+    started = time.time()
+    try:
+        local = _local_files(local_dir) if names is None else names
+        there = storage.list_files(remote, **RETRY) if local else {}
+        new = {name: size for name, size in local.items() if name not in there}
+        files = storage.upload_dir(local_dir, remote, only=set(new), **RETRY) if new else 0
+    except Exception as e:  # noqa: BLE001 - best effort: never fails the run
+        print(f"warning: compile cache: could not upload to {remote} ({type(e).__name__}: {e}); "
+              "the run goes on", flush=True)
+        return None
+    size = sum(new.values())
+    print(f"compile cache: uploaded {files} new files ({_megabytes(size)}) to {remote} "
+          f"in {time.time() - started:.1f}s", flush=True)
+    return files, size
+
+
+class Uploader:
+    """Process 0's uploads of a training launch: once in the background after its first
+    UPLOAD_AFTER_STEPS steps, and at close(). Does nothing without a url or on other hosts."""
+
+    def __init__(self, url: str | None, local_dir: str, key: str, main_host: bool, first_step: int):
+        self.url, self.local_dir, self.key = url, local_dir, key
+        self.enabled = bool(url) and main_host
+        self.upload_step = first_step + UPLOAD_AFTER_STEPS
+        self.thread: threading.Thread | None = None
+        self.results: list[tuple[int, int] | None] = []
+
+    @classmethod
+    def for_run(cls, run, main_host: bool, first_step: int) -> Uploader:
+        """The uploads of a RunConfig's launch (run.compile_cache_url, .compile_cache_dir, .device)."""
+        key = key_for(run.device) if run.compile_cache_url and main_host else ""
+        return cls(run.compile_cache_url, run.compile_cache_dir, key, main_host, first_step)
+
+    def _upload(self, names: dict[str, int] | None) -> None:
+        self.results.append(upload(self.url, self.local_dir, self.key, names))
+
+    def after_step(self, step: int) -> None:
+        if self.enabled and step == self.upload_step and self.thread is None:
+            # The files listed now are complete (their programs ran); later ones wait for close().
+            names = _local_files(os.path.expanduser(self.local_dir))
+            self.thread = threading.Thread(target=self._upload, args=(names,), daemon=True,
+                                           name="trm-compile-cache")
+            self.thread.start()
+
+    def close(self) -> None:
+        """The last upload (the files compiled since, e.g. the evaluation's); never raises."""
+        if not self.enabled:
+            return
+        if self.thread is not None:
+            self.thread.join(JOIN_TIMEOUT_S)
+            if self.thread.is_alive():
+                print("warning: compile cache: the upload under way did not finish; not uploading again",
+                      flush=True)
+                return
+        self._upload(None)
