@@ -141,7 +141,8 @@ usage: bash launch.sh train [--retry] [--poll SECONDS] [--max-restarts N] [--dry
 
 train.py PRESET [flags...] on every worker, run directory gs://BUCKET/runs/RUN_NAME. Everything
 after RUN_NAME goes to train.py untouched; launch.sh's own options come before RUN_NAME.
---data.path defaults to --data / TRM_DATA. The same RUN_NAME again resumes the run.
+--data.path defaults to --data / TRM_DATA, --run.compile-cache-url to gs://BUCKET/xla-cache (the
+XLA compilation cache kept for a new VM). The same RUN_NAME again resumes the run.
 
   --retry              stay on the laptop and watch the run: recreate a preempted TPU, setup,
                        deploy and relaunch; relaunch when train.py exits 75 or a worker's trainer
@@ -648,13 +649,14 @@ parse_train_args() {
   case ${TRAIN_ARGS[0]} in
     -*) usage_error "train.py's preset comes right after the run name, before its flags: train $RUN PRESET ${TRAIN_ARGS[*]}" ;;
   esac
-  local a has_data=0 has_device=0
+  local a has_data=0 has_device=0 has_cache=0
   for a in "${TRAIN_ARGS[@]}"; do
     case $a in
       --run.dir|--run.dir=*|--run-dir|--run-dir=*)
         usage_error "launch.sh sets --run.dir to gs://$BUCKET/runs/$RUN itself: choose the run with RUN_NAME" ;;
       --data.path|--data.path=*|--data-path|--data-path=*) has_data=1 ;;
       --run.device|--run.device=*) has_device=1 ;;
+      --run.compile-cache-url|--run.compile-cache-url=*|--run.compile_cache_url|--run.compile_cache_url=*) has_cache=1 ;;
     esac
   done
   if [ "$has_data" = 0 ]; then
@@ -666,6 +668,8 @@ parse_train_args() {
   fi
   TRAIN_ARGS+=(--run.dir "gs://$BUCKET/runs/$RUN")
   [ "$has_device" = 1 ] || TRAIN_ARGS+=(--run.device tpu)
+  # The XLA compilation cache's files, kept in the bucket for the next VM (compile_cache.py).
+  [ "$has_cache" = 1 ] || TRAIN_ARGS+=(--run.compile-cache-url "gs://$BUCKET/xla-cache")
 }
 
 # Ask every worker, then start. Returns 0 when started, 3 when RUN is already running (--retry

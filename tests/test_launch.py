@@ -359,7 +359,8 @@ def test_train_sends_the_same_command_run_name_and_environment_to_every_worker(t
         calls = pod.calls()
         launch_calls = [c for c in calls if c[4] == "ssh"]
         assert all("--worker=all" in c for c in launch_calls)
-        expected = TRICKY_ARGS + ["--run.dir", "gs://trm-bucket/runs/sudoku-1", "--run.device", "tpu"]
+        expected = TRICKY_ARGS + ["--run.dir", "gs://trm-bucket/runs/sudoku-1", "--run.device", "tpu",
+                                  "--run.compile-cache-url", "gs://trm-bucket/xla-cache"]
         deadline = time.time() + 20
         while time.time() < deadline and not all(pod.launches(w) for w in range(8)):
             time.sleep(0.05)
@@ -382,6 +383,13 @@ def test_train_argument_errors(pod):
     assert "preset" in pod.run("train", "r", expect=2).stderr
     assert "preset" in pod.run("train", "r", "--optim.lr", "1", expect=2).stderr
     assert pod.calls() == []
+
+
+def test_train_keeps_the_compile_cache_in_the_bucket_unless_told_otherwise(pod):
+    err = pod.run("--dry-run", "train", "r", "demo").stderr
+    assert "--run.device tpu --run.compile-cache-url gs://trm-bucket/xla-cache" in err
+    err = pod.run("--dry-run", "train", "r", "demo", "--run.compile-cache-url=gs://other/c").stderr
+    assert err.count("compile-cache-url") == 1 and "--run.compile-cache-url=gs://other/c" in err
 
 
 def test_a_malformed_bucket_is_refused_before_any_gcloud_call(pod):
