@@ -3,7 +3,8 @@
 #
 # The laptop's side: one command per stage (create, setup, deploy, check, train, status, logs, stop,
 # tensorboard, delete), each safe to run twice; --dry-run prints the gcloud calls instead of making
-# them. On the workers, each step runs worker.sh, which this script sends with every ssh call (see
+# them. With --queued (TRM_QUEUED=1), create and train --retry request the slice as a queued
+# resource and wait until it is ACTIVE; delete removes a queued resource of the TPU's name too. On the workers, each step runs worker.sh, which this script sends with every ssh call (see
 # the top of worker.sh) and which answers in lines TRM|WORKER|KEY|VALUE read here.
 #
 # How to use it, from nothing to a running v4-64 job, and what each command does: README.md,
@@ -24,6 +25,7 @@ BUCKET=${TRM_BUCKET:-}
 ACCELERATOR=${TRM_ACCELERATOR:-v4-64}
 RUNTIME_VERSION=${TRM_RUNTIME_VERSION:-}
 SPOT=${TRM_SPOT:-0}
+QUEUED=${TRM_QUEUED:-0}
 DATA=${TRM_DATA:-}
 POLL=${TRM_POLL_SECONDS:-60}
 STOP_WAIT=${TRM_STOP_WAIT:-120}
@@ -58,7 +60,7 @@ usage_main() {
 usage: bash launch.sh [SETTINGS] COMMAND [OPTIONS] [ARGS]
 
 Run TRM on a Cloud TPU slice from your laptop (gcloud). Commands, in the order of a first run:
-  create       create the TPU VM slice and the bucket, if missing
+  create       create the TPU VM slice (--queued: as a queued resource) and the bucket, if missing
   setup        install the pinned requirements (torch_xla[tpu]) in ~/trm-venv on every worker
   deploy       ship the tracked code to ~/trm on every worker and compare code hashes
   check        preflight on every worker: TPU, versions, device count, bucket, dataset
@@ -67,7 +69,7 @@ Run TRM on a Cloud TPU slice from your laptop (gcloud). Commands, in the order o
   logs         logs [WORKER|all]: follow one worker's log
   stop         SIGTERM the trainers (they save a checkpoint, then exit)
   tensorboard  print (or --start) the TensorBoard command for gs://BUCKET/runs/RUN_NAME/tb
-  delete       delete the TPU VM slice (the bucket stays)
+  delete       delete the TPU VM slice and its queued resource (the bucket stays)
 
 Settings (flags before the run name, or environment variables):
   --tpu NAME (TRM_TPU)   --zone ZONE (TRM_ZONE)   --project ID (TRM_PROJECT)
@@ -81,7 +83,7 @@ EOF
 
 usage_create() {
   cat <<'EOF'
-usage: bash launch.sh create [--accelerator TYPE] [--runtime-version V] [--spot] [--dry-run]
+usage: bash launch.sh create [--accelerator TYPE] [--runtime-version V] [--spot] [--queued] [--dry-run]
 
 The bucket gs://BUCKET and the TPU VM slice TPU, each if missing (a preempted TPU is replaced).
 
@@ -89,6 +91,9 @@ The bucket gs://BUCKET and the TPU VM slice TPU, each if missing (a preempted TP
   --runtime-version V      TPU software version (TRM_RUNTIME_VERSION; default by accelerator,
                            tpu-ubuntu2204-base for v2/v3/v4)
   --spot                   a spot TPU (TRM_SPOT=1): much cheaper, preempted at any time
+  --queued                 request it as a queued resource named TPU (TRM_QUEUED=1) and wait,
+                           with a progress line, until it is ACTIVE (Google's recommended way to
+                           get spot and reserved capacity); a SUSPENDED or FAILED one is replaced
 
 Needs --tpu, --zone, --project, --bucket (or TRM_TPU, TRM_ZONE, TRM_PROJECT, TRM_BUCKET).
 More: README.md, "What each command does".
@@ -97,9 +102,11 @@ EOF
 
 usage_delete() {
   cat <<'EOF'
-usage: bash launch.sh delete [--dry-run]
+usage: bash launch.sh delete [--queued] [--dry-run]
 
-Deletes the TPU VM slice, without a prompt; the bucket stays. Needs --tpu, --zone, --project.
+Deletes the TPU VM slice, and the queued resource of its name if there is one, without a prompt;
+the bucket stays. --queued (TRM_QUEUED=1): failing to look for the queued resource is an error.
+Needs --tpu, --zone, --project.
 More: README.md, "What each command does".
 EOF
 }
@@ -136,7 +143,7 @@ EOF
 
 usage_train() {
   cat <<'EOF'
-usage: bash launch.sh train [--retry] [--poll SECONDS] [--max-restarts N] [--dry-run]
+usage: bash launch.sh train [--retry] [--queued] [--poll SECONDS] [--max-restarts N] [--dry-run]
                             RUN_NAME PRESET [train.py flags...]
 
 train.py PRESET [flags...] on every worker, run directory gs://BUCKET/runs/RUN_NAME. Everything
@@ -147,6 +154,9 @@ XLA compilation cache kept for a new VM). The same RUN_NAME again resumes the ru
   --retry              stay on the laptop and watch the run: recreate a preempted TPU, setup,
                        deploy and relaunch; relaunch when train.py exits 75 or a worker's trainer
                        is lost; stop on any other failure (Ctrl-C stops watching)
+  --queued             with --retry (TRM_QUEUED=1): the slice is a queued resource; one gone
+                       SUSPENDED, FAILED or missing counts as preempted: it is deleted and
+                       requested again (as create --queued does)
   --poll SECONDS       how often --retry looks (TRM_POLL_SECONDS, default 60)
   --max-restarts N     give up after N relaunches (TRM_MAX_RESTARTS, default 20)
 
@@ -433,6 +443,105 @@ delete_tpu() {
   gc compute tpus tpu-vm delete "$TPU" "${TPU_FLAGS[@]}" --quiet
 }
 
+# ----------------------------------------------------------------------------------------------
+# The queued resource (--queued): a request for the slice that Cloud TPU fills when capacity is
+# free, Google's recommended way to get spot and reserved TPUs. It is named as the TPU, which is
+# its node. Its states: ACCEPTED, WAITING_FOR_RESOURCES, PROVISIONING, CREATING, then ACTIVE (the
+# TPU exists); SUSPENDING and SUSPENDED (its capacity was taken back: the TPU is gone), FAILED,
+# DELETING.
+
+# describe_qr: sets Q_STATE (ACTIVE, ..., NOT_FOUND). Returns 1 if gcloud failed for another
+# reason. Under --dry-run: state $1.
+describe_qr() {
+  local out err rc=0
+  Q_STATE=""
+  if dry; then
+    gc compute tpus queued-resources describe "$TPU" "${TPU_FLAGS[@]}" '--format=value(state.state)'
+    Q_STATE=$1
+    return 0
+  fi
+  tmpdir
+  err=$TMPD/describe-qr.err
+  out=$(gcloud compute tpus queued-resources describe "$TPU" "${TPU_FLAGS[@]}" '--format=value(state.state)' \
+    2>"$err") || rc=$?
+  if [ "$rc" = 0 ]; then Q_STATE=${out:-UNKNOWN}; return 0; fi
+  if grep -q -e NOT_FOUND -e 'not found' "$err"; then Q_STATE=NOT_FOUND; return 0; fi
+  cat "$err" >&2
+  return 1
+}
+
+# create_qr ACCELERATOR VERSION SPOT(True/"") PREEMPTIBLE(True/""): request the slice (create_tpu's
+# arguments; a queued resource has no preemptible kind: spot replaces it). gcloud returns once the
+# request is accepted; wait_active waits for the TPU.
+create_qr() {
+  local kind=on-demand args
+  args=(compute tpus queued-resources create "$TPU" --node-id="$TPU" "${TPU_FLAGS[@]}"
+        --accelerator-type="$1" --runtime-version="$2")
+  if [ "$3" = True ] || [ "$4" = True ]; then args+=(--spot); kind=spot; fi
+  info "requesting TPU $TPU ($1, $kind, runtime $2) in $ZONE as a queued resource: created when capacity is free"
+  gc "${args[@]}"
+}
+
+delete_qr() {  # the queued resource and its TPU
+  info "deleting queued resource $TPU and its TPU in $ZONE"
+  gc compute tpus queued-resources delete "$TPU" "${TPU_FLAGS[@]}" --force --quiet
+}
+
+minutes() { printf '%dm%02ds' $(($1 / 60)) $(($1 % 60)); }
+
+# wait_active: describe the queued resource every POLL seconds, with a progress line, until it is
+# ACTIVE (0); FAILED, SUSPENDING, SUSPENDED or missing: says so and returns 1 (no time limit:
+# Ctrl-C stops waiting, the request stays queued, and create --queued again waits again).
+wait_active() {
+  local started=$SECONDS
+  while :; do
+    describe_qr ACTIVE || return 1
+    case $Q_STATE in
+      ACTIVE)
+        info "queued resource $TPU is ACTIVE after $(minutes $((SECONDS - started))): TPU $TPU exists"
+        if dry; then printf '# (that describe again every %ss until the state is ACTIVE)\n' "$POLL" >&3; fi
+        return 0 ;;
+      FAILED)
+        info "queued resource $TPU FAILED (quota, zone or accelerator type?): gcloud compute tpus queued-resources describe $TPU --zone=$ZONE --project=$PROJECT says why; bash $PROG delete removes it"
+        return 1 ;;
+      SUSPENDING|SUSPENDED) info "queued resource $TPU is $Q_STATE: its capacity was taken back (preempted)"; return 1 ;;
+      NOT_FOUND) info "queued resource $TPU is gone (deleted?)"; return 1 ;;
+      *) info "  queued resource $TPU: $Q_STATE, waiting for ACTIVE ($(minutes $((SECONDS - started))) so far; again in ${POLL}s)" ;;
+    esac
+    sleep "$POLL"
+  done
+}
+
+# request_again ACCELERATOR VERSION SPOT PREEMPTIBLE: delete what is left of the queued resource
+# and its TPU, request the slice again, wait until it is ACTIVE.
+request_again() {
+  describe_qr SUSPENDED || return 1
+  if [ "$Q_STATE" != NOT_FOUND ]; then delete_qr || return 1; fi
+  describe_tpu NOT_FOUND || return 1
+  if [ "$T_STATE" != NOT_FOUND ]; then delete_tpu || return 1; fi
+  create_qr "$@" && wait_active
+}
+
+# describe_slice DRY_STATE: sets T_STATE as describe_tpu does; with --queued the queued resource
+# first: unless it is ACTIVE, T_STATE is QR_ and its state (QR_SUSPENDED, QR_NOT_FOUND, ...).
+describe_slice() {
+  if [ "$QUEUED" = 1 ]; then
+    describe_qr ACTIVE || return 1
+    if [ "$Q_STATE" != ACTIVE ]; then
+      T_STATE=QR_$Q_STATE T_ACC="" T_VERSION="" T_SPOT="" T_PREEMPTIBLE="" T_HEALTH=""
+      return 0
+    fi
+  fi
+  describe_tpu "$1"
+}
+
+slice_is() {  # "TPU NAME is STATE" or "queued resource NAME is STATE", from T_STATE
+  case $T_STATE in
+    QR_*) printf 'queued resource %s is %s' "$TPU" "${T_STATE#QR_}" ;;
+    *) printf 'TPU %s is %s' "$TPU" "$T_STATE" ;;
+  esac
+}
+
 ensure_bucket() {
   local region=${ZONE%-*} out rc=0 loc
   if dry; then
@@ -502,12 +611,37 @@ cmd_create() {
   local version=${RUNTIME_VERSION:-$(runtime_version_for "$ACCELERATOR")} spot=""
   [ "$SPOT" = 1 ] && spot=True
   ensure_bucket
+  Q_STATE=NOT_FOUND
+  if [ "$QUEUED" = 1 ]; then
+    describe_qr NOT_FOUND || die "could not read queued resource $TPU (see the gcloud error above)"
+    case $Q_STATE in
+      NOT_FOUND|ACTIVE) ;;   # ACTIVE: its TPU is looked at below
+      SUSPENDING|SUSPENDED|FAILED)
+        info "queued resource $TPU is $Q_STATE: it is deleted and requested again"
+        delete_qr || die "could not delete queued resource $TPU"
+        Q_STATE=NOT_FOUND ;;
+      DELETING) die "queued resource $TPU is being deleted: run create again in a minute" ;;
+      *)
+        info "queued resource $TPU is $Q_STATE: waiting until it is ACTIVE"
+        wait_active || die "queued resource $TPU did not become ACTIVE (above)"
+        info "TPU $TPU is ready. Next: bash $PROG setup"
+        return 0 ;;
+    esac
+  fi
   describe_tpu NOT_FOUND || die "could not read TPU $TPU (see the gcloud error above)"
   case $T_STATE in
-    NOT_FOUND) ;;
+    NOT_FOUND)
+      if [ "$Q_STATE" != NOT_FOUND ]; then   # ACTIVE without its TPU
+        info "queued resource $TPU is $Q_STATE without its TPU: it is deleted and requested again"
+        delete_qr || die "could not delete queued resource $TPU"
+      fi ;;
     PREEMPTED|TERMINATED)
       info "TPU $TPU is $T_STATE: it does not come back by itself, so it is deleted and created again"
-      delete_tpu || die "could not delete TPU $TPU" ;;
+      if [ "$Q_STATE" != NOT_FOUND ]; then
+        delete_qr || die "could not delete queued resource $TPU"
+      else
+        delete_tpu || die "could not delete TPU $TPU"
+      fi ;;
     *)
       if [ "$T_ACC" != "$ACCELERATOR" ] && [ -n "$T_ACC" ]; then
         die "TPU $TPU exists as $T_ACC, not $ACCELERATOR: pick another --tpu name, or delete it first"
@@ -520,15 +654,36 @@ cmd_create() {
       esac
       return 0 ;;
   esac
-  create_tpu "$ACCELERATOR" "$version" "$spot" "" || die "could not create TPU $TPU (quota, capacity, zone? see above)"
+  if [ "$QUEUED" = 1 ]; then
+    create_qr "$ACCELERATOR" "$version" "$spot" "" || die "could not request TPU $TPU as a queued resource (quota, zone? see above)"
+    wait_active || die "queued resource $TPU did not become ACTIVE (above)"
+  else
+    create_tpu "$ACCELERATOR" "$version" "$spot" "" || die "could not create TPU $TPU (quota, capacity, zone? see above)"
+  fi
   info "TPU $TPU is ready. Next: bash $PROG setup"
 }
 
+# delete: the queued resource named as the TPU, if any (with --force: its TPU too), then the TPU.
 cmd_delete() {
   require tpu zone project
-  describe_tpu READY || die "could not read TPU $TPU (see the gcloud error above)"
-  if [ "$T_STATE" = NOT_FOUND ]; then info "TPU $TPU does not exist: nothing to delete"; return 0; fi
-  delete_tpu || die "could not delete TPU $TPU"
+  local qr=NOT_FOUND tpu=READY deleted=0
+  if [ "$QUEUED" = 1 ]; then qr=ACTIVE tpu=NOT_FOUND; fi   # what --dry-run shows
+  if describe_qr "$qr"; then
+    if [ "$Q_STATE" != NOT_FOUND ]; then
+      delete_qr || die "could not delete queued resource $TPU"
+      deleted=1
+    fi
+  elif [ "$QUEUED" = 1 ]; then
+    die "could not read queued resource $TPU (see the gcloud error above)"
+  else
+    info "(could not look for a queued resource $TPU, above: deleting the TPU only)"
+  fi
+  describe_tpu "$tpu" || die "could not read TPU $TPU (see the gcloud error above)"
+  if [ "$T_STATE" != NOT_FOUND ]; then
+    delete_tpu || die "could not delete TPU $TPU"
+    deleted=1
+  fi
+  if [ "$deleted" = 0 ]; then info "TPU $TPU does not exist: nothing to delete"; return 0; fi
   info "TPU $TPU deleted; gs://${BUCKET:-BUCKET} keeps the data and runs"
 }
 
@@ -814,9 +969,20 @@ explain() {
 }
 
 # recreate ACCELERATOR VERSION SPOT PREEMPTIBLE: delete the preempted TPU (T_STATE, from the last
-# describe_tpu), create it again as it was, setup, deploy.
+# describe_tpu), create it again as it was, setup, deploy. With --queued: delete the queued
+# resource and its TPU, request it again and wait until it is ACTIVE (request_again).
 recreate() {
   local delay=$POLL
+  if [ "$QUEUED" = 1 ]; then
+    until request_again "$@"; do
+      info "the slice was not granted; requesting it again in ${delay}s"
+      sleep "$delay"
+      delay=$(awk -v d="$delay" 'BEGIN { d = d * 2; if (d > 600) d = 600; print d }')
+    done
+    do_setup
+    do_deploy
+    return 0
+  fi
   if [ "$T_STATE" != NOT_FOUND ]; then
     delete_tpu || info "delete failed; trying create anyway"
   fi
@@ -854,7 +1020,7 @@ dry_later() {
 retry_loop() {
   local out classes rc=0 restarts=0 as=() failed retry lost why tail_out
   trap 'info ""; info "stopped watching; the run goes on on the TPU (bash $PROG status / stop)"; exit 130' INT
-  describe_tpu READY || die "could not read TPU $TPU"
+  describe_slice READY || die "could not read TPU $TPU"
   # What a preempted TPU is created again as: itself if it exists, else the create settings.
   as=("$ACCELERATOR" "${RUNTIME_VERSION:-$(runtime_version_for "$ACCELERATOR")}" "" "")
   [ "$SPOT" = 1 ] && as[2]=True
@@ -863,21 +1029,37 @@ retry_loop() {
   fi
   case $T_STATE in
     READY) ;;
-    PREEMPTED|TERMINATED|NOT_FOUND)
+    PREEMPTED|TERMINATED|NOT_FOUND|QR_SUSPENDING|QR_SUSPENDED|QR_FAILED|QR_NOT_FOUND)
       restarts=$((restarts + 1))
-      count_relaunch "$restarts" "TPU $TPU is $T_STATE" || exit 1
+      count_relaunch "$restarts" "$(slice_is)" || exit 1
       recreate "${as[@]}" ;;
+    QR_*)   # on its way to ACTIVE
+      info "$(slice_is): waiting until it is ACTIVE, then setup and deploy"
+      if wait_active; then
+        do_setup
+        do_deploy
+      else
+        restarts=$((restarts + 1))
+        count_relaunch "$restarts" "queued resource $TPU is $Q_STATE" || exit 1
+        recreate "${as[@]}"
+      fi ;;
     *) die "TPU $TPU is $T_STATE, not READY: wait, then run train --retry again" ;;
   esac
   launch || rc=$?
   if dry; then
     printf '# --retry then watches the run; every %ss:\n' "$POLL" >&3
-    dry_later describe_tpu READY
+    dry_later describe_slice READY
     dry_later ssh_run all remote_status
     printf '# When a worker exited 75 or was lost: the describe again, then\n' >&3
     dry_later ssh_run all remote_stop "$STOP_WAIT" 1
     printf '#   and the two ssh calls of the launch above; a TPU gone PREEMPTED, TERMINATED or missing\n' >&3
-    printf '#   is deleted and created again (as create does), then setup, deploy and the launch.\n' >&3
+    if [ "$QUEUED" = 1 ]; then
+      printf '#   (or its queued resource SUSPENDED, FAILED or missing) is deleted and requested again:\n' >&3
+      dry_later request_again "${as[@]}" 2>/dev/null
+      printf '#   then setup, deploy and the launch.\n' >&3
+    else
+      printf '#   is deleted and created again (as create does), then setup, deploy and the launch.\n' >&3
+    fi
     printf '# On any other non-zero exit: the describe again, then\n' >&3
     dry_later ssh_run all remote_stop "$(( STOP_WAIT < 60 ? STOP_WAIT : 60 ))" 1
     printf '#   and the end of the failing workers'"'"' logs (remote_logs on --worker=THEIR NUMBERS).\n' >&3
@@ -888,17 +1070,17 @@ retry_loop() {
   classes=$TMPD/classes
   while :; do
     sleep "$POLL"
-    if ! describe_tpu READY; then info "could not read the TPU's state; trying again"; continue; fi
+    if ! describe_slice READY; then info "could not read the TPU's state; trying again"; continue; fi
     case $T_STATE in
       READY) ;;
-      PREEMPTED|TERMINATED|NOT_FOUND)
+      PREEMPTED|TERMINATED|NOT_FOUND|QR_SUSPENDING|QR_SUSPENDED|QR_FAILED|QR_NOT_FOUND)
         restarts=$((restarts + 1))
-        count_relaunch "$restarts" "TPU $TPU is $T_STATE (preempted)" || exit 1
+        count_relaunch "$restarts" "$(slice_is) (preempted)" || exit 1
         recreate "${as[@]}"
         launch || true
         continue ;;
       STOPPED|STOPPING) die "TPU $TPU is $T_STATE (stopped by someone): not relaunching" ;;
-      *) info "TPU $TPU is $T_STATE; waiting"; continue ;;
+      *) info "$(slice_is); waiting"; continue ;;
     esac
     if ! ssh_run all remote_status > "$out" 2>"$out.err"; then
       info "could not reach every worker; trying again ($(tail -n 1 "$out.err"))"
@@ -909,7 +1091,7 @@ retry_loop() {
     retry=$(in_class "$classes" retry)
     lost=$(in_class "$classes" lost)
     if [ -n "$failed" ] && [ -z "$retry$lost" ]; then
-      describe_tpu READY || true
+      describe_slice READY || true
       [ "$T_STATE" = READY ] || continue   # the next look sees a preempted TPU and recreates it
       info "train.py failed on worker(s) $failed (exit $(field "$out" "${failed%%,*}" exit)) on a READY TPU: a failure a relaunch would repeat, not relaunching"
       explain "$classes" "$out" failed
@@ -927,7 +1109,7 @@ retry_loop() {
     fi
     if [ -n "$retry$lost" ]; then
       # A worker that exited 75 or went away explains the others' failures (their peer vanished).
-      describe_tpu READY || true
+      describe_slice READY || true
       [ "$T_STATE" = READY ] || continue   # the next look sees a preempted TPU and recreates it
       why=""
       [ -z "$retry" ] || why="train.py on worker(s) $retry exited 75 (a relaunch may help)"
@@ -1060,10 +1242,11 @@ parse_args() {
           --run) LOG_RUN=$val ;;
         esac
         shift ;;
-      --spot|--retry|--dry-run|--kill|--no-follow|--start|-h|--help)
+      --spot|--queued|--retry|--dry-run|--kill|--no-follow|--start|-h|--help)
         [ "$has" = 0 ] || usage_error "$opt takes no value"
         case $opt in
           --spot) SPOT=1 ;;
+          --queued) QUEUED=1 ;;
           --retry) RETRY=1 ;;
           --dry-run) DRY_RUN=1 ;;
           --kill) KILL=1 ;;

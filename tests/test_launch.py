@@ -153,6 +153,12 @@ class Pod:
             {"name": TPU, "states": list(states), "acceleratorType": accelerator,
              "runtimeVersion": "tpu-ubuntu2204-base", "spot": spot}))
 
+    def set_qr_states(self, *states):
+        """The answers of the queued resource's next describes (the last one repeats)."""
+        qr = json.loads((self.root / "qr.json").read_text())
+        qr["states"] = list(states)
+        (self.root / "qr.json").write_text(json.dumps(qr))
+
     def ready(self):
         """A READY TPU with venvs and the code: what create, setup and deploy leave."""
         self.set_tpu()
@@ -247,8 +253,9 @@ def test_help(pod):
 
 
 def test_help_lists_each_commands_flags(pod):
-    flags = {"create": ["--accelerator", "--runtime-version", "--spot"], "check": ["--data"],
-             "train": ["--retry", "--poll", "--max-restarts"], "logs": ["--lines", "--no-follow", "--run"],
+    flags = {"create": ["--accelerator", "--runtime-version", "--spot", "--queued"], "check": ["--data"],
+             "delete": ["--queued"], "train": ["--retry", "--queued", "--poll", "--max-restarts"],
+             "logs": ["--lines", "--no-follow", "--run"],
              "stop": ["--wait", "--kill"], "tensorboard": ["--start", "--port"]}
     for name in SUBCOMMANDS:
         text = pod.run(name, "--help").stdout
@@ -606,6 +613,102 @@ def test_retry_attaches_to_its_own_running_run(pod):
     assert watcher.returncode == 0, err
     assert "already running" in err and "was stopped" in err
     assert all(len(pod.launches(w)) == 1 for w in range(pod.workers))
+
+
+QR = ["gcloud", "compute", "tpus", "queued-resources"]
+WHERE = ["--zone=us-central2-b", "--project=proj"]
+
+
+def test_create_queued_waits_for_active_and_delete_removes_it(pod):
+    result = pod.run("create", "--queued", "--spot", "--accelerator", "v4-16",
+                     FAKE_QR_STATES="WAITING_FOR_RESOURCES,PROVISIONING,ACTIVE")
+    compute = [c for c in pod.calls() if c[1] == "compute"]
+    assert compute == [QR + ["describe", TPU, *WHERE, "--format=value(state.state)"],
+                       ["gcloud", "compute", "tpus", "tpu-vm", "describe", TPU, *WHERE, compute[1][-1]],
+                       QR + ["create", TPU, f"--node-id={TPU}", *WHERE, "--accelerator-type=v4-16",
+                             "--runtime-version=tpu-ubuntu2204-base", "--spot"]] \
+        + [QR + ["describe", TPU, *WHERE, "--format=value(state.state)"]] * 3
+    # A progress line per look, then ACTIVE: the TPU exists.
+    assert "  queued resource trm-test: WAITING_FOR_RESOURCES, waiting for ACTIVE (0m00s so far" in result.stderr
+    assert "  queued resource trm-test: PROVISIONING, waiting for ACTIVE" in result.stderr
+    assert "queued resource trm-test is ACTIVE after" in result.stderr and "TPU trm-test is ready" in result.stderr
+    tpu = json.loads((pod.root / "tpu.json").read_text())
+    assert tpu["acceleratorType"] == "v4-16" and tpu["spot"]
+    again = pod.run("create", TRM_QUEUED="1", TRM_ACCELERATOR="v4-16").stderr   # again: nothing to do
+    assert "exists: v4-16, READY" in again
+    assert [c[4] for c in pod.calls() if c[1] == "compute"] == ["describe", "describe"]
+    pod.run("setup")   # the queued resource's TPU is an ordinary TPU VM
+    pod.calls()
+    deleted = pod.run("delete")   # found without --queued too
+    assert [c[3:5] for c in pod.calls() if c[1] == "compute"] == [
+        ["queued-resources", "describe"], ["queued-resources", "delete"], ["tpu-vm", "describe"]]
+    assert "deleting queued resource trm-test and its TPU" in deleted.stderr
+    assert not (pod.root / "qr.json").exists() and not (pod.root / "tpu.json").exists()
+    assert "nothing to delete" in pod.run("delete", "--queued").stderr
+
+
+def test_create_queued_fails_clearly_when_the_request_fails_and_replaces_it_next_time(pod):
+    failed = pod.run("create", "--queued", FAKE_QR_STATES="WAITING_FOR_RESOURCES,FAILED", expect=1).stderr
+    assert "queued resource trm-test FAILED (quota, zone or accelerator type?): gcloud compute tpus " \
+           "queued-resources describe trm-test --zone=us-central2-b --project=proj says why" in failed
+    assert "did not become ACTIVE" in failed
+    pod.calls()
+    again = pod.run("create", "--queued").stderr
+    assert "queued resource trm-test is FAILED: it is deleted and requested again" in again
+    assert [c[3:5] for c in pod.calls() if c[1] == "compute"] == [
+        ["queued-resources", "describe"], ["queued-resources", "delete"], ["tpu-vm", "describe"],
+        ["queued-resources", "create"], ["queued-resources", "describe"]]
+    assert (pod.root / "tpu.json").exists()
+
+
+def test_queued_dry_run_prints_exactly_the_real_calls(pod):
+    made = assert_dry_run_matches(pod, "create", "--queued", "--spot", "--accelerator", "v4-16")
+    assert QR + ["create", TPU, f"--node-id={TPU}", *WHERE, "--accelerator-type=v4-16",
+                 "--runtime-version=tpu-ubuntu2204-base", "--spot"] in made
+    pod.run("setup")
+    pod.run("deploy")
+    dry = pod.run("--dry-run", "train", "--retry", "--queued", "run-d", "demo").stdout
+    printed = dry_run_commands(dry)
+    later = dry_run_commands("\n".join(line[len("#   "):] for line in dry.splitlines()
+                                       if line.startswith("#   gcloud ")))
+    assert [c[3:5] for c in printed] == [["queued-resources", "describe"], ["tpu-vm", "describe"],
+                                         ["tpu-vm", "ssh"], ["tpu-vm", "ssh"]]
+    assert [c[3:5] for c in later if c[3] == "queued-resources"] == [
+        ["queued-resources", "describe"],   # every --poll seconds, before the TPU's describe
+        ["queued-resources", "describe"], ["queued-resources", "delete"], ["queued-resources", "create"],
+        ["queued-resources", "describe"]]   # the slice requested again, then its wait
+    made = assert_dry_run_matches(pod, "delete", "--queued")
+    assert QR + ["delete", TPU, *WHERE, "--force", "--quiet"] in made
+    assert not (pod.root / "qr.json").exists()
+
+
+def test_retry_requests_a_suspended_queued_resource_again(pod):
+    pod.run("create", "--queued", "--spot", "--accelerator", "v4-16")
+    pod.run("setup")
+    pod.run("deploy")
+    pod.calls()
+    # The first describe (at start) says ACTIVE, the next SUSPENDED: the fake then ends the workers'
+    # processes and deletes the TPU, as reclaimed spot capacity does; the new request waits once.
+    pod.set_qr_states("ACTIVE", "SUSPENDED")
+    result = pod.run("train", "--retry", "--queued", "run-q", "demo", STUB_PLAN="hang,0",
+                     FAKE_QR_STATES="WAITING_FOR_RESOURCES,ACTIVE")
+    assert "queued resource trm-test is SUSPENDED (preempted): relaunch 1 of at most 20" in result.stderr
+    assert "  queued resource trm-test: WAITING_FOR_RESOURCES, waiting for ACTIVE" in result.stderr
+    assert "run run-q finished" in result.stderr
+    compute = [c for c in pod.calls() if c[1] == "compute"]
+    assert QR + ["delete", TPU, *WHERE, "--force", "--quiet"] in compute
+    assert QR + ["create", TPU, f"--node-id={TPU}", *WHERE, "--accelerator-type=v4-16",
+                 "--runtime-version=tpu-ubuntu2204-base", "--spot"] in compute   # requested again as it was
+    verbs = [c[3:5] for c in compute]
+    assert verbs.index(["queued-resources", "delete"]) < verbs.index(["queued-resources", "create"]) \
+        < verbs.index(["tpu-vm", "scp"])
+    assert ["tpu-vm", "create"] not in verbs and ["tpu-vm", "delete"] not in verbs
+    for w in range(pod.workers):
+        assert len(pod.launches(w)) == 2
+        assert pod.launch_record(w, 1)["argv"] == pod.launch_record(w, 0)["argv"]
+        assert (pod.stub_dir / f"term-{w}-0").exists()   # the first trainer got SIGTERM
+        assert (pod.home(w) / "trm-venv" / "trm-requirements.txt").exists()   # setup ran on the new VMs
+    assert not worker_pids(pod.root)
 
 
 # "kill" passes too (about 2 min); CI runs "hang" only: a lost worker is covered by the stub
