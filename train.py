@@ -21,6 +21,7 @@ within run.shutdown_timeout_s; a second signal exits at once). Other commands:
     python train.py export gs://BUCKET/runs/NAME --out gs://BUCKET/models/NAME.safetensors
     python train.py eval --init-from gs://BUCKET/runs/NAME --data.path gs://BUCKET/data/...
     python train.py eval arc1 --init-from reference_step_123.pt --data.path gs://BUCKET/data/arc1
+    python train.py predict demo --init-from runs/demo --puzzle 1.3..4....2.2...   # or --puzzle-file, --task
 
 Presets: sudoku-mlp, sudoku-att, maze, arc1, arc2 (the paper's recipes) and demo. On a pod,
 `bash launch.sh train RUN_NAME PRESET ...` runs this on every host with PJRT_DEVICE=TPU.
