@@ -1299,7 +1299,8 @@ def predict_puzzles(config: Config, weights: dict, source: str, strings: list[st
         verdict = "" if not answers else ("; correct" if entry["correct"] else "; WRONG")
         print(f"{kind} {i + 1}: halts at ACT step {entry['act_steps']} of {config.model.halt_max_steps}, "
               f"q_halt confidence {entry['q_halt_confidence']:.4f}{verdict}")
-        print(build_data.puzzle_grid(answer))
+        rows = zip(build_data.puzzle_grid(text).split("\n"), build_data.puzzle_grid(answer).split("\n"))
+        print("\n".join(f"  {given}   {'->' if r == 0 else '  '}   {found}" for r, (given, found) in enumerate(rows)))
     result = {"weights": source, "kind": kind, "halt_max_steps": config.model.halt_max_steps, "puzzles": puzzles}
     if answers:
         result["exact_accuracy"] = sum(p["correct"] for p in puzzles) / len(puzzles)
