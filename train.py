@@ -1167,6 +1167,8 @@ def read_puzzle_lines(url: str) -> tuple[list[str], list[str] | None]:
     builders' header source,question,answer,rating (read as the builders read it)."""
     import build_data
 
+    if not storage.exists(url):
+        raise SystemExit(f"error: --puzzle-file {url} not found")
     text = storage.read_bytes(url).decode()
     if text.lstrip().lower().startswith("source,question,answer,rating"):
         try:
@@ -1325,6 +1327,12 @@ def predict_arc_tasks(config: Config, weights: dict, step: int, trained_on: str 
         arc = ArcEvaluator.from_dataset(config.data.path)
     except data.DatasetError as e:
         raise SystemExit(f"error: --task needs an ARC dataset (built by `build_data.py build-arc`): {e}")
+    trained_only = sorted({parse_arc_identifier(name)[0] for name in arc.identifiers} & set(tasks)
+                          - set(arc.test_puzzles))
+    if trained_only:
+        raise SystemExit(f"error: {', '.join(trained_only)} of {config.data.path} has no test inputs in its test "
+                         "split (a task of the training subsets: its test pairs were trained on); name tasks of "
+                         f"the test split, e.g. {', '.join(sorted(arc.test_puzzles)[:3])}")
     unknown = [t for t in tasks if t not in arc.test_puzzles]
     if unknown:
         raise SystemExit(

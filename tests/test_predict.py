@@ -88,6 +88,8 @@ def test_predict_of_arc_tasks_equals_the_checkpoints_submission(tmp_path, capsys
     with pytest.raises(SystemExit, match="task_zzz not in the test split of .*embeddings of its augmentations "
                                          "were never trained.*Fine-tuning on new puzzles"):
         train.predict_command([*args, "--task", "task_zzz"])
+    with pytest.raises(SystemExit, match="task_a of .* has no test inputs in its test split .*e.g. task_e"):
+        train.predict_command([*args, "--task", "task_a"])
 
 
 def test_predict_help_and_refusals(capsys):
@@ -99,6 +101,8 @@ def test_predict_help_and_refusals(capsys):
     assert "predict" in train.usage()
     with pytest.raises(SystemExit, match="predict needs puzzles"):
         train.predict_command(["--init-from", "runs/nothing"])
+    with pytest.raises(SystemExit, match="--puzzle-file nothing.txt not found"):
+        train.read_puzzle_lines("nothing.txt")
     with pytest.raises(SystemExit, match="not both"):
         train.predict_command(["--init-from", "runs/nothing", "--task", "a", "--puzzle", "1234"])
     with pytest.raises(build_data.DatasetError, match="neither a Sudoku .* nor a maze"):
