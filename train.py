@@ -1431,7 +1431,7 @@ def usage() -> str:
         "usage: python train.py PRESET [FLAGS]                          train (PRESET --help: every flag)",
         "       python train.py eval [PRESET] --init-from URL [FLAGS]   evaluate weights on a test split",
         "       python train.py export SOURCE --out URL                 the EMA weights as one safetensors file",
-        "       python train.py predict [PRESET] --init-from URL --puzzle P | --task NAME   the model's answers",
+        "       python train.py predict [PRESET] --init-from URL ...    answers to --puzzle / --puzzle-file / --task",
         "", "presets:", *(f"  {name.ljust(width)}  {about}" for name, (about, _) in PRESETS.items()),
         "", "Each command's --help lists its flags; flags take `--flag value` or `--flag=value`."])
 
