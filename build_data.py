@@ -193,6 +193,71 @@ def _digit_grids(strings: list, url: str, length: int) -> np.ndarray:
     return (flat - ord("0")).reshape(len(strings), length)
 
 
+def maze_tokens(maze: str) -> np.ndarray:
+    """Tokens of a maze string of the characters MAZE_CHARSET (wall, open, start, goal, path
+    -> 1..5), as the Maze builder encodes them; other characters give 0 (pad)."""
+    char_to_token = np.zeros(256, np.uint8)
+    char_to_token[[ord(c) for c in MAZE_CHARSET]] = np.arange(1, len(MAZE_CHARSET) + 1)
+    return char_to_token[np.frombuffer(maze.encode("latin-1", "replace"), np.uint8)]
+
+
+def encode_puzzles(strings: Sequence[str], seq_len: int, vocab_size: int,
+                   where: str = "--puzzle") -> tuple[str, np.ndarray]:
+    """("sudoku" or "maze", tokens [len(strings), seq_len]) of new puzzles written as the
+    builders read them from their CSV (a Sudoku: n*n digits, '.' or '0' blank; a maze: its
+    cells in the characters of MAZE_CHARSET), encoded as build_sudoku / build_demo and
+    build_maze encode them, for a model of ``seq_len`` and ``vocab_size``. DatasetError naming
+    ``where`` when a string is neither or does not fit the model."""
+    if not strings:
+        raise DatasetError(f"{where}: no puzzles given.")
+    side = math.isqrt(seq_len)
+    kinds = set()
+    for number, text in enumerate(strings, start=1):
+        kind = ("sudoku" if set(text) <= set("0123456789.") else
+                "maze" if set(text) <= set(MAZE_CHARSET) else None)
+        which = f"{where} puzzle {number} ({text[:40]!r}{'...' if len(text) > 40 else ''})"
+        if kind is None:
+            raise DatasetError(f"{which} is neither a Sudoku (digits, '.' or '0' for blanks) nor a "
+                               f"maze (the characters {MAZE_CHARSET!r}).")
+        if len(text) != seq_len:
+            raise DatasetError(f"{which} has {len(text)} cells but the model reads {seq_len} "
+                               f"({side}x{side} grids).")
+        kinds.add(kind)
+    if len(kinds) > 1:
+        raise DatasetError(f"{where}: mixes Sudokus and mazes; one model reads one kind.")
+    kind = kinds.pop()
+    if kind == "maze":
+        if vocab_size != len(MAZE_CHARSET) + 1:
+            raise DatasetError(f"{where}: a maze needs a Maze model (vocab_size "
+                               f"{len(MAZE_CHARSET) + 1}), this one has vocab_size {vocab_size}.")
+        return kind, np.stack([maze_tokens(text) for text in strings])
+    digits = _digit_grids(list(strings), where, seq_len)
+    if side * side != seq_len or vocab_size != side + 2:
+        raise DatasetError(f"{where}: a {side}x{side} Sudoku needs a Sudoku model of vocab_size "
+                           f"{side + 2} and seq_len {side * side}; this one has vocab_size "
+                           f"{vocab_size} and seq_len {seq_len}.")
+    if digits.max() > side:
+        raise DatasetError(f"{where}: a {side}x{side} Sudoku has digits 1..{side} only.")
+    return kind, digits + 1
+
+
+def puzzle_string(kind: str, tokens: np.ndarray) -> str:
+    """The inverse of encode_puzzles for one sequence, in the builders' CSV format (a Sudoku's
+    blanks, or any token that is no digit, as '.'; a maze's pad as '?')."""
+    tokens = np.asarray(tokens).reshape(-1)
+    if kind == "maze":
+        return "".join(MAZE_CHARSET[t - 1] if 1 <= t <= len(MAZE_CHARSET) else "?" for t in tokens)
+    side = math.isqrt(len(tokens))
+    return "".join(str(t - 1) if 2 <= t <= side + 1 else "." for t in tokens)
+
+
+def puzzle_grid(text: str) -> str:
+    """A puzzle string as a square grid, one row per line (Sudoku cells space-separated)."""
+    side = math.isqrt(len(text))
+    sep = "" if set(text) <= set(MAZE_CHARSET + "?") else " "
+    return "\n".join(sep.join(text[r * side:(r + 1) * side]) for r in range(side))
+
+
 def build_sudoku(out: str, train_csv: str = SUDOKU_CSV_URL.format(split="train"),
                  test_csv: str = SUDOKU_CSV_URL.format(split="test"),
                  subsample_size: int | None = None, min_difficulty: int | None = None,
@@ -230,8 +295,6 @@ def build_maze(out: str, train_csv: str = MAZE_CSV_URL.format(split="train"),
     """Maze-Hard in the reference format: characters "# SGo" -> tokens 1..5, vocab 6,
     seq = grid cells. With ``aug`` each train maze is a group of its 8 dihedral variants."""
     rng = np.random.default_rng(seed)
-    char_to_token = np.zeros(256, np.uint8)
-    char_to_token[[ord(c) for c in MAZE_CHARSET]] = np.arange(1, len(MAZE_CHARSET) + 1)
     with tempfile.TemporaryDirectory() as workdir:
         seq_len = None
         for split, csv_url in (("train", train_csv), ("test", test_csv)):
@@ -248,8 +311,7 @@ def build_maze(out: str, train_csv: str = MAZE_CSV_URL.format(split="train"),
                 if len(question) != seq_len or set(question + answer) - set(MAZE_CHARSET):
                     raise DatasetError(f"{csv_url}: every maze must be a {side}x{side} grid of "
                                        f"the characters {MAZE_CHARSET!r}.")
-                grids = [char_to_token[np.frombuffer(s.encode(), np.uint8)].reshape(side, side)
-                         for s in (question, answer)]
+                grids = [maze_tokens(s).reshape(side, side) for s in (question, answer)]
                 transforms = range(8) if (aug and split == "train") else range(1)
                 inputs = np.stack([dihedral_transform(grids[0], t).ravel() for t in transforms])
                 labels = np.stack([dihedral_transform(grids[1], t).ravel() for t in transforms])

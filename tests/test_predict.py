@@ -1,0 +1,113 @@
+"""`python train.py predict`: the model's answers to given puzzles equal the evaluation's."""
+import json
+
+import numpy as np
+import pytest
+
+import build_data
+import data
+import train
+from tests.data_fixtures import arc_files
+from tests.test_eval import TINY_ARC, small
+
+
+def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_path, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    # A model this small and short solves few test puzzles (often none): the answers are also compared cell
+    # by cell below (the evaluation's token accuracy), which every cell of every answer must match.
+    trained = train.main(train.cli(["demo", "--data.path", demo_path,
+                                    *small(run_dir, tmp_path / "cache", "--optim.max-steps", "40")]))
+    final = trained["final"]
+    test_set = data.open_dataset(demo_path, "test")
+    digits = lambda tokens: "".join(str(int(t) - 1) for t in tokens)  # blanks as '0'
+    # The test split as the builders' CSV (answers included), and as bare lines.
+    csv_file, lines_file = tmp_path / "test.csv", tmp_path / "test.txt"
+    csv_file.write_text("source,question,answer,rating\n" + "".join(
+        f"demo,{digits(q)},{digits(a)},0\n" for q, a in zip(test_set.inputs, test_set.labels)))
+    lines_file.write_text("".join(digits(q).replace("0", ".") + "\n" for q in test_set.inputs))
+    capsys.readouterr()
+    out_file = tmp_path / "predictions.json"
+    assert train.command_line(["predict", "--init-from", str(run_dir), "--puzzle-file", str(csv_file),
+                               f"--out={out_file}"]) == 0
+    said = capsys.readouterr().out
+    result = json.loads(out_file.read_text())
+    assert len(result["puzzles"]) == final["count"] == 40
+    assert result["exact_accuracy"] == pytest.approx(final["exact_accuracy"])
+    assert f"exact accuracy {final['exact_accuracy']:.4f} ({round(40 * final['exact_accuracy'])} of 40)" in said
+    assert all(1 <= p["act_steps"] <= 4 and 0 < p["q_halt_confidence"] < 1 for p in result["puzzles"])
+    # Cell by cell (the evaluation's token accuracy), and q_halt of the last ACT step (its q_halt accuracy).
+    cells = [np.mean([a == b for a, b in zip(p["answer"], digits(labels))])
+             for p, labels in zip(result["puzzles"], test_set.labels)]
+    assert np.mean(cells) == pytest.approx(final["accuracy"], rel=1e-5)
+    q_right = [(p["q_halt_confidence"] >= 0.5) == p["correct"] for p in result["puzzles"]]
+    assert np.mean(q_right) == pytest.approx(final["q_halt_accuracy"], rel=1e-5)
+    first = result["puzzles"][0]
+    assert (f"sudoku 1: halts at ACT step {first['act_steps']} of 4, q_halt confidence "
+            f"{first['q_halt_confidence']:.4f}") in said
+    given, answer = build_data.puzzle_grid(first["puzzle"]), build_data.puzzle_grid(first["answer"])
+    assert f"  {given[:7]}   ->   {answer[:7]}\n  {given[8:15]}        {answer[8:15]}\n" in said
+
+    # Bare lines (no answers) after a new puzzle on the command line (identifier 0: any puzzle works):
+    # the same answers, checked here against the test labels.
+    plain = train.predict_command(["demo", "--init-from", str(run_dir), "--puzzle", "1.3..4....2.2...",
+                                   "--puzzle-file", str(lines_file)])
+    assert len(plain["puzzles"]) == 41 and len(plain["puzzles"][0]["answer"]) == 16  # '.': a predicted blank
+    same = ("answer", "act_steps", "q_halt_confidence")  # the puzzles are spelt with '.' here, '0' there
+    assert [[p[k] for k in same] for p in plain["puzzles"][1:]] == [[p[k] for k in same] for p in result["puzzles"]]
+    solved = sum(p["answer"] == digits(a) for p, a in zip(plain["puzzles"][1:], test_set.labels))
+    assert solved == round(40 * final["exact_accuracy"])
+
+
+def test_act_steps_used_is_the_first_step_whose_q_halt_logit_is_positive():
+    logits = np.array([[-1.0, 0.5, 2.0, 3.0], [-1.0, -2.0, -0.1, -3.0], [0.0, 1e-3, -1.0, 1.0]])
+    assert train.act_steps_used(logits).tolist() == [2, 4, 2]
+
+
+def test_predict_of_arc_tasks_equals_the_checkpoints_submission(tmp_path, capsys):
+    arc_path = str(tmp_path / "arc")
+    build_data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+                         test_sets=("evaluation",), num_aug=3, seed=0)
+    # Batch 8: the evaluation's batch holds the test split's 8 rows, as predict's does (one row per
+    # device): the same computation, so even candidates tied on votes rank alike (by mean q_halt).
+    run_dir = tmp_path / "run"
+    train.main(train.cli(["arc1", "--data.path", arc_path, "--optim.lr-warmup-steps", "1",
+                          *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2"),
+                          "--optim.global-batch-size", "8", *TINY_ARC]))
+    with open(run_dir / "eval" / "step_2" / "submission.json") as f:
+        submission = json.load(f)
+    capsys.readouterr()
+    args = ["arc1", "--init-from", str(run_dir), "--data.path", arc_path, "--data.cache-dir", str(tmp_path / "cache")]
+    result = train.predict_command([*args, "--task", "task_e", "--out", str(tmp_path / "arc.json")])
+    assert result["submission"] == {"task_e": submission["task_e"]}
+    assert json.loads((tmp_path / "arc.json").read_text())["submission"] == result["submission"]
+    said = capsys.readouterr().out
+    assert "task_e, test input 1: " in said and "attempt_2: " in said
+    for entry in result["details"]["task_e"]:
+        assert entry["attempt_1"]["votes"] >= 1 and 1 <= entry["attempt_1"]["act_steps"] <= 2
+
+    with pytest.raises(SystemExit, match="task_zzz not in the test split of .*embeddings of its augmentations "
+                                         "were never trained.*Fine-tuning on new puzzles"):
+        train.predict_command([*args, "--task", "task_zzz"])
+    with pytest.raises(SystemExit, match="task_a of .* has no test inputs in its test split .*e.g. task_e"):
+        train.predict_command([*args, "--task", "task_a"])
+
+
+def test_predict_help_and_refusals(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.command_line(["predict", "--help"])
+    assert exit_info.value.code == 0
+    said = capsys.readouterr().out
+    assert all(name in said for name in ("--init-from", "--puzzle", "--puzzle-file", "--task", "--out"))
+    assert "predict" in train.usage()
+    with pytest.raises(SystemExit, match="predict needs puzzles"):
+        train.predict_command(["--init-from", "runs/nothing"])
+    with pytest.raises(SystemExit, match="--puzzle-file nothing.txt not found"):
+        train.read_puzzle_lines("nothing.txt")
+    with pytest.raises(SystemExit, match="not both"):
+        train.predict_command(["--init-from", "runs/nothing", "--task", "a", "--puzzle", "1234"])
+    with pytest.raises(build_data.DatasetError, match="neither a Sudoku .* nor a maze"):
+        build_data.encode_puzzles(["12x4"], 4, 4)
+    with pytest.raises(build_data.DatasetError, match="has 3 cells but the model reads 16"):
+        build_data.encode_puzzles(["123"], 16, 6)
+    kind, tokens = build_data.encode_puzzles(["S  #", "#oG "], 4, 6)
+    assert kind == "maze" and build_data.puzzle_string(kind, tokens[1]) == "#oG "
