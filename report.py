@@ -12,6 +12,9 @@ thread, in order, so the step loop never waits for a device value. The reader al
 for a non-finite loss (`RunLog.nonfinite`), which the loop turns into a stop. Copies of the
 TensorBoard files to a remote run directory are best effort, on a thread of their own: storage
 trouble costs a warning and never holds the loop or the metrics (`Uploads`).
+
+Process 0 also appends each step line's values and each evaluation's to {run_dir}/metrics/ as
+JSON lines (`MetricsFile`: parts rewritten whole, since object stores cannot append).
 """
 from __future__ import annotations
 
@@ -106,8 +109,11 @@ class Uploads:
     more until a copy succeeds again) and is retried at the next request, so a later copy
     catches up; each copy is a single attempt (storage's request timeouts bound it)."""
 
-    def __init__(self, local: str, remote: str, what: str):
+    def __init__(self, local: str | None, remote: str, what: str, copy=None):
+        """copy: what one copy does (default: storage.upload_dir(local, remote, attempts=1));
+        it raises on failure."""
         self.local, self.remote, self.what = local, remote, what
+        self.copy = copy or (lambda: storage.upload_dir(self.local, self.remote, attempts=1))
         self.failing = False  # the last copy failed
         self._changed = threading.Condition()
         self._requested = self._finished = 0  # requests made / served by a finished copy
@@ -140,7 +146,7 @@ class Uploads:
                     return
                 number = self._requested
             try:
-                storage.upload_dir(self.local, self.remote, attempts=1)
+                self.copy()
             except Exception as e:  # noqa: BLE001 - best effort: reported once, retried next time
                 if not self.failing:
                     print(f"warning: copying the {self.what} to {self.remote} failed ({e}); training goes on, "
@@ -154,6 +160,79 @@ class Uploads:
             with self._changed:
                 self._finished = number
                 self._changed.notify_all()
+
+
+def json_record(record: dict) -> str:
+    """One line of JSON; a non-finite number becomes null (strict JSON, which jq and every
+    reader take)."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()})
+
+
+class MetricsFile:
+    """{run_dir}/metrics/part-NNNNN.jsonl, written by process 0: one JSON record per line, in the
+    order they were made. Object stores cannot append (gcsfs replaces the object), so each part
+    is rewritten whole when a record is added, until it holds PART_RECORDS records; the next
+    record starts the next part. A write thus costs at most one part (~PART_RECORDS x 0.6 KB),
+    however long the run, and a reader lists the parts in name order. The writes are best
+    effort, on a thread of their own (`Uploads`): a failed write warns once and the next one
+    writes every part not yet written whole, so a short outage loses nothing.
+
+    `continue_from(step)` (once, before the first record): a launch that starts at `step` drops
+    the records of later steps (those a resume redoes, or a crashed launch made past its last
+    checkpoint) and continues the last part, so the records' steps never repeat."""
+
+    PART_RECORDS = 200
+
+    def __init__(self, run_dir: str):
+        self.root = storage.join_url(run_dir, "metrics")
+        self.part, self.lines = 0, []  # the part being filled and its lines
+        self.unwritten: dict[int, str] = {}  # parts whose latest text is not written yet
+        self._lock = threading.Lock()
+        self.uploads = Uploads(None, self.root, "metrics records", copy=self._write)
+
+    def url(self, part: int) -> str:
+        return storage.join_url(self.root, f"part-{part:05d}.jsonl")
+
+    def continue_from(self, step: int) -> int:
+        """Drop the records of steps after `step` (retried like other storage work); returns how
+        many were dropped."""
+        fs, path = storage.filesystem(self.root)
+        parts = storage.with_retries("listing", self.root, lambda: sorted(fs.glob(path + "/part-*.jsonl")))
+        dropped = 0
+        for name in reversed(parts):
+            part = int(name.rsplit("part-", 1)[1].split(".")[0])
+            url = self.url(part)
+            lines = storage.read_bytes(url).decode().splitlines()
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+            dropped += len(lines) - len(kept)
+            if kept:
+                self.part, self.lines = part, kept
+                if len(kept) != len(lines):
+                    storage.write_bytes(url, "".join(line + "\n" for line in kept).encode())
+                break
+            storage.with_retries("removing", url, lambda name=name: fs.rm(name))
+        if len(self.lines) >= self.PART_RECORDS:
+            self.part, self.lines = self.part + 1, []
+        return dropped
+
+    def add(self, record: dict) -> None:
+        with self._lock:
+            self.lines.append(json_record(record))
+            self.unwritten[self.part] = "".join(line + "\n" for line in self.lines)
+            if len(self.lines) >= self.PART_RECORDS:
+                self.part, self.lines = self.part + 1, []
+        self.uploads.request()
+
+    def _write(self) -> None:
+        with self._lock:
+            todo, self.unwritten = self.unwritten, {}
+        try:
+            for part in sorted(todo):
+                storage.write_bytes(self.url(part), todo[part].encode(), attempts=1)
+                del todo[part]
+        finally:
+            with self._lock:  # what failed is written by the next copy, unless a newer text came
+                self.unwritten = {**todo, **self.unwritten}
 
 
 class RunLog:
@@ -197,6 +276,7 @@ class RunLog:
             self.uploads = Uploads(self.tb_local, self.tb_remote, "TensorBoard logs") \
                 if self.tb_local != self.tb_remote else None
         self.memory = None  # whether the runtime reports device memory: asked at the first window
+        self.metrics = MetricsFile(config.run.dir) if main_host else None
 
     def say(self, *parts) -> None:
         if self.main_host:
@@ -204,6 +284,15 @@ class RunLog:
 
     def _in_order(self, fn, *args) -> None:
         self.reader.submit(fn, *args).add_done_callback(_raise_in_main_thread)
+
+    def continue_from(self, step: int) -> None:
+        """Before the first step of a launch that starts at `step`: metrics.jsonl's records of
+        later steps (made past the checkpoint this launch resumes from) are dropped, so that the
+        records continue without repeating a step."""
+        if self.metrics:
+            dropped = self.metrics.continue_from(step)
+            if dropped:
+                self.say(f"metrics records: dropped {dropped} of steps after {step} (this launch redoes them)")
 
     def config_text(self, config) -> None:
         if self.tb:
@@ -235,11 +324,12 @@ class RunLog:
         reported) every run.log_every steps, at the last step, and when the caller asks (before
         a save, so that every saved step has had its loss checked)."""
         if end_window or step % self.config.run.log_every == 0 or step == self.total_steps:
+            now = time.time()
             self._in_order(self._report_train, self.window_sums, step, self.window_steps,
-                           time.time() - self.window_start, lr)
+                           now - self.window_start, lr, now)
             self.start_window(self.window_sums.device)
 
-    def _report_train(self, sums, step, steps, seconds, lr):
+    def _report_train(self, sums, step, steps, seconds, lr, now=None):
         batch_size = self.config.optim.global_batch_size
         row = summarize(TRAIN_METRICS, sums.cpu().numpy(), steps, batch_size)
         row.update(step=step, lr=lr, loss=row["lm_loss"] + 0.5 * row["q_halt_loss"])
@@ -254,6 +344,9 @@ class RunLog:
                 memory += f" (peak {100 * row['memory_peak']:.0f}%)"
             memory += f" of {info['limit'] / 1e9:.1f} GB"
         self.history.append(row)
+        if self.metrics:
+            self.metrics.add({"kind": "train", "step": step, "time": round(now or time.time(), 3),
+                              **{k: v for k, v in row.items() if k != "step"}})
         bad = sorted((k for k, v in row.items() if not math.isfinite(v)), key=lambda k: k != "loss")
         if bad and self.nonfinite is None:
             self.nonfinite = f"steps {step - steps + 1}-{step}: " + ", ".join(f"{k} {row[k]}" for k in bad)
@@ -306,8 +399,11 @@ class RunLog:
                  f"q_halt_loss {result['q_halt_loss']:.4f}  {arc + '  ' if arc else ''}"
                  f"on {result['num_examples']} examples in {seconds:.0f}s "
                  f"({result['num_examples'] / max(seconds, 1e-9):.0f} ex/s)")
+        timing = {"seconds": seconds, "examples_per_s": result["num_examples"] / max(seconds, 1e-9)}
+        if self.metrics:  # in order with the train records (the reader adds those)
+            self._in_order(self.metrics.add, {"kind": "eval", "step": step, "time": round(time.time(), 3),
+                                              **{k: v for k, v in {**result, **timing}.items() if k != "step"}})
         if self.tb:
-            timing = {"seconds": seconds, "examples_per_s": result["num_examples"] / max(seconds, 1e-9)}
             for k, v in {**result, **timing}.items():
                 self._in_order(self.tb.add_scalar, f"eval/{k}", v, step)
             self._in_order(self._upload_tb)
@@ -317,9 +413,16 @@ class RunLog:
         self.reader.submit(lambda: None).result()
 
     def close(self) -> None:
-        """Wait for the queued reads, then for the last copy of the event files, at most
-        CLOSE_TIMEOUT_S (a complete local copy stays behind when it does not finish)."""
+        """Wait for the queued reads, then for the last writes of metrics.jsonl and copy of the
+        event files, at most CLOSE_TIMEOUT_S (a complete local copy of the event files stays
+        behind when it does not finish)."""
         self.reader.shutdown(wait=True)
+        if self.metrics:
+            last = self.metrics.uploads.request()
+            self.metrics.uploads.close()
+            if not self.metrics.uploads.wait(last, self.CLOSE_TIMEOUT_S) or self.metrics.uploads.failing:
+                print(f"warning: the metrics records in {self.metrics.root} miss the latest steps (the last "
+                      "write did not succeed)", flush=True)
         if self.tb:
             self.tb.close()
             if self.uploads:
@@ -354,7 +457,7 @@ class Profile:
         if self.on and step == self.last:
             self.sharding.stop_profile()
             try:  # best effort, one attempt: a profile is not worth stopping or stalling the run
-                storage.upload_dir(self.local, self.remote, attempts=1)
+                self.copy()
             except storage.StorageError as e:
                 self.say(f"warning: the XLA profile stays in {self.local}: {e}")
                 return

@@ -492,6 +492,7 @@ def main(config: Config) -> dict:
     # (optionally from given weights).
     mesh = sharding.data_mesh()
     start_step, trainer, resumed = resume_or_start(config, identifiers, sharding, mesh, log)
+    log.continue_from(start_step)  # metrics.jsonl continues from here
     log.say(f"model: {sum(p.numel() for p in trainer.model.parameters()):,} parameters; data: {config.data.path}")
     data_index, data_count = sharding.data_split()  # this host's rows of every batch
     train_batches = data.TrainBatches(train_set, optim.global_batch_size, seed=config.run.seed,

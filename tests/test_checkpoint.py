@@ -26,6 +26,12 @@ def run_args(demo_path, run_dir, cache_dir, *extra):
             "--eval.every-epochs", "1000", "--run.log-every", "1", *extra]
 
 
+def metrics_records(run_dir: str) -> list[dict]:
+    """The records of {run_dir}/metrics/part-*.jsonl, in order (local or gs://)."""
+    fs, path = storage.filesystem(f"{run_dir}/metrics")
+    return [json.loads(line) for part in sorted(fs.glob(path + "/part-*.jsonl")) for line in fs.cat(part).splitlines()]
+
+
 def subprocess_env(**extra):
     return dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", PYTHONUNBUFFERED="1", **extra)
 
@@ -256,6 +262,10 @@ def test_killed_during_a_save_resumes_and_matches_the_uninterrupted_run(demo_pat
     for step, loss in relaunched.items():
         assert loss == pytest.approx(expected[step], abs=5e-5), step  # printed with 4 decimals
     final_line = [line for line in resumed.stdout.splitlines() if line.startswith("eval @ step 12")][0]
+    # metrics.jsonl: the records the killed launch made past step 4 were dropped and made again.
+    records = metrics_records(str(tmp_path / "crashy"))
+    assert [(r["kind"], r["step"]) for r in records] == [("train", s) for s in range(1, 13)] + [("eval", 12)]
+    assert [round(r["loss"], 4) for r in records[4:-1]] == [relaunched[s] for s in range(5, 13)]
     assert f"exact_accuracy {uninterrupted['final']['exact_accuracy']:.4f}" in final_line
     assert f"accuracy {uninterrupted['final']['accuracy']:.4f}" in final_line
 
@@ -284,6 +294,9 @@ def test_sigterm_saves_exits_0_and_the_relaunch_resumes(demo_path, tmp_path):
     resumed = train.main(train.cli(again))
     assert resumed["start_step"] == stop_step
     assert [h["step"] for h in resumed["history"]] == [stop_step + 1, stop_step + 2]
+    # metrics.jsonl continues the sequence.
+    assert [(r["kind"], r["step"]) for r in metrics_records(str(tmp_path / "run"))] == \
+        [("train", s) for s in range(1, stop_step + 3)] + [("eval", stop_step + 2)]
 
 
 def test_changed_config_refuses_to_resume_unless_allowed(demo_path, tmp_path):
@@ -321,6 +334,12 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     assert sorted(events.Tags()["images"]) == [f"puzzles/{i}" for i in range(4)]
     for tag in events.Tags()["images"]:
         assert [(e.step, e.width, e.height) for e in events.Images(tag)] == [(6, 3 * 240 + 2 * 8, 240)]
+
+    # metrics.jsonl's records, in the bucket.
+    records = metrics_records(run_dir)
+    assert [(r["kind"], r["step"]) for r in records] == [("train", s) for s in range(1, 7)] + [("eval", 6)]
+    assert [r["loss"] for r in records[:-1]] == pytest.approx([h["loss"] for h in result["history"]])
+    assert records[-1]["exact_accuracy"] == pytest.approx(result["final"]["exact_accuracy"])
 
     # Export, then load it in a process without torch_xla, and start a new run from it.
     exported = f"{gcs_url}/models/demo.safetensors"

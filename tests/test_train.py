@@ -67,6 +67,52 @@ def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
     assert stdout.count("memory n/a") == 1 and "MFU" not in stdout
     assert " ms/step " in stdout and "grad norm " in stdout and " ex/s)" in stdout  # the eval line's rate too
 
+    # metrics.jsonl: one record per step line and per evaluation, in order, the history's values.
+    records = metrics_records(str(tmp_path / "run"))
+    assert [(r["kind"], r["step"]) for r in records] == [("train", 50), ("train", 100), ("train", 150),
+                                                         ("eval", 150)]
+    for record, row in zip(records, history):
+        assert record == pytest.approx(dict(row, kind="train", time=record["time"]))
+    assert records[-1] == pytest.approx(dict(result["final"], kind="eval", step=150, time=records[-1]["time"],
+                                             seconds=records[-1]["seconds"],
+                                             examples_per_s=records[-1]["examples_per_s"]))
+    assert records[0]["time"] < records[-1]["time"] and records[-1]["seconds"] > 0
+
+
+def metrics_records(run_dir: str) -> list[dict]:
+    """The records of {run_dir}/metrics/part-*.jsonl, as the README says to read them."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(run_dir + "/metrics")
+    return [json.loads(line) for part in sorted(fs.glob(path + "/part-*.jsonl")) for line in fs.cat(part).splitlines()]
+
+
+def test_metrics_parts_rotate_and_a_relaunch_drops_the_steps_it_redoes(tmp_path):
+    import report
+
+    def flushed(metrics):
+        assert metrics.uploads.wait(metrics.uploads.request(), 10)
+
+    run_dir = str(tmp_path / "run")
+    metrics = report.MetricsFile(run_dir)
+    metrics.PART_RECORDS = 2
+    assert metrics.continue_from(0) == 0
+    for step in (1, 2, 3, 4, 5):
+        metrics.add({"kind": "train", "step": step, "loss": float("nan") if step == 5 else 1.0 / step})
+    flushed(metrics)
+    assert sorted(os.listdir(tmp_path / "run" / "metrics")) == ["part-00000.jsonl", "part-00001.jsonl",
+                                                                "part-00002.jsonl"]
+    assert [r["step"] for r in metrics_records(run_dir)] == [1, 2, 3, 4, 5]
+    assert metrics_records(run_dir)[-1]["loss"] is None  # strict JSON: non-finite numbers are null
+    # A relaunch from the checkpoint of step 3 drops steps 4 and 5 (which it redoes) and continues.
+    again = report.MetricsFile(run_dir)
+    again.PART_RECORDS = 2
+    assert again.continue_from(3) == 2
+    again.add({"kind": "train", "step": 4, "loss": 0.2})
+    flushed(again)
+    assert [r["step"] for r in metrics_records(run_dir)] == [1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path / "run" / "metrics")) == ["part-00000.jsonl", "part-00001.jsonl"]
+
 
 def test_sharded_over_8_devices_equals_1_device(demo_path, tmp_path):
     # float32: the partitioned program rounds differently from the one-device one (logits ~1e-6
