@@ -14,17 +14,20 @@ TensorBoard files to a remote run directory are best effort, on a thread of thei
 trouble costs a warning and never holds the loop or the metrics (`Uploads`).
 
 Process 0 also appends each step line's values and each evaluation's to {run_dir}/metrics/ as
-JSON lines (`MetricsFile`: parts rewritten whole, since object stores cannot append).
+JSON lines (`MetricsFile`: parts rewritten whole, since object stores cannot append), and every
+host copies what it prints to {run_dir}/logs/host_I.launch-TIME.log (`HostLog`).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -233,6 +236,120 @@ class MetricsFile:
         finally:
             with self._lock:  # what failed is written by the next copy, unless a newer text came
                 self.unwritten = {**todo, **self.unwritten}
+
+
+class HostLog:
+    """What this process prints (stdout and stderr, every thread) also goes to
+    {run_dir}/logs/host_{host}.launch-{launch}.log: one file per host and launch, so a relaunch
+    never overwrites what an earlier one said, and the names sort in launch order. A local run
+    directory gets the lines directly (appended as they come); for an object store they go to a
+    local file that is copied whole every UPLOAD_EVERY_S seconds and at the end, best effort
+    (`Uploads`: a failed copy warns once and never holds or fails the run). Used as a context
+    manager around the run: an exception leaving it is written to the file with its traceback
+    (the interpreter prints it to stderr after), then the last copy is made."""
+
+    UPLOAD_EVERY_S = 60.0
+    CLOSE_TIMEOUT_S = 15.0
+    active: HostLog | None = None  # the one of this process (for write_now / upload_now)
+
+    def __init__(self, run_dir: str, host: int, launch: str):
+        name = f"host_{host}.launch-{launch}.log"
+        self.remote = storage.join_url(run_dir, "logs", name)
+        remote = "://" in run_dir and not run_dir.startswith("file://")
+        self.path = os.path.join(tempfile.mkdtemp(prefix="trm-log-"), name) if remote else \
+            storage.filesystem(self.remote)[1]
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        # Unbuffered appends (os.write): no Python lock, so a thread that must speak while the main
+        # thread is stuck (the shutdown deadline, the watchdog) can still write here.
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.uploads = Uploads(None, self.remote, "log lines of this host", copy=self._copy) if remote else None
+        self._stop = threading.Event()
+        if self.uploads:
+            threading.Thread(target=self._every, daemon=True, name="trm-host-log").start()
+        self.streams = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self), _Tee(sys.stderr, self)
+        HostLog.active = self
+
+    def write(self, text: str) -> None:
+        if self.fd is not None and text:
+            try:
+                os.write(self.fd, text.encode(errors="replace"))
+            except OSError:
+                pass  # a full or vanished disk costs the log, never the run
+
+    def _copy(self) -> None:
+        with open(self.path, "rb") as f:
+            storage.write_bytes(self.remote, f.read(), attempts=1)
+
+    def _every(self) -> None:
+        size = -1
+        while not self._stop.wait(self.UPLOAD_EVERY_S):
+            if os.path.getsize(self.path) != size:
+                size = os.path.getsize(self.path)
+                self.uploads.request()
+
+    def upload_now(self, timeout_s: float) -> None:
+        """One more copy (object stores), waiting for it at most timeout_s."""
+        if self.uploads:
+            self.uploads.wait(self.uploads.request(), timeout_s)
+
+    def __enter__(self) -> HostLog:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if isinstance(error, SystemExit):
+            if isinstance(error.code, str):
+                self.write(f"{error.code}\n")
+        elif error is not None:
+            self.write("".join(traceback.format_exception(kind, error, tb)))
+        self.close()
+
+    def close(self) -> None:
+        """Stop teeing, make the last copy (object stores: waits at most CLOSE_TIMEOUT_S)."""
+        if sys.stdout is not None and isinstance(sys.stdout, _Tee) and sys.stdout.log is self:
+            sys.stdout = self.streams[0]
+        if sys.stderr is not None and isinstance(sys.stderr, _Tee) and sys.stderr.log is self:
+            sys.stderr = self.streams[1]
+        if HostLog.active is self:
+            HostLog.active = None
+        self._stop.set()
+        if self.uploads:
+            last = self.uploads.request()
+            self.uploads.close()
+            if not self.uploads.wait(last, self.CLOSE_TIMEOUT_S) or self.uploads.failing:
+                print(f"warning: {self.remote} may miss this host's last lines; they are all in {self.path}",
+                      file=sys.stderr, flush=True)
+        fd, self.fd = self.fd, None
+        os.close(fd)
+
+
+def write_now(text: str) -> None:
+    """Add text to this process's host log, if one is open (lock free, for threads that speak
+    while the main thread may be stuck)."""
+    log = HostLog.active
+    if log is not None:
+        log.write(text)
+
+
+def upload_now(timeout_s: float = 5.0) -> None:
+    """Before os._exit: copy the host log once more (object stores), waiting at most timeout_s."""
+    log = HostLog.active
+    if log is not None:
+        log.upload_now(timeout_s)
+
+
+class _Tee:
+    """A text stream that also writes to a HostLog."""
+
+    def __init__(self, stream, log: HostLog):
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 class RunLog:

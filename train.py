@@ -49,12 +49,13 @@ import tyro
 import checkpoint
 import compile_cache
 import data
+import report
 import storage
 from arc import ArcEvaluator, write_submission
 from checkpoint import CheckpointWriter
 from evaluate import evaluate
 from model import TRM, TRMConfig, range_problems, ranged
-from report import Profile, RunLog, format_duration
+from report import HostLog, Profile, RunLog, format_duration
 from trainer import Trainer
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -471,8 +472,17 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
 def main(config: Config) -> dict:
     """Train (and evaluate) as configured, resuming from the run directory's latest
     checkpoint; returns the logged history, the evaluations and the XLA counters."""
-    # 1. Checks (before any device work), then the runtime, the mesh and the hosts.
+    # 1. Checks (before any device work), then the runtime, the mesh and the hosts; from then on
+    # what this host prints also goes to {run.dir}/logs/host_I.launch-TIME.log.
     config, train_set, test_set, sharding, device_kind, identifiers = start(config)
+    launch = sharding.broadcast_object(time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+    with HostLog(config.run.dir, sharding.process_index(), launch):
+        return training(config, train_set, test_set, sharding, device_kind, identifiers)
+
+
+def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sharding, device_kind: str,
+             identifiers: str | None) -> dict:
+    """main() once the runtime runs: the run itself."""
     num_devices, local_devices = sharding.device_counts()
     num_hosts, host = sharding.process_count(), sharding.process_index()
     optim = config.optim
@@ -859,8 +869,8 @@ class ShutdownDeadline:
         main_frame = frames.get(threading.main_thread().ident)
         step = "unknown"
         frame = main_frame
-        while frame is not None:  # the training loop's step, if main() is on the stack
-            if frame.f_code is main.__code__:
+        while frame is not None:  # the training loop's step, if training() is on the stack
+            if frame.f_code is training.__code__:
                 step = frame.f_locals.get("step", "none yet")
                 break
             frame = frame.f_back
@@ -878,12 +888,15 @@ class ShutdownDeadline:
                 lines.append(f"thread {thread.name}: {os.path.basename(where.filename)}:{where.lineno} "
                              f"in {where.name}\n")
         _say_now("".join(line if line.endswith("\n") else line + "\n" for line in lines))
+        report.upload_now()  # the host log's last copy (object stores), bounded
         os._exit(EXIT_RETRYABLE)
 
 
 def _say_now(text: str) -> None:
-    """Write to stderr without Python's stream locks (which the stuck main thread may hold)."""
+    """Write to stderr and the host log without Python's stream locks (which the stuck main
+    thread may hold)."""
     os.write(2, (text.rstrip("\n") + "\n").encode(errors="replace"))
+    report.write_now(text.rstrip("\n") + "\n")
 
 
 class Preempted(Exception):
@@ -957,6 +970,7 @@ class Watchdog:
                       f"(--run.watchdog-minutes {self.timeout_s / 60:g}) after {self.done}: another host or a "
                       f"collective hangs; exiting with status {EXIT_RETRYABLE} (launch.sh train --retry "
                       "relaunches)", file=sys.stderr, flush=True)
+                report.upload_now()  # the host log's last copy (object stores), bounded
                 os._exit(EXIT_RETRYABLE)
 
     def close(self) -> None:

@@ -294,9 +294,12 @@ def test_sigterm_saves_exits_0_and_the_relaunch_resumes(demo_path, tmp_path):
     resumed = train.main(train.cli(again))
     assert resumed["start_step"] == stop_step
     assert [h["step"] for h in resumed["history"]] == [stop_step + 1, stop_step + 2]
-    # metrics.jsonl continues the sequence.
+    # metrics.jsonl continues the sequence; each launch left its own log of host 0.
     assert [(r["kind"], r["step"]) for r in metrics_records(str(tmp_path / "run"))] == \
         [("train", s) for s in range(1, stop_step + 3)] + [("eval", stop_step + 2)]
+    first, second = [p.read_text() for p in sorted((tmp_path / "run" / "logs").glob("host_0.launch-*.log"))]
+    assert saved[0] in first and "SIGTERM: stopping (saving a checkpoint first" in first
+    assert f"resuming from {checkpoint.step_dir(str(tmp_path / 'run'), stop_step)}" in second
 
 
 def test_changed_config_refuses_to_resume_unless_allowed(demo_path, tmp_path):
@@ -335,11 +338,14 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     for tag in events.Tags()["images"]:
         assert [(e.step, e.width, e.height) for e in events.Images(tag)] == [(6, 3 * 240 + 2 * 8, 240)]
 
-    # metrics.jsonl's records, in the bucket.
+    # metrics.jsonl's records and host 0's log, in the bucket.
     records = metrics_records(run_dir)
     assert [(r["kind"], r["step"]) for r in records] == [("train", s) for s in range(1, 7)] + [("eval", 6)]
     assert [r["loss"] for r in records[:-1]] == pytest.approx([h["loss"] for h in result["history"]])
     assert records[-1]["exact_accuracy"] == pytest.approx(result["final"]["exact_accuracy"])
+    [host_log] = fs.glob(f"{storage.filesystem(run_dir)[1]}/logs/host_0.launch-*.log")
+    logged = fs.cat(host_log).decode()
+    assert "step 6/6" in logged and "done: 6 steps" in logged
 
     # Export, then load it in a process without torch_xla, and start a new run from it.
     exported = f"{gcs_url}/models/demo.safetensors"

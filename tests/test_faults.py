@@ -81,6 +81,13 @@ def copy_of(run_dir, tmp_path):
     return tmp_path / "run"
 
 
+def host_logs(run_dir) -> list[str]:
+    """The text of each host's {run_dir}/logs/host_I.launch-TIME.log of the latest launch, by host."""
+    files = sorted((run_dir / "logs").glob("host_*.launch-*.log"))
+    latest = max(f.name.split(".launch-")[1] for f in files)  # the hosts of a launch agree on its name
+    return [f.read_text() for f in files if f.name.endswith(latest)]
+
+
 def data_files(run_dir, step):
     return sorted((run_dir / "checkpoints" / f"step_{step:08d}").glob("host_*.safetensors"))
 
@@ -140,6 +147,10 @@ def test_the_final_save_survives_a_crash_in_the_final_evaluation(demo_path, tmp_
                          fault)
     assert code == 1 and "RuntimeError: evaluation crashed" in err, err[-3000:]
     assert "waiting for the checkpoint of step 3 to be written" in out
+    # The host's log in the run directory ends with the traceback.
+    logged = host_logs(tmp_path / "run")[0]
+    assert "step 3/3" in logged and "Traceback (most recent call last)" in logged
+    assert logged.rstrip().endswith("RuntimeError: evaluation crashed")
     assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "run"))] == [3]
 
 
@@ -162,6 +173,10 @@ def test_hosts_resume_from_the_same_step_or_stop_together(demo_path, trained_run
         assert p.returncode == 1, err[-3000:]
         assert "cannot resume from" in err and "(step 4)" in err and "host 1: StorageError" in err
         assert not [line for line in out.splitlines() if line.startswith("step ")], "it trained"
+    # Each host's log in the run directory ends with the error it exited with.
+    assert len(host_logs(run_dir)) == 2
+    for logged in host_logs(run_dir):
+        assert "error: cannot resume from" in logged and "host 1: StorageError" in logged
 
 
 def test_sigterm_on_one_host_saves_the_same_step_on_both(demo_path, tmp_path):
@@ -177,6 +192,12 @@ def test_sigterm_on_one_host_saves_the_same_step_on_both(demo_path, tmp_path):
     tensors, state = checkpoint.read_checkpoint(checkpoint.step_dir(str(run_dir), stop_step))
     assert state["hosts"] == 2 and state["step"] == stop_step
     assert tensors["carry/steps"].shape[0] == 32  # both hosts' rows of the carry
+    # Each host left its log in the run directory: host 0 the step lines and the save, host 1
+    # (which got the signal) its notice; neither shows the other's lines.
+    logs = host_logs(run_dir)
+    assert len(logs) == 2
+    assert f"step {stop_step}/" in logs[0] and "stop requested (SIGTERM or Ctrl-C): saved checkpoint" in logs[0]
+    assert "SIGTERM: stopping (saving a checkpoint first" in logs[1] and "step 1/" not in logs[1]
 
 
 def test_a_lost_host_makes_the_others_exit_75(demo_path, tmp_path):

@@ -77,6 +77,9 @@ def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
                                              seconds=records[-1]["seconds"],
                                              examples_per_s=records[-1]["examples_per_s"]))
     assert records[0]["time"] < records[-1]["time"] and records[-1]["seconds"] > 0
+    [host_log] = (tmp_path / "run" / "logs").glob("host_0.launch-*.log")
+    logged = host_log.read_text()
+    assert "step 150/150" in logged and "done: 150 steps" in logged and "XLA: 3 graphs compiled" in logged
 
 
 def metrics_records(run_dir: str) -> list[dict]:
