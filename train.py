@@ -285,6 +285,45 @@ def check_against_dataset(config: Config, metadata: data.Metadata) -> Config:
         config, model=dataclasses.replace(config.model, num_puzzle_identifiers=metadata.num_puzzle_identifiers))
 
 
+DATASET_FIELDS = ("model.num_puzzle_identifiers",)
+"""Fields that check_against_dataset fills in from the dataset (seq_len and vocab_size are only
+checked against it)."""
+
+
+def flat_config(config: Config) -> dict:
+    """{dotted field name: value} of a Config."""
+    return {f"{section.name}.{name}": value for section in dataclasses.fields(Config)
+            for name, value in dataclasses.asdict(getattr(config, section.name)).items()}
+
+
+def flag_with_value(name: str, value) -> str:
+    """How to set a field on the command line: --optim.lr 0.001, --eval.arc / --eval.no-arc."""
+    if isinstance(value, bool):
+        section, _, field_name = name.rpartition(".")
+        return flag(f"{section}.{'' if value else 'no_'}{field_name}")
+    import shlex
+
+    return f"{flag(name)} {shlex.quote(str(value))}"
+
+
+def settings_lines(given: Config, resolved: Config, preset: str | None = None) -> list[str]:
+    """The run's settings as printed at start: the fields whose value differs from the preset's
+    (what the flags changed), then those filled in from the dataset, one line each
+    `--flag value (preset: X)`. `preset` defaults to the preset the config differs least from."""
+    mine = flat_config(given)
+
+    def changes(name):
+        return [k for k, v in flat_config(PRESETS[name][1]).items() if mine[k] != v]
+    preset = preset or min(PRESETS, key=lambda name: len(changes(name)))
+    base, resolved_flat = flat_config(PRESETS[preset][1]), flat_config(resolved)
+    lines = [f"settings: preset {preset}, and what differs from it (config.json in the run directory has them all):"]
+    lines += [f"  {flag_with_value(k, mine[k])} (preset: {base[k]})" for k in changes(preset)
+              if k not in DATASET_FIELDS]
+    lines += [f"  {flag_with_value(k, resolved_flat[k])} (from the dataset; preset: {base[k]})"
+              for k in DATASET_FIELDS]
+    return lines
+
+
 def check_batch_layout(global_batch_size: int, num_devices: int, num_hosts: int) -> None:
     if global_batch_size % num_devices:
         raise ConfigError(
@@ -469,14 +508,18 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
     return config, train_set, test_set, sharding, device_kind, identifiers
 
 
-def main(config: Config) -> dict:
+def main(config: Config, preset: str | None = None) -> dict:
     """Train (and evaluate) as configured, resuming from the run directory's latest
-    checkpoint; returns the logged history, the evaluations and the XLA counters."""
+    checkpoint; returns the logged history, the evaluations and the XLA counters. `preset`: the
+    preset the flags were applied to (for the settings printed at start; default: the closest)."""
     # 1. Checks (before any device work), then the runtime, the mesh and the hosts; from then on
     # what this host prints also goes to {run.dir}/logs/host_I.launch-TIME.log.
+    original = config
     config, train_set, test_set, sharding, device_kind, identifiers = start(config)
     launch = sharding.broadcast_object(time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     with HostLog(config.run.dir, sharding.process_index(), launch):
+        if sharding.is_main_process():
+            print("\n".join(settings_lines(original, config, preset)), flush=True)
         return training(config, train_set, test_set, sharding, device_kind, identifiers)
 
 
@@ -1480,7 +1523,7 @@ def command_line(argv: list[str]) -> int:
         if argv[:1] == ["eval"]:
             evaluate_command(argv[1:])
             return 0
-        result = main(cli(argv))
+        result = main(cli(argv), argv[0] if argv[0] in PRESETS else None)
         return 0 if result["final"] is not None or result["preempted"] else 1
     except storage.StorageError as e:
         print(f"error: {e}\nStorage failed beyond its retries; relaunching may help (exit status {EXIT_RETRYABLE}).",

@@ -345,7 +345,7 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     assert records[-1]["exact_accuracy"] == pytest.approx(result["final"]["exact_accuracy"])
     [host_log] = fs.glob(f"{storage.filesystem(run_dir)[1]}/logs/host_0.launch-*.log")
     logged = fs.cat(host_log).decode()
-    assert "step 6/6" in logged and "done: 6 steps" in logged
+    assert "settings: preset demo" in logged and "step 6/6" in logged and "done: 6 steps" in logged
 
     # Export, then load it in a process without torch_xla, and start a new run from it.
     exported = f"{gcs_url}/models/demo.safetensors"

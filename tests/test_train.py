@@ -77,6 +77,12 @@ def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
                                              seconds=records[-1]["seconds"],
                                              examples_per_s=records[-1]["examples_per_s"]))
     assert records[0]["time"] < records[-1]["time"] and records[-1]["seconds"] > 0
+    # The settings printed at start: what differs from the preset, and what the dataset said;
+    # and everything the run printed is also in the run directory's log of host 0.
+    assert "settings: preset demo, and what differs from it" in stdout
+    assert "\n  --optim.max-steps 150 (preset: None)\n" in stdout and "--model.hidden-size 32 (preset: 64)" in stdout
+    assert "  --model.num-puzzle-identifiers 1 (from the dataset; preset: 1)" in stdout
+    assert "--optim.lr " not in stdout and "--run.seed" not in stdout  # as the preset has them
     [host_log] = (tmp_path / "run" / "logs").glob("host_0.launch-*.log")
     logged = host_log.read_text()
     assert "step 150/150" in logged and "done: 150 steps" in logged and "XLA: 3 graphs compiled" in logged
@@ -115,6 +121,19 @@ def test_metrics_parts_rotate_and_a_relaunch_drops_the_steps_it_redoes(tmp_path)
     flushed(again)
     assert [r["step"] for r in metrics_records(run_dir)] == [1, 2, 3, 4]
     assert sorted(os.listdir(tmp_path / "run" / "metrics")) == ["part-00000.jsonl", "part-00001.jsonl"]
+
+
+def test_the_settings_printed_at_start_are_the_differences_from_the_preset():
+    given = train.cli(["arc1", "--optim.lr", "3e-4", "--eval.no-arc-aggregate", "--data.path", "gs://b/my data"])
+    resolved = dataclasses.replace(given, model=dataclasses.replace(given.model, num_puzzle_identifiers=1234))
+    lines = train.settings_lines(given, resolved, "arc1")
+    assert lines[1:] == ["  --data.path 'gs://b/my data' (preset: data/arc1concept-aug-1000)",
+                         "  --optim.lr 0.0003 (preset: 0.0001)",
+                         "  --eval.no-arc-aggregate (preset: True)",
+                         "  --model.num-puzzle-identifiers 1234 (from the dataset; preset: 1)"]
+    # Without the preset's name, the closest preset: arc2 differs from this only by its data.path.
+    arc2 = train.cli(["arc2"])
+    assert train.settings_lines(arc2, arc2)[0].startswith("settings: preset arc2,")
 
 
 def test_sharded_over_8_devices_equals_1_device(demo_path, tmp_path):
