@@ -38,6 +38,7 @@ START=0
 LINES=100
 PORT=6006
 LOG_RUN=""
+FROM_BUCKET=0
 HELP=0
 CMD=""
 POS=()
@@ -66,7 +67,7 @@ Run TRM on a Cloud TPU slice from your laptop (gcloud). Commands, in the order o
   check        preflight on every worker: TPU, versions, device count, bucket, dataset
   train        train RUN_NAME PRESET [train.py flags...]: start train.py on every worker
   status       the TPU's state and each worker's trainer
-  logs         logs [WORKER|all]: follow one worker's log
+  logs         logs [WORKER|all]: follow one worker's log (--from-bucket: the copies in the bucket)
   stop         SIGTERM the trainers (they save a checkpoint, then exit)
   tensorboard  print (or --start) the TensorBoard command for gs://BUCKET/runs/RUN_NAME/tb
   delete       delete the TPU VM slice and its queued resource (the bucket stays)
@@ -183,7 +184,7 @@ EOF
 
 usage_logs() {
   cat <<'EOF'
-usage: bash launch.sh logs [WORKER|all] [--lines N] [--no-follow] [--run RUN_NAME] [--dry-run]
+usage: bash launch.sh logs [WORKER|all] [--lines N] [--no-follow] [--run RUN_NAME] [--from-bucket] [--dry-run]
 
 Follows the latest run's log on WORKER (default 0); Ctrl-C stops following, not the run. `all`:
 the last lines of every worker's log.
@@ -191,8 +192,12 @@ the last lines of every worker's log.
   --lines N, -n N      lines of history (default 100)
   --no-follow          print them and return
   --run RUN_NAME       another run's log
+  --from-bucket        the last lines of the copies train.py keeps of each host's output in
+                       gs://BUCKET/runs/RUN_NAME/logs/ (every launch, oldest first), read with
+                       gcloud storage cat; needs --run and --bucket. Done by itself, with --run,
+                       when the TPU is gone (deleted or preempted).
 
-Needs --tpu, --zone, --project.
+Needs --tpu, --zone, --project (--bucket, not the TPU, with --from-bucket).
 More: README.md, "What each command does".
 EOF
 }
@@ -1167,15 +1172,45 @@ cmd_status() {
 }
 
 cmd_logs() {
-  require tpu zone project
-  local worker=${POS[0]:-0} mode=follow
+  local worker=${POS[0]:-0} mode=follow rc=0
   [ ${#POS[@]} -le 1 ] || usage_error "logs takes one worker (a number, or all)"
   case $worker in
     all) mode=prefix ;;
     *[!0-9]*|'') usage_error "worker '$worker': a number (0 is the first host) or all" ;;
     *) [ "$FOLLOW" = 1 ] || mode="tail" ;;
   esac
-  ssh_run "$worker" remote_logs "$LOG_RUN" "$LINES" "$mode"
+  if [ "$FROM_BUCKET" = 1 ]; then bucket_logs "$worker"; return; fi
+  require tpu zone project
+  ssh_run "$worker" remote_logs "$LOG_RUN" "$LINES" "$mode" || rc=$?
+  [ "$rc" != 0 ] || return 0
+  # No worker answered: when the TPU is gone, what train.py copied to the bucket.
+  if [ -n "$LOG_RUN" ] && [ -n "$BUCKET" ] && describe_tpu READY && [ "$T_STATE" != READY ]; then
+    info "TPU $TPU is ${T_STATE}: the logs train.py copied to the bucket"
+    bucket_logs "$worker"
+    return
+  fi
+  info "(when the TPU is gone: bash $PROG logs $worker --run RUN_NAME --from-bucket)"
+  return "$rc"
+}
+
+# bucket_logs WORKER|all: the last lines of each host's logs in gs://BUCKET/runs/RUN/logs/
+# (train.py writes host_I.launch-TIME.log there, one per launch: their names sort in launch order).
+bucket_logs() {
+  require bucket
+  [ -n "$LOG_RUN" ] || usage_error "the logs in the bucket need the run's name: --run RUN_NAME"
+  local dir="gs://$BUCKET/runs/$LOG_RUN/logs" hosts h
+  tmpdir
+  if [ "$1" = all ]; then
+    gc storage ls "$dir/" > "$TMPD/logs.ls" || die "no logs in $dir (does the run exist?)"
+    hosts=$(sed -n 's|.*/host_\([0-9][0-9]*\)\.launch-[^/]*\.log$|\1|p' "$TMPD/logs.ls" | sort -un)
+  else
+    hosts=$1
+  fi
+  for h in $hosts; do
+    gc storage cat "$dir/host_$h.launch-*.log" > "$TMPD/host.log" || die "no log of host $h in $dir"
+    if [ "$1" = all ]; then tail -n "$LINES" "$TMPD/host.log" | sed "s/^/[host $h] /"
+    else tail -n "$LINES" "$TMPD/host.log"; fi
+  done
 }
 
 cmd_stop() {
@@ -1242,7 +1277,7 @@ parse_args() {
           --run) LOG_RUN=$val ;;
         esac
         shift ;;
-      --spot|--queued|--retry|--dry-run|--kill|--no-follow|--start|-h|--help)
+      --spot|--queued|--retry|--dry-run|--kill|--no-follow|--from-bucket|--start|-h|--help)
         [ "$has" = 0 ] || usage_error "$opt takes no value"
         case $opt in
           --spot) SPOT=1 ;;
@@ -1251,6 +1286,7 @@ parse_args() {
           --dry-run) DRY_RUN=1 ;;
           --kill) KILL=1 ;;
           --no-follow) FOLLOW=0 ;;
+          --from-bucket) FROM_BUCKET=1 ;;
           --start) START=1 ;;
           -h|--help) HELP=1 ;;
         esac

@@ -463,6 +463,25 @@ def test_logs_tensorboard_and_the_default_data_path(pod):
     assert pod.run("tensorboard", "r1").stdout.strip() == \
         "tensorboard --logdir gs://trm-bucket/runs/r1/tb --port 6006 --load_fast=false"
 
+    # The copies of each host's output that train.py keeps in the bucket, one file per launch:
+    # read with --from-bucket, and by themselves once the TPU is gone.
+    logs = pod.root / "buckets" / "trm-bucket" / "runs" / "r1" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "host_0.launch-20260101T000000Z.log").write_text("first launch\nstep 1/10\n")
+    (logs / "host_0.launch-20260102T000000Z.log").write_text("second launch\nstep 10/10\n")
+    (logs / "host_1.launch-20260102T000000Z.log").write_text("host 1 here\n")
+    assert pod.run("logs", "0", "--run", "r1", "--from-bucket").stdout == \
+        "first launch\nstep 1/10\nsecond launch\nstep 10/10\n"
+    assert pod.run("logs", "0", "--run", "r1", "--from-bucket", "-n", "1").stdout == "step 10/10\n"
+    made = assert_dry_run_matches(pod, "logs", "0", "--run", "r1", "--from-bucket")
+    assert made == [["gcloud", "storage", "cat", "gs://trm-bucket/runs/r1/logs/host_0.launch-*.log"]]
+    assert "need the run's name" in pod.run("logs", "--from-bucket", expect=2).stderr
+    pod.run("delete")
+    gone = pod.run("logs", "all", "--run", "r1", "-n", "1")
+    assert gone.stdout == "[host 0] step 10/10\n[host 1] host 1 here\n"
+    assert "TPU trm-test is NOT_FOUND" in gone.stderr
+    assert "--run RUN_NAME --from-bucket" in pod.run("logs", "1", expect=1).stderr
+
 
 def test_check_compares_workers(pod):
     pod.ready()
