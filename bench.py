@@ -137,6 +137,9 @@ class BenchConfig:
     capture_step: bool = True
     """Time the captured step (run.capture_step, the training loop's default); with
     --no-capture-step, the step re-traced in Python every time."""
+    shard_puzzle_table: bool = True
+    """Split the puzzle-embedding table by rows over the devices (run.shard_puzzle_table, the
+    default); --no-shard-puzzle-table measures it replicated on every device."""
     table_rows: int | None = None
     """Rows of the puzzle-embedding table (default: the preset's real dataset's identifiers,
     PAPER_DATASETS; the synthetic data uses few of them, only the table's size matters)."""
@@ -255,7 +258,8 @@ def bench_config(preset: str, args: BenchConfig) -> train.Config:
         model = dataclasses.replace(model, forward_dtype=args.forward_dtype)
     return dataclasses.replace(config, model=model,
                                run=dataclasses.replace(config.run, device=args.device, cpu_devices=args.cpu_devices,
-                                                       capture_step=args.capture_step))
+                                                       capture_step=args.capture_step,
+                                                       shard_puzzle_table=args.shard_puzzle_table))
 
 
 def write_synthetic_dataset(root: str, preset: str, model: TRMConfig, table_rows: int, seed: int = 0) -> data.Metadata:
