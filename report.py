@@ -574,7 +574,7 @@ class Profile:
         if self.on and step == self.last:
             self.sharding.stop_profile()
             try:  # best effort, one attempt: a profile is not worth stopping or stalling the run
-                self.copy()
+                storage.upload_dir(self.local, self.remote, attempts=1)
             except storage.StorageError as e:
                 self.say(f"warning: the XLA profile stays in {self.local}: {e}")
                 return
