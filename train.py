@@ -1111,29 +1111,35 @@ class WeightsCommand:
     """The flags of a command that runs given weights (eval): the weights, then any setting
     of the training configuration (they override what the weights' run used)."""
 
-    init_from: str
-    """The weights: a run directory (its newest readable checkpoint), a checkpoint directory, an
-    exported model.safetensors or a reference checkpoint; local or gs://."""
+    init_from: Annotated[str, tyro.conf.arg(help_behavior_hint="(required)")]
+    """The weights: a run directory (its newest readable checkpoint), a checkpoint directory, an exported model.safetensors or a reference checkpoint; local or gs://."""  # noqa: E501 (one line: tyro keeps line breaks)
     config: Annotated[Config, tyro.conf.arg(name="")] = field(default_factory=Config)
 
 
-def parse_weights_command(command: str, argv: list[str], description: str) -> tuple[str, str, list[str]]:
-    """(preset, --init-from value, the other flags as typed) of `train.py COMMAND [PRESET] ...`;
-    tyro checks the flags and prints `--help` (exit 0). The configuration flags are returned
-    unparsed: they apply on top of the weights' own run configuration, not of the preset."""
+def parse_weights_command(command: str, argv: list[str], description: str,
+                          flags: type[WeightsCommand] = WeightsCommand) -> tuple[str, WeightsCommand, list[str]]:
+    """(preset, the command's own flags parsed, the configuration flags as typed) of
+    `train.py COMMAND [PRESET] ...`; tyro checks every flag and prints `--help` (exit 0). The
+    configuration flags are returned unparsed: they apply on top of the weights' own run
+    configuration, not of the preset."""
     preset = argv[0] if argv and argv[0] in PRESETS else "sudoku-mlp"
     rest = argv[1:] if argv and argv[0] in PRESETS else argv
-    parsed = tyro.cli(WeightsCommand, args=rest, default=WeightsCommand("", PRESETS[preset][1]),
+    parsed = tyro.cli(flags, args=rest, default=flags("", PRESETS[preset][1]),
                       prog=f"train.py {command} [PRESET]", description=description)
     if not parsed.init_from:
         raise SystemExit(f"error: {command} needs --init-from URL (a run directory, checkpoint, exported "
                          "model.safetensors or reference checkpoint)")
-    overrides = []
-    for i, arg in enumerate(rest):  # every flag but --init-from URL / --init-from=URL
-        if not (arg == "--init-from" or arg.startswith("--init-from=")
-                or (i > 0 and rest[i - 1] == "--init-from")):
+    own = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(flags) if f.name != "config"}
+    overrides, skip = [], False
+    for arg in rest:  # every flag but the command's own (`--flag value` or `--flag=value`)
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if skip:
+            skip = False
+        elif name in own:
+            skip = "=" not in arg
+        else:
             overrides.append(arg)
-    return preset, parsed.init_from, overrides
+    return preset, parsed, overrides
 
 
 def evaluate_command(argv: list[str]) -> dict:
@@ -1141,8 +1147,9 @@ def evaluate_command(argv: list[str]) -> dict:
     run directory / checkpoint, an exported model.safetensors or a reference checkpoint on a
     dataset's test split; prints and saves the metrics (and ARC scores) under
     {run.dir}/eval/step_N/."""
-    preset, source, args = parse_weights_command("eval", argv, "Evaluate " + " ".join(
+    preset, flags, args = parse_weights_command("eval", argv, "Evaluate " + " ".join(
         evaluate_command.__doc__.split(":", 1)[1].split()).removeprefix("evaluate "))
+    source = flags.init_from
     try:
         storage.check_url(source, "--init-from")
     except storage.StorageError as e:
@@ -1200,35 +1207,16 @@ class PredictCommand(WeightsCommand):
     """Also write the predictions as JSON to this file (local or gs://)."""
 
 
-_PREDICT_FLAGS = ("--init-from", "--puzzle", "--puzzle-file", "--task", "--out")
-
-
 def parse_predict_command(argv: list[str]) -> tuple[str, PredictCommand, list[str]]:
-    """(preset, the parsed flags, the configuration flags as typed) of `train.py predict [PRESET] ...`;
-    tyro checks the flags and prints `--help` (exit 0)."""
-    preset = argv[0] if argv and argv[0] in PRESETS else "sudoku-mlp"
-    rest = argv[1:] if argv and argv[0] in PRESETS else argv
-    parsed = tyro.cli(PredictCommand, args=rest, default=PredictCommand("", PRESETS[preset][1]),
-                      prog="train.py predict [PRESET]", description="Print " + " ".join(
-                          predict_command.__doc__.split(":", 1)[1].split()).removeprefix("print "))
-    if not parsed.init_from:
-        raise SystemExit("error: predict needs --init-from URL (a run directory, checkpoint, exported "
-                         "model.safetensors or reference checkpoint)")
+    """parse_weights_command for `train.py predict`, which also needs puzzles."""
+    preset, parsed, overrides = parse_weights_command("predict", argv, "Print " + " ".join(
+        predict_command.__doc__.split(":", 1)[1].split()).removeprefix("print "), PredictCommand)
     if not (parsed.puzzle or parsed.puzzle_file or parsed.task):
         raise SystemExit("error: predict needs puzzles: --puzzle STRING, --puzzle-file FILE (Sudoku, Maze) "
                          "or --task NAME (ARC)")
     if parsed.task and (parsed.puzzle or parsed.puzzle_file):
         raise SystemExit("error: predict takes either --task (ARC) or --puzzle / --puzzle-file (Sudoku, "
                          "Maze), not both")
-    overrides, skip = [], False
-    for arg in rest:  # every flag but predict's own (`--flag value` or `--flag=value`)
-        name = arg.split("=", 1)[0].replace("_", "-")
-        if skip:
-            skip = False
-        elif name in _PREDICT_FLAGS:
-            skip = "=" not in arg
-        else:
-            overrides.append(arg)
     return preset, parsed, overrides
 
 
