@@ -512,9 +512,10 @@ def measure_checkpoint(trainer, hosts: int, repeats: int) -> dict:
     wait for the previous save (CheckpointWriter.save) is over long before (ckpt_every steps).
 
     A puzzle table split by rows (trainer.row_split) is the one part measured differently: this
-    process holds every device, so it copies every device's rows of the table to keep host p's,
-    where host p of the slice copies only its own devices' rows. The copy of the whole table
-    (sharding.local_rows, timed apart) is counted at host p's share of the rows."""
+    process holds every device, so it would copy every device's rows of the table to keep host
+    p's, where host p of the slice copies only its own devices' rows. So the rest of host p's
+    share is timed without the table, plus the copy of a row-split tensor of host p's rows of
+    the table (as many bytes, from device shards, as host p copies)."""
     import torch_xla.core.xla_model as xm
 
     def timed(fn) -> tuple[float, object]:
@@ -527,17 +528,23 @@ def measure_checkpoint(trainer, hosts: int, repeats: int) -> dict:
             times.append((time.perf_counter() - started) * 1e3)
         return min(times), out
 
+    import torch
+
     state = trainer.named_state()
-    split_table_ms = {name: timed(lambda t=state[name]: trainer.sharding.local_rows(t))[0]
-                      for name in trainer.row_split}
     pauses, copied = [], []
     for process_index in range(hosts):
-        ms, shards = timed(lambda p=process_index: trainer.checkpoint_shards(p, hosts))
-        for name, whole_ms in split_table_ms.items():  # all devices' rows copied here, host p's there
-            ms += whole_ms * (shards[name].tensor.shape[0] / state[name].shape[0] - 1)
-        pauses.append(ms)
+        ms, shards = timed(lambda p=process_index: trainer.checkpoint_shards(p, hosts, row_split=False))
         copied.append(sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values()))
         del shards
+        for name in trainer.row_split:  # host p's rows, as a tensor split over the devices like the table
+            table = state[name]
+            lo, hi = trainer.sharding.row_block(table.shape[0], process_index, hosts)
+            rows = trainer.sharding.rows_to_device(torch.zeros(hi - lo, *table.shape[1:], dtype=table.dtype),
+                                                   trainer.mesh)
+            ms += timed(lambda t=rows: trainer.sharding.local_rows(t))[0]
+            copied[-1] += rows.numel() * rows.element_size()
+            del rows
+        pauses.append(ms)
     whole = sum(t.numel() * t.element_size() for t in state.values())
     whole += sum(t.numel() * t.element_size() for t in trainer.carry.tensors().values())
     return {"checkpoint_pause_ms": max(pauses), "checkpoint_pause_ms_per_host": [round(p, 3) for p in pauses],

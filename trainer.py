@@ -152,9 +152,11 @@ class Trainer:
         """Every saved tensor of the training state under its checkpoint name (not the carries)."""
         return {s.name: s.get() for s in self.state_tensors() if s.name}
 
-    def checkpoint_shards(self, process_index: int, process_count: int) -> dict[str, Shard]:
+    def checkpoint_shards(self, process_index: int, process_count: int,
+                          row_split: bool = True) -> dict[str, Shard]:
         """This host's share of the state, copied to the CPU: the replicated tensors it owns,
-        its rows of the carry and of the row-split puzzle table."""
+        its rows of the carry and of the row-split puzzle table (left out with
+        row_split=False: bench.py times that copy apart)."""
         def host_rows(t: torch.Tensor) -> Shard:  # (in a simulated slice this process holds them all)
             start, rows = self.sharding.local_rows(t)
             lo, hi = self.sharding.row_block(t.shape[0], process_index, process_count)
@@ -165,7 +167,7 @@ class Trainer:
         owners = assign_owners({n: t.numel() * t.element_size() for n, t in replicated.items()}, process_count)
         shards = {n: Shard(self.sharding.local_copy(t), tuple(t.shape)) for n, t in replicated.items()
                   if owners[n] == process_index}
-        shards.update({n: host_rows(state[n]) for n in self.row_split})
+        shards.update({n: host_rows(state[n]) for n in self.row_split if row_split})
         for name, t in self.carry.tensors().items():
             if t.ndim == 0:
                 if process_index == 0:
