@@ -289,7 +289,8 @@ class ArcEvaluator:
         inputs = np.asarray(batch["inputs"])
         identifiers = np.asarray(batch["puzzle_identifiers"]).reshape(-1)
         preds = np.asarray(preds)
-        q = sigmoid(np.asarray(q_halt_logits).reshape(-1))
+        # A diverged model's NaN q_halt: the vote still counts, with no confidence (int(NaN) raises).
+        q = np.nan_to_num(sigmoid(np.asarray(q_halt_logits).reshape(-1)), nan=0.0)
         rows = len(identifiers)
         if inputs.shape[0] != rows or preds.shape[0] != rows or len(q) != rows:
             raise ValueError(f"update: inputs {inputs.shape}, preds {preds.shape}, q_halt_logits "

@@ -244,6 +244,18 @@ def test_skipped_unmatched_and_reset():
         evaluator.update(batch, preds, logits, valid)
 
 
+def test_a_nan_q_halt_still_votes_with_no_confidence():
+    # A diverged model's q_halt logit can be NaN (or infinite): the evaluation goes on, the vote
+    # counts and a NaN adds no confidence.
+    rows = [make_row("C", 0, 1, [[5]], float("nan")), make_row("C", 0, 2, [[5]], 2.0),
+            make_row("C", 0, 3, [[4]], float("inf"))]
+    evaluator, merged = evaluate(rows)
+    pool = merged["votes"][("C", grid_key(G([[8]])))]
+    assert pool[grid_key(G([[5]]))] == [2, int(sigmoid(np.array([2.0]))[0] * 2 ** 64)]
+    assert pool[grid_key(G([[4]]))] == [1, 2 ** 64]
+    assert [key_grid(k).tolist() for k in ArcEvaluator.ranked(pool)] == [[[5]], [[4]]]
+
+
 def test_sigmoid_is_stable():
     np.testing.assert_allclose(sigmoid(np.array([-1000.0, 0.0, 1000.0])), [0.0, 0.5, 1.0])
     np.testing.assert_allclose(sigmoid(np.array([2.0])), 1 / (1 + np.exp(-2.0)))
