@@ -18,12 +18,14 @@ from trainer import EVAL_METRICS, Trainer
 
 def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None,
              eval_root: str | None = None, step: int = 0, aggregate: bool = False,
-             between_batches=lambda done: False, first_predictions=None):
+             between_batches=lambda done: False, first_predictions=None, each_act_step=None):
     """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
     metrics over real (non-padding) examples, plus ARC pass@k when `arc` (an ArcEvaluator)
     is given. Returns (metrics, ARC submission or None), or (None, None) when
     `between_batches(batches done)`, called after every batch, returns True (a SIGTERM).
-    `first_predictions(host batch, predicted tokens)` gets this host's rows of the first batch.
+    `first_predictions(host batch, predicted tokens)` gets this host's rows of the first batch;
+    `each_act_step(batch index, host batch, preds, q_halt)` is called after every ACT step with
+    its device outputs (predict reads them all; a training run's evaluation does not).
 
     With `arc` and `eval_root`, process 0 saves this evaluation's votes to
     {eval_root}/step_{step}/arc_votes.json.gz; with `aggregate` too, aggregated_pass@k (and the
@@ -43,6 +45,8 @@ def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=la
                 # same graph whether or not this batch's predictions are read.
                 sums, preds, q_halt = trainer.eval_act_step(batch, sums)
                 sync()
+                if each_act_step is not None:
+                    each_act_step(index, host_batch, preds, q_halt)
             if arc is not None or (index == 0 and first_predictions is not None):
                 predicted = sharding.local_rows(preds)[1].numpy()  # this host's rows only
                 if index == 0 and first_predictions is not None:

@@ -1,17 +1,22 @@
 """`python train.py predict`: the model's answers to given puzzles equal the evaluation's."""
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import build_data
 import data
+import predict
 import train
 from tests.data_fixtures import arc_files
+from tests.test_checkpoint import subprocess_env
 from tests.test_eval import TINY_ARC, small
 
 
-def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_path, tmp_path, capsys):
+def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_path, tmp_path):
     run_dir = tmp_path / "run"
     # A model this small and short solves few test puzzles (often none): the answers are also compared cell
     # by cell below (the evaluation's token accuracy), which every cell of every answer must match.
@@ -25,11 +30,13 @@ def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_pat
     csv_file.write_text("source,question,answer,rating\n" + "".join(
         f"demo,{digits(q)},{digits(a)},0\n" for q, a in zip(test_set.inputs, test_set.labels)))
     lines_file.write_text("".join(digits(q).replace("0", ".") + "\n" for q in test_set.inputs))
-    capsys.readouterr()
     out_file = tmp_path / "predictions.json"
-    assert train.command_line(["predict", "--init-from", str(run_dir), "--puzzle-file", str(csv_file),
-                               f"--out={out_file}"]) == 0
-    said = capsys.readouterr().out
+    # As a user runs it: `python train.py predict` (predict.py imports the running train.py).
+    proc = subprocess.run([sys.executable, os.path.join(train.PROJECT_DIR, "train.py"), "predict", "--init-from",
+                           str(run_dir), "--puzzle-file", str(csv_file), f"--out={out_file}"],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout
     result = json.loads(out_file.read_text())
     assert len(result["puzzles"]) == final["count"] == 40
     assert result["exact_accuracy"] == pytest.approx(final["exact_accuracy"])
@@ -49,7 +56,7 @@ def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_pat
 
     # Bare lines (no answers) after a new puzzle on the command line (identifier 0: any puzzle works):
     # the same answers, checked here against the test labels.
-    plain = train.predict_command(["demo", "--init-from", str(run_dir), "--puzzle", "1.3..4....2.2...",
+    plain = predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle", "1.3..4....2.2...",
                                    "--puzzle-file", str(lines_file)])
     assert len(plain["puzzles"]) == 41 and len(plain["puzzles"][0]["answer"]) == 16  # '.': a predicted blank
     same = ("answer", "act_steps", "q_halt_confidence")  # the puzzles are spelt with '.' here, '0' there
@@ -60,7 +67,7 @@ def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_pat
 
 def test_act_steps_used_is_the_first_step_whose_q_halt_logit_is_positive():
     logits = np.array([[-1.0, 0.5, 2.0, 3.0], [-1.0, -2.0, -0.1, -3.0], [0.0, 1e-3, -1.0, 1.0]])
-    assert train.act_steps_used(logits).tolist() == [2, 4, 2]
+    assert predict.act_steps_used(logits).tolist() == [2, 4, 2]
 
 
 def test_predict_of_arc_tasks_equals_the_checkpoints_submission(tmp_path, capsys):
@@ -77,7 +84,7 @@ def test_predict_of_arc_tasks_equals_the_checkpoints_submission(tmp_path, capsys
         submission = json.load(f)
     capsys.readouterr()
     args = ["arc1", "--init-from", str(run_dir), "--data.path", arc_path, "--data.cache-dir", str(tmp_path / "cache")]
-    result = train.predict_command([*args, "--task", "task_e", "--out", str(tmp_path / "arc.json")])
+    result = predict.predict_command([*args, "--task", "task_e", "--out", str(tmp_path / "arc.json")])
     assert result["submission"] == {"task_e": submission["task_e"]}
     assert json.loads((tmp_path / "arc.json").read_text())["submission"] == result["submission"]
     said = capsys.readouterr().out
@@ -87,9 +94,9 @@ def test_predict_of_arc_tasks_equals_the_checkpoints_submission(tmp_path, capsys
 
     with pytest.raises(SystemExit, match="task_zzz not in the test split of .*embeddings of its augmentations "
                                          "were never trained.*Fine-tuning on new puzzles"):
-        train.predict_command([*args, "--task", "task_zzz"])
+        predict.predict_command([*args, "--task", "task_zzz"])
     with pytest.raises(SystemExit, match="task_a of .* has no test inputs in its test split .*e.g. task_e"):
-        train.predict_command([*args, "--task", "task_a"])
+        predict.predict_command([*args, "--task", "task_a"])
 
 
 def test_predict_help_and_refusals(capsys):
@@ -100,11 +107,11 @@ def test_predict_help_and_refusals(capsys):
     assert all(name in said for name in ("--init-from", "--puzzle", "--puzzle-file", "--task", "--out"))
     assert "predict" in train.usage()
     with pytest.raises(SystemExit, match="predict needs puzzles"):
-        train.predict_command(["--init-from", "runs/nothing"])
+        predict.predict_command(["--init-from", "runs/nothing"])
     with pytest.raises(SystemExit, match="--puzzle-file nothing.txt not found"):
-        train.read_puzzle_lines("nothing.txt")
+        predict.read_puzzle_lines("nothing.txt")
     with pytest.raises(SystemExit, match="not both"):
-        train.predict_command(["--init-from", "runs/nothing", "--task", "a", "--puzzle", "1234"])
+        predict.predict_command(["--init-from", "runs/nothing", "--task", "a", "--puzzle", "1234"])
     with pytest.raises(build_data.DatasetError, match="neither a Sudoku .* nor a maze"):
         build_data.encode_puzzles(["12x4"], 4, 4)
     with pytest.raises(build_data.DatasetError, match="has 3 cells but the model reads 16"):
