@@ -798,6 +798,7 @@ class Checkpoints:
         committed = checkpoint.list_checkpoints(self.config.run.dir)
         last = f"{committed[0][1]} (step {committed[0][0]})" if committed else "none yet"
         optim, dtype = self.config.optim, self.config.model.forward_dtype
+        self.log.close()  # the non-finite window's record reaches metrics/ and tb/ before the exit
         raise SystemExit(
             f"error: the training loss or metrics are not finite ({self.log.nonfinite}); stopped without "
             f"saving. Last committed checkpoint: {last}; relaunching resumes from it and will likely "

@@ -404,3 +404,6 @@ def test_a_nan_stops_every_step_without_saving_over_the_last_good_checkpoint(dem
     assert "Try a lower --optim.lr (now 1e+30)" in proc.stderr and "Traceback" not in proc.stderr
     assert [step for step, _ in checkpoint.list_checkpoints(str(run_dir))] == [4, 2]
     assert not os.path.exists(checkpoint.step_dir(str(run_dir), 8))
+    # The window that went non-finite is in the metrics records (loss null) before the exit.
+    last = [r for r in metrics_records(str(run_dir)) if r["kind"] == "train"][-1]
+    assert (last["step"], last["loss"]) == (8, None), last

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -291,6 +292,24 @@ def test_prefetched_batches_come_in_step_order_from_a_background_thread():
     batches.close()
     assert [step for step, _ in loaded] == [2, 3, 4, 5]  # each step once, none past the last
     assert all(name.startswith("trm-batches") for _, name in loaded)
+
+
+def test_a_nan_stop_writes_the_non_finite_window_before_it_exits(demo_path, tmp_path, monkeypatch):
+    # A NaN stop is a SystemExit from inside the loop: the metrics records of the window that went
+    # non-finite must be written before it leaves, however slow the writes (an object store).
+    import report
+
+    write = report.MetricsFile._write
+
+    def slow_write(self):
+        time.sleep(1.0)
+        write(self)
+    monkeypatch.setattr(report.MetricsFile, "_write", slow_write)
+    with pytest.raises(SystemExit, match="not finite"):
+        train.main(train.cli(tiny_args(demo_path, tmp_path, "--optim.lr", "1e30", "--optim.max-steps", "8",
+                                       "--run.log-every", "4", "--run.ckpt-every", "4")))
+    records = metrics_records(str(tmp_path / "run"))  # read at once: the exit waited for the write
+    assert records and (records[-1]["step"], records[-1]["loss"]) == (4, None), records
 
 
 def test_grad_norm_is_clip_grad_norms_total_norm_of_the_eager_cpu_gradients(demo_path, tmp_path):
