@@ -530,6 +530,12 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
     num_hosts, host = sharding.process_count(), sharding.process_index()
     optim = config.optim
     full_steps = data.total_train_steps(train_set.metadata, optim.epochs, optim.global_batch_size)
+    if full_steps < 1 and optim.max_steps != 0:
+        examples = round(train_set.metadata.total_groups * train_set.metadata.mean_puzzle_examples)
+        raise SystemExit(f"error: optim.epochs={optim.epochs} of this dataset's {examples} examples per epoch "
+                         f"make no step of optim.global_batch_size={optim.global_batch_size}: raise "
+                         f"--optim.epochs to at least {-(-optim.global_batch_size // max(examples, 1))} or lower "
+                         "--optim.global-batch-size")
     total_steps = full_steps if optim.max_steps is None else min(full_steps, optim.max_steps)
     try:
         eval_steps = evaluation_steps(full_steps, optim.epochs, config.eval.every_epochs, total_steps)

@@ -162,6 +162,11 @@ def test_config_errors_name_the_values(demo_path, tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"global_batch_size=36 does not divide over the 8 devices .* "
                                          r"use a multiple of 8 \(e.g. 40\)"):
         train.main(train.cli(tiny_args(demo_path, tmp_path, "--optim.global-batch-size", "36")))
+    # 1 epoch of the test demo's 100 examples is no step of a global batch of 512 (max_steps 0 is allowed).
+    with pytest.raises(SystemExit, match=r"optim.epochs=1 of this dataset's 100 examples per epoch make no step "
+                                         r"of optim.global_batch_size=512: raise --optim.epochs to at least 6 "):
+        train.main(train.cli(tiny_args(demo_path, tmp_path, "--optim.epochs", "1", "--optim.global-batch-size",
+                                       "512", "--optim.max-steps", "5")))
     missing = str(tmp_path / "nowhere")
     with pytest.raises(SystemExit, match="nowhere"):
         train.main(train.cli(tiny_args(demo_path, tmp_path, "--data.path", missing)))
