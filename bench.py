@@ -13,7 +13,7 @@ Without a TPU it runs on a virtual CPU mesh of 8 devices (like `train.py --run.d
 a TPU VM it measures the TPU (`--device tpu`). Each preset is measured on a synthetic dataset of
 its shape (random tokens, the preset's seq_len and vocabulary, a puzzle-embedding table of the
 real dataset's size, `--table-rows`) written to a temporary directory, with the real
-`trainer.Trainer` and `data.TrainBatches`: warmup steps first (they compile), then `--steps`
+`trainer.Trainer` and `TrainBatches`: warmup steps first (they compile), then `--steps`
 timed steps, each started on an idle device, at the preset's learning rates after warmup, then
 the evaluation ACT steps, then the checkpoint copy of every host of the slice. Times are medians
 over the timed steps. bench.py exits non-zero, naming the preset and the step, when a step's
@@ -27,7 +27,7 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   dev@peak ms    device time of one training step of the preset's global batch (768) on the
                  chosen slice at 100% of its bf16 peak (`slice_spec`)
   host ms        wall time of the host's work for one step in the training loop's thread:
-                 waiting for the step's batch (train.PrefetchedBatches reads and uploads it on
+                 waiting for the step's batch (batches.PrefetchedBatches reads and uploads it on
                  a background thread during the step before), Trainer.step (replaying the
                  captured step, or re-tracing it with --no-capture-step) and torch_xla.sync(),
                  which only dispatches; every step starts on an idle device (*)
@@ -89,7 +89,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import statistics
 import tempfile
 import time
@@ -101,9 +100,11 @@ import tyro
 
 import data
 import report
-import train
 import trainer as trainer_module  # `trainer` names the Trainer instance below
-from model import PEAK_TFLOPS_PER_CHIP, TRM, TRMConfig, block_flops, heads_flops, model_flops  # noqa: F401
+from batches import PrefetchedBatches, TrainBatches, train_rows_per_second
+from config import PRESETS, Config, ConfigError, check_against_dataset, check_batch_layout
+from model import TRM, TRMConfig
+from projection import PAPER_DATASETS, SliceSpec, flop_record, project_paper_run, slice_spec
 
 PresetName = Literal["sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2"]
 PRESET_NAMES: tuple[PresetName, ...] = ("sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2")
@@ -151,98 +152,6 @@ class BenchConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# TPU slices (the FLOP formula, `model_flops`, and the peak per chip live in model.py, where
-# train.py reads them for its MFU without importing this measurement code)
-
-
-@dataclass(frozen=True)
-class SliceSpec:
-    name: str
-    generation: str
-    chips: int
-    hosts: int
-    peak_tflops_per_chip: float
-
-    @property
-    def peak_tflops(self) -> float:
-        return self.chips * self.peak_tflops_per_chip
-
-
-def slice_spec(name: str) -> SliceSpec:
-    """Chips and hosts of a slice from its name, as Cloud TPU names them.
-
-    v4-N counts TensorCores (2 per chip): N/2 chips, 4 chips per host (v4-8: 1 host, v4-64: 32
-    chips on 8 hosts). v5e-N and v6e-N count chips: a slice of up to 8 chips is one host, larger
-    ones have 4 chips per host. Peak per chip (bf16): v4 275, v5e 197, v6e 918 TFLOP/s.
-    """
-    match = re.fullmatch(r"(v4|v5e|v6e)-(\d+)", name.strip().lower())
-    if not match:
-        raise ValueError(f"unknown TPU slice {name!r}: use v4-N, v5e-N or v6e-N (e.g. v4-64, v5e-16, v6e-8)")
-    generation, n = match.group(1), int(match.group(2))
-    if generation == "v4":
-        if n < 8 or n % 8:
-            raise ValueError(f"{name}: a v4 slice counts TensorCores, a multiple of 8 (v4-8, v4-16, ..., v4-64)")
-        chips = n // 2
-        hosts = chips // 4
-    else:
-        if n < 1:
-            raise ValueError(f"{name}: a slice has at least one chip")
-        chips = n
-        hosts = 1 if n <= 8 else -(-n // 4)
-    return SliceSpec(name.strip().lower(), generation, chips, hosts, PEAK_TFLOPS_PER_CHIP[generation])
-
-
-def projected_ms(flops_per_example: int, global_batch: int, spec: SliceSpec) -> float:
-    """Milliseconds for `global_batch` examples at 100% of the slice's peak."""
-    return flops_per_example * global_batch / (spec.peak_tflops * 1e12) * 1e3
-
-
-# ----------------------------------------------------------------------------------------------
-# The paper's datasets
-
-
-@dataclass(frozen=True)
-class PaperDataset:
-    """A preset's real dataset as the reference's builder writes it: the sizes a paper run
-    trains and evaluates on (the projection reads them; the measured steps use synthetic data)."""
-
-    name: str
-    """The reference builder's output directory."""
-    total_groups: int
-    """Groups of the train split (an epoch draws one puzzle of each)."""
-    mean_puzzle_examples: float
-    """Examples per puzzle of the train split (an epoch's examples per group)."""
-    test_examples: int
-    """Examples of the test split (an evaluation reads them all, unless eval.max_examples)."""
-    puzzle_identifiers: int
-    """Rows of the puzzle-embedding table (num_puzzle_identifiers, <blank> included)."""
-    source: str
-    """Where the numbers come from."""
-
-
-_SUDOKU = PaperDataset(
-    "sudoku-extreme-1k-aug-1000", 1000, 1.0, 423_000, 1,
-    "1000 groups of 1001 one-example puzzles (build_sudoku_dataset.py --subsample-size 1000 --num-aug 1000); "
-    "test: the whole Sudoku-Extreme test set, 423k (DESIGN.md section 3, rounded)")
-_ARC_SOURCE = ("counted by running build_data.py's ARC variant drawing (byte-equal to the reference's "
-               "build_arc_dataset.py, seed 42, 1000 augmentations) on the reference repository's "
-               "kaggle/combined files; test: the test pairs of every variant of the test set's tasks")
-PAPER_DATASETS: dict[str, PaperDataset] = {
-    "sudoku-mlp": _SUDOKU,
-    "sudoku-att": _SUDOKU,
-    "maze": PaperDataset("maze-30x30-hard-1k", 1000, 1.0, 1000, 1,
-                         "build_maze_dataset.py defaults: 1000 train and 1000 test mazes, no augmentation"),
-    # 960 tasks; 876,405 puzzles (tasks with few colours or symmetries have fewer than 1000
-    # distinct augmentations) holding 3,633,410 train examples
-    "arc1": PaperDataset("arc1concept-aug-1000", 960, 3_633_410 / 876_405, 385_815, 876_406,
-                         "subsets training evaluation concept, test set evaluation; " + _ARC_SOURCE),
-    # 1280 tasks; 1,191,729 puzzles holding 5,163,277 train examples
-    "arc2": PaperDataset("arc2concept-aug-1000", 1280, 5_163_277 / 1_191_729, 170_393, 1_191_730,
-                         "subsets training2 evaluation2 concept, test set evaluation2; " + _ARC_SOURCE),
-}
-
-
-# ----------------------------------------------------------------------------------------------
 # Configurations and synthetic data
 
 
@@ -252,8 +161,8 @@ def tiny_model(model: TRMConfig) -> TRMConfig:
                                puzzle_emb_ndim=32, puzzle_emb_len=2, halt_max_steps=4, forward_dtype="float32")
 
 
-def bench_config(preset: str, args: BenchConfig) -> train.Config:
-    config = train.PRESETS[preset][1]
+def bench_config(preset: str, args: BenchConfig) -> Config:
+    config = PRESETS[preset][1]
     model = tiny_model(config.model) if args.tiny else config.model
     if args.forward_dtype:
         model = dataclasses.replace(model, forward_dtype=args.forward_dtype)
@@ -302,7 +211,7 @@ def write_synthetic_dataset(root: str, preset: str, model: TRMConfig, table_rows
 
 def data_rows_per_s(dataset: data.Dataset, global_batch: int, hosts: int, batches: int) -> float:
     """Rows per second host 0 of `hosts` gets from TrainBatches (median of 3 runs)."""
-    return data.train_rows_per_second(dataset, global_batch, hosts, batches, runs=3)
+    return train_rows_per_second(dataset, global_batch, hosts, batches, runs=3)
 
 
 class StepThreadsClock:
@@ -371,9 +280,9 @@ def step_loss(metrics: np.ndarray, batch: int) -> float:
     return row["lm_loss"] + 0.5 * row["q_halt_loss"]
 
 
-def measure_training(config: train.Config, dataset: data.Dataset, sharding, batch: int, warmup: int,
+def measure_training(config: Config, dataset: data.Dataset, sharding, batch: int, warmup: int,
                      steps: int, on_cpu: bool, hosts: int = 1, checkpoint_repeats: int = 1) -> dict:
-    """Run warmup + timed training steps as train.main drives them; per-step times and counters."""
+    """Run warmup + timed training steps as train.training drives them; per-step times and counters."""
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -381,7 +290,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
     mesh = sharding.data_mesh()
     counters_start = sharding.xla_counters()
     trainer = trainer_module.Trainer(config, sharding, mesh)
-    batches = data.TrainBatches(dataset, batch, seed=0, process_index=sharding.process_index(),
+    batches = TrainBatches(dataset, batch, seed=0, process_index=sharding.process_index(),
                                 process_count=sharding.process_count())
     trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
     torch_xla.sync()
@@ -393,7 +302,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         background[step] = ((time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3)
         return batch
 
-    prefetched = train.PrefetchedBatches(load, 1, warmup + steps)  # as train.main reads batches
+    prefetched = PrefetchedBatches(load, 1, warmup + steps)  # as train.py reads batches
     # The preset's learning rates after warmup (graph inputs: their values change no timing).
     lr, puzzle_emb_lr = config.optim.lr, config.optim.puzzle_emb_lr
     window_sums = torch.zeros(len(trainer_module.TRAIN_METRICS)).to(trainer.device)
@@ -407,7 +316,7 @@ def measure_training(config: train.Config, dataset: data.Dataset, sharding, batc
         global_batch = prefetched.get(step)
         t2 = time.perf_counter()
         metrics = trainer.step(global_batch, lr, puzzle_emb_lr)
-        window_sums = window_sums + metrics  # as train.main sums a logging window
+        window_sums = window_sums + metrics  # as the training loop sums a logging window
         c3, t3 = time.thread_time(), time.perf_counter()
         torch_xla.sync()
         c4, t4 = time.thread_time(), time.perf_counter()
@@ -506,7 +415,7 @@ def measure_checkpoint(trainer, hosts: int, repeats: int) -> dict:
     """The training loop's pause for one checkpoint, for each host p of the slice: the wall
     time of trainer.checkpoint_shards(p, hosts), the copy of host p's share of the state to its
     memory (the fastest of `repeats`, each from an idle device). That copy is what the loop's thread
-    does in train.Checkpoints.save; the files are written on a background thread. Before it the
+    does in checkpoint.Checkpoints.save; the files are written on a background thread. Before it the
     loop waits (RunLog.drain) for the metric read of the step just run, i.e. for the device to
     finish that step: device time the step already counts, so not counted again here; the
     wait for the previous save (CheckpointWriter.save) is over long before (ckpt_every steps).
@@ -590,49 +499,6 @@ def measure_evaluation(trainer, batch: dict, sharding, warmup: int, steps: int, 
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# A whole paper run
-
-
-def project_paper_run(record: dict, config: train.Config, dataset: PaperDataset, mfu: float) -> dict:
-    """Wall time of the preset's whole recipe on the record's slice, from its measured host
-    times and its device time at `mfu` of the slice's peak; each step takes the longer of the
-    two (the host dispatches a step while the device runs the one before).
-
-      train steps  data.total_train_steps (epochs x total_groups x mean_puzzle_examples / global batch)
-      evaluations  train.evaluation_steps of the recipe, the final one included; each reads
-                   ceil(examples / global batch) batches (examples: the whole test split, or
-                   eval.max_examples of it except in the final one), halt_max_steps ACT steps each
-      checkpoints  every run.ckpt_every steps and the final one (train.Checkpoints), each
-                   pausing the loop for checkpoint_pause_ms
-    Not counted: start-up, compiles, the evaluation's other host work (reading predictions,
-    ARC votes), restarts. A record without host times (--flops-only) counts device time only.
-    """
-    optim, model = config.optim, config.model
-    global_batch = optim.global_batch_size
-    train_steps = data.total_train_steps(dataset, optim.epochs, global_batch)  # reads the two size fields
-    evaluation_at = train.evaluation_steps(train_steps, optim.epochs, config.eval.every_epochs, train_steps)
-    capped = min(dataset.test_examples, config.eval.max_examples or dataset.test_examples)
-    eval_batches = (len(evaluation_at) - 1) * math.ceil(capped / global_batch) \
-        + math.ceil(dataset.test_examples / global_batch)
-    eval_act_steps = eval_batches * model.halt_max_steps
-    checkpoints = (train_steps - 1) // config.run.ckpt_every + 1
-    train_step_ms = max(record.get("host_ms_per_step", 0.0), record["projected_device_ms_per_train_step"] / mfu)
-    eval_step_ms = max(record.get("eval_host_ms_per_step", 0.0), record["projected_device_ms_per_eval_step"] / mfu)
-    pause_ms = record.get("checkpoint_pause_ms", 0.0)
-    train_h = train_steps * train_step_ms / 3.6e6
-    eval_h = eval_act_steps * eval_step_ms / 3.6e6
-    checkpoint_h = checkpoints * pause_ms / 3.6e6
-    return {
-        "dataset": dataclasses.asdict(dataset), "mfu": mfu, "slice": record["slice"],
-        "train_steps": train_steps, "train_ms_per_step": train_step_ms, "train_hours": train_h,
-        "evaluations": len(evaluation_at), "eval_batches": eval_batches, "eval_act_steps": eval_act_steps,
-        "eval_ms_per_act_step": eval_step_ms, "eval_hours": eval_h,
-        "checkpoints": checkpoints, "checkpoint_pause_ms": pause_ms, "checkpoint_minutes": checkpoint_h * 60,
-        "total_hours": train_h + eval_h + checkpoint_h,
-    }
-
-
 PAPER_RUN_COLUMNS = [  # (header, format of a record's paper_run)
     ("preset", lambda r: r["preset"]),
     ("train steps", lambda r: f"{r['paper_run']['train_steps']:,}"),
@@ -651,35 +517,16 @@ PAPER_RUN_COLUMNS = [  # (header, format of a record's paper_run)
 # Records and the table
 
 
-def flop_record(preset: str, config: train.Config, spec: SliceSpec) -> dict:
-    flops = model_flops(config.model)
-    global_batch = config.optim.global_batch_size
-    return {
-        "preset": preset,
-        "model": dataclasses.asdict(config.model),
-        "global_batch_size": global_batch,
-        "train_gflop_per_example": flops["train"] / 1e9,
-        "eval_gflop_per_example": flops["eval"] / 1e9,
-        "train_tflop_per_global_step": flops["train"] * global_batch / 1e12,
-        "slice": spec.name,
-        "slice_chips": spec.chips,
-        "slice_hosts": spec.hosts,
-        "peak_tflops_per_chip": spec.peak_tflops_per_chip,
-        "projected_device_ms_per_train_step": projected_ms(flops["train"], global_batch, spec),
-        "projected_device_ms_per_eval_step": projected_ms(flops["eval"], global_batch, spec),
-    }
-
-
 def bench_preset(preset: str, args: BenchConfig, spec: SliceSpec, sharding, device_kind: str) -> dict:
     config = bench_config(preset, args)
     num_devices, _ = sharding.device_counts()
     batch = args.batch or num_devices
-    train.check_batch_layout(batch, num_devices, sharding.process_count())
+    check_batch_layout(batch, num_devices, sharding.process_count())
     with tempfile.TemporaryDirectory(prefix=f"trm-bench-{preset}-") as root:
         table_rows = args.table_rows or PAPER_DATASETS[preset].puzzle_identifiers
         write_synthetic_dataset(root, preset, config.model, table_rows)
         dataset = data.open_dataset(root, "train")
-        config = train.check_against_dataset(config, dataset.metadata)
+        config = check_against_dataset(config, dataset.metadata)
         record = flop_record(preset, config, spec)
         measured = dataclasses.replace(config, optim=dataclasses.replace(config.optim, global_batch_size=batch))
         record.update({"device_kind": device_kind, "devices": num_devices, "measured_batch": batch,
@@ -833,7 +680,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: {e}")
     try:
         return run(bench_args)
-    except (train.ConfigError, NonFiniteLoss) as e:  # ConfigError: e.g. a --batch that does not divide
+    except (ConfigError, NonFiniteLoss) as e:  # ConfigError: e.g. a --batch that does not divide
         raise SystemExit(f"error: {e}")
 
 

@@ -20,9 +20,11 @@ anywhere.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
@@ -114,7 +116,7 @@ class CheckpointWriter:
         self.wait()
         self.step = step
         # A daemon, so that it never holds the process after the main thread has given up on it:
-        # the training loop joins it (train.Checkpoints.close) however the loop ends.
+        # the training loop joins it (Checkpoints.close) however the loop ends.
         self._thread = threading.Thread(target=self._write, args=(step, shards, state), daemon=True,
                                         name=f"checkpoint-{step}")
         self._thread.start()
@@ -430,3 +432,87 @@ def read_exported(url: str) -> tuple[dict[str, torch.Tensor], dict, str | None]:
                                       "train.py export")
             return ({k: handle.get_tensor(k) for k in handle.keys()}, json.loads(metadata["trm_config"]),
                     metadata.get("dataset_identifiers"))
+
+
+# -- the training loop's periodic save -----------------------------------------------------------
+
+
+class Checkpoints:
+    """Saves every run.ckpt_every steps (and when asked: SIGTERM, the end), asynchronously: the
+    loop pauses only for the device-to-host copy. A save first waits for the metric windows
+    read so far and stops the run, without saving, if one was not finite. A failed background
+    save stops the loop at the next step; `close` (in the loop's `finally`) lets a save under
+    way commit, or reports it, however the loop ends. `config` is config.Config, `trainer` a
+    trainer.Trainer (its checkpoint_shards), `log` the run's report.RunLog (drained before a
+    save: all hosts stop together on a non-finite window)."""
+
+    def __init__(self, config, trainer, log, identifiers: str | None, total_steps: int, saved_step: int | None):
+        self.config, self.trainer, self.log, self.total_steps = config, trainer, log, total_steps
+        self.identifiers, self.sharding = identifiers, trainer.sharding
+        self.host, self.num_hosts = self.sharding.process_index(), self.sharding.process_count()
+        # One attempt id for this launch's saves, the same on every host (checkpoint.py).
+        attempt = self.sharding.broadcast_object(new_attempt_id())
+        self.writer = CheckpointWriter(config.run.dir, self.host, self.num_hosts, keep=config.run.keep_checkpoints,
+                                       attempt=attempt)
+        self.saved_step = saved_step  # the step whose checkpoint exists or is being written
+        self.transfers = 0  # device-to-host transfers of the saves (counted apart from the loop's)
+
+    def due(self, step: int) -> bool:
+        return step % self.config.run.ckpt_every == 0 or step == self.total_steps
+
+    def after_step(self, step: int) -> None:
+        self.writer.check()  # a background save that failed stops the run now, not at the next save
+        if self.due(step) and step != self.total_steps:  # the last step's save comes after the loop
+            self.save(step)
+
+    def save(self, step: int, wait: bool = False) -> None:
+        """Save this step (unless its checkpoint exists or is being written already)."""
+        if step != self.saved_step:
+            self.log.drain()  # every host has now read the same windows, so all stop here together
+            self._stop_if_not_finite()
+            before = self.sharding.xla_counters()["transfers"]
+            shards = self.trainer.checkpoint_shards(self.host, self.num_hosts)  # the loop's pause
+            self.transfers += self.sharding.xla_counters()["transfers"] - before
+            self.writer.save(step, shards, {"step": step, "config": dataclasses.asdict(self.config),
+                                            "dataset_identifiers": self.identifiers})
+            self.saved_step = step
+        if wait:
+            self.writer.wait()
+
+    def wait(self) -> None:
+        self.writer.wait()
+
+    def close(self, error_wait_s: float = 120.0) -> None:
+        """Wait for a save under way. With an exception already on its way out, wait at most
+        `error_wait_s` (process 0 may be waiting for a host that is gone) and print a failed
+        save rather than raise it, so that neither error hides the other."""
+        leaving_on_error = sys.exc_info()[1] is not None
+        if self.writer.busy():
+            self.log.say(f"waiting for the checkpoint of step {self.writer.step} to be written")
+        try:
+            if not self.writer.wait(error_wait_s if leaving_on_error else None):
+                print(f"error: the checkpoint of step {self.writer.step} is still not written after "
+                      f"{error_wait_s:.0f}s (another host's part missing?): exiting without it",
+                      file=sys.stderr, flush=True)
+        except BaseException as e:
+            if not leaving_on_error:
+                raise
+            print(f"error: the checkpoint of step {self.writer.step} was not saved either: {e!r}",
+                  file=sys.stderr, flush=True)
+
+    def _stop_if_not_finite(self) -> None:
+        """A NaN state must never replace the last good checkpoint."""
+        if self.log.nonfinite is None:
+            return
+        self.writer.wait()  # a save already under way holds checked steps: let it commit
+        committed = list_checkpoints(self.config.run.dir)
+        last = f"{committed[0][1]} (step {committed[0][0]})" if committed else "none yet"
+        optim, dtype = self.config.optim, self.config.model.forward_dtype
+        self.log.close()  # the non-finite window's record reaches metrics/ and tb/ before the exit
+        raise SystemExit(
+            f"error: the training loss or metrics are not finite ({self.log.nonfinite}); stopped without "
+            f"saving. Last committed checkpoint: {last}; relaunching resumes from it and will likely "
+            f"diverge again. Try a lower --optim.lr (now {optim.lr:g}), a longer --optim.lr-warmup-steps "
+            f"(now {optim.lr_warmup_steps})"
+            + ("" if dtype == "float32" else f", or --model.forward-dtype float32 (now {dtype})")
+            + ", with --run.allow-config-change to continue this run directory.")

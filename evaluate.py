@@ -1,22 +1,33 @@
 """Evaluation: exactly halt_max_steps ACT steps per test batch with the EMA weights, the
 reference's metrics over real (non-padding) examples, and for ARC the votes over augmentations
-(and over every evaluation of a run), saved under {run.dir}/eval/step_N/.
+(and over every evaluation of a run), saved under {run.dir}/eval/step_N/; and the training
+loop's periodic evaluation (`Evaluations`), which decides itself which steps are its steps.
 """
 from __future__ import annotations
 
+import json
 import re
 import time
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 import data
 import storage
-from arc import REFERENCE_PASS_KS, VOTES_FILE, decode_summary, encode_summary
+from arc import REFERENCE_PASS_KS, VOTES_FILE, ArcEvaluator, decode_summary, encode_summary, write_submission
+from batches import EvalBatches
+from lifecycle import Preempted
 from report import format_duration
 from trainer import EVAL_METRICS, Trainer
 
+if TYPE_CHECKING:
+    from config import Config
+    from lifecycle import Preemption, Watchdog
+    from report import RunLog
 
-def evaluate(trainer: Trainer, batches: data.EvalBatches, sync, arc=None, say=lambda *a: None,
+
+def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda *a: None,
              eval_root: str | None = None, step: int = 0, aggregate: bool = False,
              between_batches=lambda done: False, first_predictions=None, each_act_step=None):
     """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
@@ -103,3 +114,54 @@ def saved_arc_votes(eval_root: str, before_step: int) -> list[tuple[int, dict]]:
     steps = sorted({int(m.group(1)) for m in map(pattern.search, found) if m and int(m.group(1)) < before_step})
     urls = [storage.join_url(eval_root, f"step_{s}", VOTES_FILE) for s in steps]
     return [(s, decode_summary(storage.read_bytes(url), url)) for s, url in zip(steps, urls)]
+
+
+class Evaluations:
+    """Evaluates at the scheduled steps (evaluation_steps) with the EMA weights, on a seeded
+    subset of eval.max_examples except the final evaluation; writes {run.dir}/eval/step_N/
+    (metrics.json last, as the mark of a finished evaluation) and the ARC submission. A SIGTERM
+    on any host stops an evaluation between two batches (Preempted), unwritten."""
+
+    def __init__(self, config: Config, trainer: Trainer, test_set: data.Dataset, log: RunLog, eval_steps: list[int],
+                 preemption: Preemption, watchdog: Watchdog):
+        self.config, self.trainer, self.test_set, self.log = config, trainer, test_set, log
+        self.preemption, self.watchdog = preemption, watchdog
+        self.scheduled = set(eval_steps[:-1])  # the final one runs after the loop
+        self.root = storage.join_url(config.run.dir, "eval")
+        self.arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+
+    def after_step(self, step: int) -> None:
+        if step in self.scheduled:
+            self.run(step, final=False)
+
+    def catch_up(self, start_step: int, resumed: bool) -> None:
+        """A SIGTERM at an evaluation step saves and stops before evaluating: evaluate the saved
+        weights now, so the run (and its ARC vote over evaluations) misses no evaluation."""
+        done = storage.join_url(self.root, f"step_{start_step}", "metrics.json")
+        if resumed and start_step in self.scheduled and not storage.exists(done):
+            self.run(start_step, final=False)
+
+    def run(self, step: int, final: bool) -> None:
+        config, sharding = self.config, self.trainer.sharding
+        started = time.time()
+        index, count = sharding.data_split()
+        batches = EvalBatches(self.test_set, config.optim.global_batch_size, process_index=index,
+                                   process_count=count, max_examples=None if final else config.eval.max_examples,
+                                   seed=config.run.seed)
+
+        def between_batches(done: int) -> bool:  # True: stop (SIGTERM on some host)
+            self.watchdog.progress(f"evaluation batch {done}/{len(batches)} at step {step}")
+            return self.preemption.agreed_now()
+
+        result, submission = evaluate(self.trainer, batches, sharding.sync, self.arc, self.log.say, self.root, step,
+                                      config.eval.arc_aggregate, between_batches,
+                                      partial(self.log.puzzles, step) if sharding.is_main_process() else None)
+        if result is None:
+            raise Preempted(step)
+        self.log.evaluation(result, step, time.time() - started)
+        if sharding.is_main_process():
+            out = storage.join_url(self.root, f"step_{step}")
+            if submission is not None:
+                self.log.say(f"ARC submission: {write_submission(out, submission)}")
+            storage.write_bytes(storage.join_url(out, "metrics.json"), json.dumps(dict(result, step=step),
+                                                                                   indent=2).encode())

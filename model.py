@@ -1,12 +1,11 @@
 """The Tiny Recursive Model (TRM, arXiv 2510.04871) in plain PyTorch.
 
 Same math as the reference implementation (github.com/SamsungSAILMontreal/TinyRecursiveModels):
-the recursive network with its ACT carry, the stablemax loss with the Q-halt head, and the
-interop with the reference's checkpoints (the optimizers and the EMA are in optim.py), and the
-model's FLOP count with the peak of each TPU generation (bench.py's projections, the MFU that
-train.py logs). Everything here keeps static shapes and never reads a device value on the host,
-so one training step traces to one XLA graph. This file never imports torch_xla: it runs the
-same on CPU eager and on XLA.
+the recursive network with its ACT carry, the stablemax loss with the Q-halt head, the interop
+with the reference's checkpoints (the optimizers and the EMA are in optim.py), and the model's
+FLOP count (projection.py turns it into device time on a TPU slice). Everything here keeps
+static shapes and never reads a device value on the host, so one training step traces to one
+XLA graph. This file never imports torch_xla: it runs the same on CPU eager and on XLA.
 
     model = TRM(TRMConfig(seq_len=81, vocab_size=11, num_puzzle_identifiers=1))
     carry = model.initial_carry(batch)
@@ -24,54 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ranges import range_problems, ranged
+
 IGNORE_LABEL_ID = -100
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-# ----------------------------------------------------------------------------------------------
-# Config fields with their allowed ranges
-
-
-_BOUNDS = {"ge": (">=", lambda v, b: v >= b), "gt": (">", lambda v, b: v > b),
-           "le": ("<=", lambda v, b: v <= b), "lt": ("<", lambda v, b: v < b)}
-
-
-def ranged(default, *, ge=None, gt=None, le=None, lt=None, note: str = "", **metadata):
-    """A dataclass field that declares its allowed range (ge: >=, gt: >, le: <=, lt: <) in its
-    metadata, with `note`, what to do about a value outside it; `range_problems` reports the
-    fields outside their range (train.check_config runs it on every config section before a run
-    starts). Other metadata (e.g. train.py's resumable) passes through."""
-    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-    return dataclasses.field(default=default, metadata={**metadata, "range": bounds, "note": note})
-
-
-def _rule(bounds: dict) -> str:
-    """"must be ..." text of a range: ">= 1", "> 0", "in [0, 1)"."""
-    low = next(((k, bounds[k]) for k in ("ge", "gt") if k in bounds), None)
-    high = next(((k, bounds[k]) for k in ("le", "lt") if k in bounds), None)
-    if low and high:
-        return f"in {'[' if low[0] == 'ge' else '('}{low[1]}, {high[1]}{']' if high[0] == 'le' else ')'}"
-    kind, bound = low or high
-    return f"{_BOUNDS[kind][0]} {bound}"
-
-
-def range_problems(config) -> list[tuple[str, object, str, str]]:
-    """(field name, value, "must be ..." rule, the field's note) of every field of the dataclass
-    instance `config` declared with `ranged` whose value is outside its range, not a number, or
-    not finite. None passes: it is how optional fields say "not given"."""
-    problems = []
-    for f in dataclasses.fields(config):
-        bounds = f.metadata.get("range")
-        value = getattr(config, f.name)
-        if not bounds or value is None:
-            continue
-        rule = _rule(bounds)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or isinstance(value, float) and not math.isfinite(value):
-            problems.append((f.name, value, f"a finite number {rule}", f.metadata["note"]))
-        elif not all(_BOUNDS[kind][1](value, bound) for kind, bound in bounds.items()):
-            problems.append((f.name, value, rule, f.metadata["note"]))
-    return problems
 
 
 @dataclass
@@ -121,7 +76,7 @@ class TRMConfig:
         """What is wrong with these values, empty if nothing: the ranges declared on the fields
         ("name=value must be ..."; left out with ranges=False, for callers that report
         range_problems themselves), then the checks that involve several fields. TRM() raises
-        them; train.check_config reports them (as flags) before a run starts."""
+        them; config.check_config reports them (as flags) before a run starts."""
         out = [f"{name}={value!r} must be {rule}" + (f" ({note})" if note else "")
                for name, value, rule, note in range_problems(self)] if ranges else []
         if self.pos_encodings not in ("rope", "learned", "none"):
@@ -533,7 +488,7 @@ def loss_and_metrics(carry: Carry, outputs: dict[str, torch.Tensor],
 
 
 # ----------------------------------------------------------------------------------------------
-# Model FLOPs and the peak of each accelerator (bench.py's projections, train.py's MFU)
+# Model FLOPs (projection.py's device time, the step line's TFLOP/s and MFU)
 
 
 def block_flops(c: TRMConfig) -> int:
@@ -585,23 +540,6 @@ def model_flops(c: TRMConfig) -> dict[str, int]:
     if not c.no_ACT_continue:
         train_flops += forward
     return {"train": train_flops, "eval": forward}
-
-
-PEAK_TFLOPS_PER_CHIP = {"v4": 275.0, "v5e": 197.0, "v6e": 918.0}  # bf16 dense, Google's figures
-"""Peak bf16 TFLOP/s of one chip per TPU generation. A chip is one PyTorch/XLA device on each of
-them (a v4 chip's two TensorCores are one megacore device), so this is also the peak per device."""
-
-# The runtime's device kind (PJRT's name, e.g. "TPU v4"; v5e calls itself "TPU v5 lite", v6e
-# "TPU v6 lite") -> the generation of PEAK_TFLOPS_PER_CHIP.
-_KIND_GENERATIONS = {"tpu v4": "v4", "tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5litepod": "v5e",
-                     "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
-
-
-def peak_tflops_per_device(device_kind: str | None) -> float | None:
-    """bf16 peak TFLOP/s of one device of this kind ("TPU v4", "TPU v5 lite", "TPU v6 lite"), or
-    None for any other kind (CPU, an unknown TPU): no peak, so no MFU."""
-    generation = _KIND_GENERATIONS.get((device_kind or "").strip().lower())
-    return PEAK_TFLOPS_PER_CHIP[generation] if generation else None
 
 
 # ----------------------------------------------------------------------------------------------

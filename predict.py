@@ -19,18 +19,12 @@ import build_data
 import data
 import storage
 from arc import Q_SCALE, ArcEvaluator, grid_key, parse_arc_identifier, sigmoid
+from batches import EvalBatches
+from commands import WeightsCommand, parse_weights_command
+from config import PRESETS, Config, ConfigError, check_batch_layout, check_config
 from evaluate import evaluate
-from train import (
-    PRESETS,
-    Config,
-    ConfigError,
-    WeightsCommand,
-    check_batch_layout,
-    check_config,
-    load_weights_for_eval,
-    parse_weights_command,
-    start,
-)
+from lifecycle import start
+from restore import load_weights_for_eval
 from trainer import Trainer
 
 
@@ -99,7 +93,7 @@ def _predict_runtime(config: Config):
     return sharding, device_kind
 
 
-def _predict_batches(split: data.Dataset, config: Config, sharding) -> data.EvalBatches:
+def _predict_batches(split: data.Dataset, config: Config, sharding) -> EvalBatches:
     """The puzzles in batches of at most optim.global_batch_size, the last padded to a multiple
     of the device count (as evaluation pads its last batch)."""
     num_devices, _ = sharding.device_counts()
@@ -111,10 +105,10 @@ def _predict_batches(split: data.Dataset, config: Config, sharding) -> data.Eval
         check_batch_layout(size, num_devices, 1)
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
-    return data.EvalBatches(split, size)
+    return EvalBatches(split, size)
 
 
-def run_predictions(trainer: Trainer, batches: data.EvalBatches, sync, arc=None):
+def run_predictions(trainer: Trainer, batches: EvalBatches, sync, arc=None):
     """(predicted tokens [examples, seq_len] after all halt_max_steps ACT steps, q_halt logits
     [examples, halt_max_steps] of every step) of every real example: evaluate() itself (the EMA
     weights, the same ACT steps; `arc`, an ArcEvaluator, gets the votes), which reads these

@@ -3,7 +3,7 @@ directory, and the history that train.main returns.
 
 A step line (every run.log_every steps) reports a window of steps: loss, exact accuracy, lr,
 the mean global norm of the dense gradients, wall ms per step, steps/s, examples/s, model
-TFLOP/s per device and, on a TPU whose peak is known (model.PEAK_TFLOPS_PER_CHIP), MFU; device
+TFLOP/s per device and, on a TPU whose peak is known (projection.PEAK_TFLOPS_PER_CHIP), MFU; device
 memory in use and peak as a share of the limit when the runtime reports it. The same values go
 to TensorBoard as train/... scalars.
 
@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 import storage
-from model import model_flops, peak_tflops_per_device
+from model import model_flops
+from projection import peak_tflops_per_device
 from trainer import TRAIN_METRICS
 
 # Token colours of the puzzle pictures: 0 pad (dark grey), 1 white (ARC's end of grid, Sudoku's
@@ -370,7 +371,7 @@ class RunLog:
     """close() waits at most this long for the last copy of the event files."""
 
     def __init__(self, config, total_steps: int, main_host: bool, sharding, device_kind: str | None = None):
-        """config: train.Config (read: run.dir, run.log_every, optim.global_batch_size, model);
+        """config: config.Config (read: run.dir, run.log_every, optim.global_batch_size, model);
         device_kind: the accelerator's kind for the MFU's peak ("TPU v4", ...; default: asked of
         `sharding.accelerator_kind()`); no known peak, no MFU."""
         self.config, self.total_steps, self.main_host, self.sharding = config, total_steps, main_host, sharding
@@ -558,7 +559,7 @@ class Profile:
     {run_dir}/tb/plugins/profile (object stores cannot take the profiler's writes)."""
 
     def __init__(self, config, first_step: int, main_host: bool, sharding, say):
-        """config: train.Config (read: run.profile_steps, run.dir); off when profile_steps is 0
+        """config: config.Config (read: run.profile_steps, run.dir); off when profile_steps is 0
         and on every host but process 0."""
         self.on = bool(config.run.profile_steps) and main_host
         self.first, self.last = first_step, first_step + config.run.profile_steps - 1

@@ -52,7 +52,7 @@ def dense_grad_norm(parameters) -> torch.Tensor:
 class Trainer:
     """Model, optimizers, EMA and ACT carries on the XLA devices, and the steps.
 
-    `config` is train.Config (read: model, optim, run.seed, run.capture_step). `restore` (CPU
+    `config` is config.Config (read: model, optim, run.seed, run.capture_step). `restore` (CPU
     tensors under checkpoint names, see `named_state`) replaces the fresh state: a full
     checkpoint, or only `model/*` weights to start from.
     """

@@ -1,5 +1,5 @@
 """Tests of arc.py: hand-made votes with known pass@k, tie breaks, augmentation inversion,
-sharded voting, submission files and the evaluator on a dataset built by build_data.build_arc."""
+sharded voting, submission files and the evaluator on a dataset built by build_arc."""
 import gzip
 import json
 import os
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import arc
-import build_data
 import data
 from arc import (
     VOTES_FORMAT,
@@ -21,6 +20,8 @@ from arc import (
     sigmoid,
     write_submission,
 )
+from batches import EvalBatches
+from build_arc import build_arc
 from tests.data_fixtures import ARC_EVALUATION, ARC_EVALUATION_SOLUTIONS, arc_files
 
 # ------------------------------------------------------------------------------------------
@@ -262,17 +263,17 @@ def test_sigmoid_is_stable():
 
 
 def test_built_dataset_end_to_end(tmp_path):
-    """On a dataset from build_data.build_arc, perfect predictions (the labels) pass everything,
+    """On a dataset from build_arc, perfect predictions (the labels) pass everything,
     and the submission written through write_submission holds the solutions."""
     out = str(tmp_path / "arc")
-    build_data.build_arc(out, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+    build_arc(out, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
                          test_sets=("evaluation",), num_aug=4, seed=1)
     evaluator = ArcEvaluator.from_dataset(out)
     test = data.open_dataset(out, "test")
     summaries = []
     for host in range(2):
         evaluator.begin()
-        batches = data.EvalBatches(test, global_batch_size=4, process_index=host, process_count=2)
+        batches = EvalBatches(test, global_batch_size=4, process_index=host, process_count=2)
         for i in range(len(batches)):
             batch = batches.batch(i)
             preds = np.where(batch["labels"] < 0, 0, batch["labels"])

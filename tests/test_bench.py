@@ -15,9 +15,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import bench
 import data
-import train
+from batches import TrainBatches
 from bench import PRESET_NAMES
-from model import TRM, loss_and_metrics
+from config import PRESETS
+from model import TRM, loss_and_metrics, model_flops
+from projection import PAPER_DATASETS, PaperDataset, flop_record, project_paper_run, projected_ms, slice_spec
+from trainer import Trainer
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,55 +62,55 @@ def counted_flops(config, batch_size=3, train_mode=True):
 @pytest.mark.parametrize("preset", ["sudoku-mlp", "sudoku-att", "arc1"])
 @pytest.mark.parametrize("no_act_continue", [True, False])
 def test_flop_formula_equals_the_models_matmuls(preset, no_act_continue):
-    config = dataclasses.replace(bench.tiny_model(train.PRESETS[preset][1].model), seq_len=20,
+    config = dataclasses.replace(bench.tiny_model(PRESETS[preset][1].model), seq_len=20,
                                  num_puzzle_identifiers=5, H_cycles=3, L_cycles=2,
                                  no_ACT_continue=no_act_continue)
-    flops = bench.model_flops(config)
+    flops = model_flops(config)
     assert counted_flops(config, train_mode=True) == flops["train"]
     assert counted_flops(config, train_mode=False) == flops["eval"]
 
 
 def test_sudoku_mlp_costs_what_the_design_notes_say():
-    flops = bench.model_flops(train.PRESETS["sudoku-mlp"][1].model)
+    flops = model_flops(PRESETS["sudoku-mlp"][1].model)
     assert 42e9 < flops["train"] < 44e9  # DESIGN.md section 2: about 43 GFLOP per example
-    ms = bench.projected_ms(flops["train"], 768, bench.slice_spec("v4-64"))
+    ms = projected_ms(flops["train"], 768, slice_spec("v4-64"))
     assert 3.5 < ms < 4.0  # the paper's global batch on v4-64 at full speed: about 4 ms
 
 
 def test_slice_names():
-    v4 = bench.slice_spec("v4-64")
+    v4 = slice_spec("v4-64")
     assert (v4.chips, v4.hosts, v4.peak_tflops_per_chip, v4.peak_tflops) == (32, 8, 275.0, 8800.0)
-    assert (bench.slice_spec("v4-8").chips, bench.slice_spec("v4-8").hosts) == (4, 1)
-    assert (bench.slice_spec("v4-32").chips, bench.slice_spec("v4-32").hosts) == (16, 4)
-    assert (bench.slice_spec("v5e-16").chips, bench.slice_spec("v5e-16").hosts,
-            bench.slice_spec("v5e-16").peak_tflops_per_chip) == (16, 4, 197.0)
-    assert (bench.slice_spec("v6e-8").chips, bench.slice_spec("v6e-8").hosts,
-            bench.slice_spec("v6e-8").peak_tflops_per_chip) == (8, 1, 918.0)
+    assert (slice_spec("v4-8").chips, slice_spec("v4-8").hosts) == (4, 1)
+    assert (slice_spec("v4-32").chips, slice_spec("v4-32").hosts) == (16, 4)
+    assert (slice_spec("v5e-16").chips, slice_spec("v5e-16").hosts,
+            slice_spec("v5e-16").peak_tflops_per_chip) == (16, 4, 197.0)
+    assert (slice_spec("v6e-8").chips, slice_spec("v6e-8").hosts,
+            slice_spec("v6e-8").peak_tflops_per_chip) == (8, 1, 918.0)
     for bad in ("v4-12", "v3-8", "tpu", "v5e-0"):
         with pytest.raises(ValueError, match="slice"):
-            bench.slice_spec(bad)
+            slice_spec(bad)
 
 
 def test_arc_like_synthetic_data_has_many_identifiers_and_puzzle_sizes(tmp_path):
-    model = train.PRESETS["arc1"][1].model
+    model = PRESETS["arc1"][1].model
     metadata = bench.write_synthetic_dataset(str(tmp_path), "arc1", model, table_rows=876_406)
     dataset = data.open_dataset(str(tmp_path), "train")
     assert (metadata.seq_len, metadata.vocab_size) == (900, 12)
     assert metadata.num_puzzle_identifiers == 876_406 and len(np.unique(dataset.puzzle_identifiers)) == 8000
     assert len(np.unique(np.diff(dataset.puzzle_indices))) > 1
-    batch = data.TrainBatches(dataset, 768, seed=0).batch(3)
+    batch = TrainBatches(dataset, 768, seed=0).batch(3)
     assert batch["inputs"].shape == (768, 900)
     assert bench.data_rows_per_s(dataset, 768, hosts=8, batches=2) > 0
 
 
 def test_a_small_table_still_holds_every_synthetic_identifier(tmp_path):
-    bench.write_synthetic_dataset(str(tmp_path), "arc1", bench.tiny_model(train.PRESETS["arc1"][1].model), 50)
+    bench.write_synthetic_dataset(str(tmp_path), "arc1", bench.tiny_model(PRESETS["arc1"][1].model), 50)
     identifiers = data.open_dataset(str(tmp_path), "train").puzzle_identifiers
     assert identifiers.min() == 1 and identifiers.max() == 49  # 0 is the blank row
 
 
 def test_table_rows_default_to_the_real_datasets():
-    assert [bench.PAPER_DATASETS[p].puzzle_identifiers for p in PRESET_NAMES] == [1, 1, 1, 876_406, 1_191_730]
+    assert [PAPER_DATASETS[p].puzzle_identifiers for p in PRESET_NAMES] == [1, 1, 1, 876_406, 1_191_730]
 
 
 def test_bytes_per_device_of_a_replicated_and_a_row_sharded_tensor(spmd_mesh):
@@ -129,11 +132,11 @@ def test_bytes_per_device_of_a_replicated_and_a_row_sharded_tensor(spmd_mesh):
 
 
 RECIPE = dataclasses.replace(
-    train.PRESETS["sudoku-mlp"][1],
-    optim=dataclasses.replace(train.PRESETS["sudoku-mlp"][1].optim, epochs=100, global_batch_size=100),
-    eval=dataclasses.replace(train.PRESETS["sudoku-mlp"][1].eval, every_epochs=25),
-    run=dataclasses.replace(train.PRESETS["sudoku-mlp"][1].run, ckpt_every=400))
-SMALL_SET = bench.PaperDataset("small", total_groups=1000, mean_puzzle_examples=1.5, test_examples=2000,
+    PRESETS["sudoku-mlp"][1],
+    optim=dataclasses.replace(PRESETS["sudoku-mlp"][1].optim, epochs=100, global_batch_size=100),
+    eval=dataclasses.replace(PRESETS["sudoku-mlp"][1].eval, every_epochs=25),
+    run=dataclasses.replace(PRESETS["sudoku-mlp"][1].run, ckpt_every=400))
+SMALL_SET = PaperDataset("small", total_groups=1000, mean_puzzle_examples=1.5, test_examples=2000,
                                puzzle_identifiers=1, source="test")
 
 
@@ -150,7 +153,7 @@ def test_paper_run_projection(max_examples, host_ms, eval_act_steps, train_hours
     record = {"slice": "v4-64", "host_ms_per_step": host_ms, "eval_host_ms_per_step": 2.0,
               "projected_device_ms_per_train_step": 3.0, "projected_device_ms_per_eval_step": 0.5,
               "checkpoint_pause_ms": 1500.0}
-    run = bench.project_paper_run(record, recipe, SMALL_SET, mfu=0.5)
+    run = project_paper_run(record, recipe, SMALL_SET, mfu=0.5)
     assert (run["train_steps"], run["evaluations"], run["eval_act_steps"], run["checkpoints"]) == \
         (1500, 4, eval_act_steps, 4)
     assert run["train_hours"] == pytest.approx(train_hours)
@@ -163,13 +166,13 @@ def test_paper_runs_of_the_presets():
     """The recipes' step counts: Sudoku 50,000 epochs of 1000 one-example groups at 768 per
     step (DESIGN.md: about 65k steps), evaluated every 5000 epochs with 16 ACT steps per batch
     of the 423k test puzzles (README: about 88k ACT steps)."""
-    sudoku = bench.project_paper_run(bench.flop_record("sudoku-mlp", train.PRESETS["sudoku-mlp"][1],
-                                                       bench.slice_spec("v4-64")),
-                                     train.PRESETS["sudoku-mlp"][1], bench.PAPER_DATASETS["sudoku-mlp"], 0.4)
+    sudoku = project_paper_run(flop_record("sudoku-mlp", PRESETS["sudoku-mlp"][1],
+                                                       slice_spec("v4-64")),
+                                     PRESETS["sudoku-mlp"][1], PAPER_DATASETS["sudoku-mlp"], 0.4)
     assert (sudoku["train_steps"], sudoku["evaluations"], sudoku["checkpoints"]) == (65104, 10, 33)
     assert sudoku["eval_act_steps"] == 10 * 551 * 16
-    arc1 = bench.project_paper_run(bench.flop_record("arc1", train.PRESETS["arc1"][1], bench.slice_spec("v4-64")),
-                                   train.PRESETS["arc1"][1], bench.PAPER_DATASETS["arc1"], 0.4)
+    arc1 = project_paper_run(flop_record("arc1", PRESETS["arc1"][1], slice_spec("v4-64")),
+                                   PRESETS["arc1"][1], PAPER_DATASETS["arc1"], 0.4)
     assert arc1["train_steps"] == 100_000 * 3_633_410 * 960 // (876_405 * 768)
     assert arc1["evaluations"] == 10 and arc1["eval_act_steps"] == 10 * 503 * 16  # 385,815 test examples
 
@@ -235,20 +238,20 @@ def test_bench_times_the_retraced_step_too(tmp_path):
 def test_bench_fails_naming_the_preset_and_step_whose_loss_is_not_finite(tmp_path, monkeypatch, capsys):
     """A NaN in the metrics of the first timed step (step 3 after 2 warmup steps): the table and
     the JSON still come out, then bench.py exits non-zero naming the preset and the step."""
-    real_step, calls = train.Trainer.step, []
+    real_step, calls = Trainer.step, []
 
     def nan_at_step_3(self, batch, lr, puzzle_emb_lr):
         calls.append(lr)
         metrics = real_step(self, batch, lr, puzzle_emb_lr)
         return metrics * float("nan") if len(calls) == 3 else metrics
 
-    monkeypatch.setattr(train.Trainer, "step", nan_at_step_3)
+    monkeypatch.setattr(Trainer, "step", nan_at_step_3)
     out = tmp_path / "bench.json"
     with pytest.raises(SystemExit, match=r"error: the training loss is not finite: sudoku-mlp at step 3 of 4 "
                                          r"\(2 warmup\): loss nan"):
         bench.main(["--tiny", "--presets", "sudoku-mlp", "--steps", "2", "--warmup", "2", "--data-batches", "2",
                     "--json", str(out)])
-    assert calls == [train.PRESETS["sudoku-mlp"][1].optim.lr] * 4  # the preset's lr after warmup
+    assert calls == [PRESETS["sudoku-mlp"][1].optim.lr] * 4  # the preset's lr after warmup
     losses = [s["loss"] for s in json.loads(out.read_text())["records"][0]["steps"]]
     assert math.isnan(losses[2]) and all(math.isfinite(loss) for i, loss in enumerate(losses) if i != 2)
     assert f"wrote {out}" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""build_data.build_arc writes the same bytes as the reference's dataset/build_arc_dataset.py.
+"""build_arc writes the same bytes as the reference's dataset/build_arc_dataset.py.
 
 The inputs are the hand-made tasks in tests/data/arc_tasks (Kaggle layout, prefix "tiny"):
   training:   0a1b2c3d (3x5 -> 5x3 grids), stripes (2x30, 1x30 and 30x1 grids), solid5 (one
@@ -22,6 +22,7 @@ import pytest
 
 import build_data
 import data
+from build_arc import build_arc
 
 PREFIX = os.path.join(os.path.dirname(__file__), "data", "arc_tasks", "tiny")
 
@@ -91,7 +92,7 @@ def test_build_arc_matches_reference_bytes(tmp_path, case):
     kwargs, table = CASES[case]
     expected = _hashes(table)
     out = str(tmp_path / "arc")
-    build_data.build_arc(out, PREFIX, **kwargs)
+    build_arc(out, PREFIX, **kwargs)
     found = _written_files(out)
     assert sorted(found) == sorted(expected)
     wrong = [name for name in sorted(expected) if found[name] != expected[name]]
@@ -107,5 +108,5 @@ def test_build_arc_command_line_defaults_to_the_reference_seed(tmp_path):
 
 def test_build_arc_needs_a_test_set_among_the_subsets(tmp_path):
     with pytest.raises(data.DatasetError, match=r"none of the test sets \['evaluation2'\]"):
-        build_data.build_arc(str(tmp_path / "arc"), PREFIX, subsets=["training"],
+        build_arc(str(tmp_path / "arc"), PREFIX, subsets=["training"],
                              test_sets=["evaluation2"], num_aug=1)

@@ -16,6 +16,8 @@ import data
 import storage
 import train
 from checkpoint import CheckpointWriter, Shard
+from config import check_against_dataset, parse_config
+from restore import load_initial_weights
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -244,7 +246,7 @@ def run_train_subprocess(args, timeout=600, kill_after_writing_step=None):
 
 def test_killed_during_a_save_resumes_and_matches_the_uninterrupted_run(demo_path, tmp_path):
     steps = ["--optim.max-steps", "12", "--run.ckpt-every", "4"]
-    uninterrupted = train.main(train.cli(run_args(demo_path, tmp_path / "straight", tmp_path / "cache",
+    uninterrupted = train.main(parse_config(run_args(demo_path, tmp_path / "straight", tmp_path / "cache",
                                                   *steps)))
 
     args = run_args(demo_path, tmp_path / "crashy", tmp_path / "cache", *steps)
@@ -291,7 +293,7 @@ def test_sigterm_saves_exits_0_and_the_relaunch_resumes(demo_path, tmp_path):
 
     # The relaunch (shortened so the test ends) continues from that step.
     again = run_args(demo_path, tmp_path / "run", tmp_path / "cache", "--optim.max-steps", str(stop_step + 2))
-    resumed = train.main(train.cli(again))
+    resumed = train.main(parse_config(again))
     assert resumed["start_step"] == stop_step
     assert [h["step"] for h in resumed["history"]] == [stop_step + 1, stop_step + 2]
     # metrics.jsonl continues the sequence; each launch left its own log of host 0.
@@ -304,11 +306,11 @@ def test_sigterm_saves_exits_0_and_the_relaunch_resumes(demo_path, tmp_path):
 
 def test_changed_config_refuses_to_resume_unless_allowed(demo_path, tmp_path):
     base = run_args(demo_path, tmp_path / "run", tmp_path / "cache", "--optim.max-steps", "2")
-    train.main(train.cli(base))
+    train.main(parse_config(base))
     with pytest.raises(SystemExit, match=r"(?s)created with another configuration:.*optim.lr: 0.001 in the "
                                          r"run directory, 0.002 now.*--run.allow-config-change"):
-        train.main(train.cli(base + ["--optim.lr", "0.002"]))
-    result = train.main(train.cli(base + ["--optim.lr", "0.002", "--run.allow-config-change",
+        train.main(parse_config(base + ["--optim.lr", "0.002"]))
+    result = train.main(parse_config(base + ["--optim.lr", "0.002", "--run.allow-config-change",
                                           "--optim.max-steps", "3"]))
     assert result["start_step"] == 2 and [h["step"] for h in result["history"]] == [3]
 
@@ -317,7 +319,7 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run_dir = f"{gcs_url}/runs/a"
-    result = train.main(train.cli(run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "6",
+    result = train.main(parse_config(run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "6",
                                            "--run.ckpt-every", "3")))
     assert [s for s, _ in checkpoint.list_checkpoints(run_dir)] == [6, 3]
     assert json.loads(storage.read_bytes(f"{run_dir}/config.json"))["model"]["hidden_size"] == 32
@@ -363,7 +365,7 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     assert loaded.returncode == 0 and "LOADED" in loaded.stdout, loaded.stderr[-2000:]
 
     # Zero further steps from the exported EMA weights evaluate exactly like the run's own final evaluation.
-    fresh = train.main(train.cli(run_args(demo_path, tmp_path / "from-export", tmp_path / "cache",
+    fresh = train.main(parse_config(run_args(demo_path, tmp_path / "from-export", tmp_path / "cache",
                                           "--optim.max-steps", "0", "--run.init-from", exported)))
     for key in ("exact_accuracy", "accuracy", "q_halt_accuracy"):
         assert fresh["final"][key] == pytest.approx(result["final"][key], abs=1e-6)
@@ -373,7 +375,7 @@ def test_init_from_a_reference_checkpoint(demo_path, tmp_path):
     import model
 
     base = run_args(demo_path, tmp_path / "ours", tmp_path / "cache", "--optim.max-steps", "0")
-    config = train.check_against_dataset(train.cli(base), data.open_dataset(demo_path, "train").metadata)
+    config = check_against_dataset(parse_config(base), data.open_dataset(demo_path, "train").metadata)
     torch.manual_seed(123)
     reference_model = model.TRM(config.model)
     with torch.no_grad():
@@ -381,16 +383,16 @@ def test_init_from_a_reference_checkpoint(demo_path, tmp_path):
     reference_file = tmp_path / "reference_step_1000"
     torch.save({"_orig_mod." + k: v for k, v in model.reference_state_dict(reference_model).items()},
                reference_file)
-    weights = train.load_initial_weights(str(reference_file), config.model)
+    weights = load_initial_weights(str(reference_file), config.model)
     for name, value in reference_model.state_dict().items():
         assert torch.equal(weights[f"model/{name}"], value), name
-    result = train.main(train.cli(base + ["--run.init-from", str(reference_file)]))
+    result = train.main(parse_config(base + ["--run.init-from", str(reference_file)]))
     assert result["final"]["count"] == 40
 
 
 def test_a_nan_stops_every_step_without_saving_over_the_last_good_checkpoint(demo_path, tmp_path):
     run_dir = tmp_path / "run"
-    train.main(train.cli(run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "4",
+    train.main(parse_config(run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "4",
                                   "--run.ckpt-every", "2")))
     # Continue with a learning rate that overflows the weights within a step or two.
     args = run_args(demo_path, run_dir, tmp_path / "cache", "--optim.max-steps", "12", "--optim.lr", "1e30",

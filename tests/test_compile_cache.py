@@ -13,6 +13,7 @@ from test_checkpoint import run_args
 import compile_cache
 import storage
 import train
+from config import RunConfig, parse_config
 
 
 def cache_files(directory, sizes):
@@ -119,7 +120,7 @@ def test_training_restores_before_the_runtime_and_uploads_new_files(gcs_url, dem
     local_dir = tmp_path / "xla-cache"
     local = cache_files(local_dir, [5, 6, 7])   # names 0 and 1 as the remote's, then one more
     capsys.readouterr()
-    train.main(train.cli(run_args(demo_path, tmp_path / "run", tmp_path / "data-cache", "--optim.max-steps", "3",
+    train.main(parse_config(run_args(demo_path, tmp_path / "run", tmp_path / "data-cache", "--optim.max-steps", "3",
                                   "--run.compile-cache-url", gcs_url, "--run.compile-cache-dir", str(local_dir))))
     out = capsys.readouterr().out
     assert f"compile cache: restored 0 files (0.0 MB) from {gcs_url}/{key}" in out   # the local ones stay
@@ -130,16 +131,16 @@ def test_training_restores_before_the_runtime_and_uploads_new_files(gcs_url, dem
     assert out.index("restored") < out.index("TRM on")   # before the runtime reads the cache
 
     fresh = tmp_path / "new-vm-cache"
-    train.main(train.cli(run_args(demo_path, tmp_path / "run2", tmp_path / "data-cache", "--optim.max-steps", "1",
+    train.main(parse_config(run_args(demo_path, tmp_path / "run2", tmp_path / "data-cache", "--optim.max-steps", "1",
                                   "--run.compile-cache-url", gcs_url, "--run.compile-cache-dir", str(fresh))))
     assert read_dir(fresh) == {**remote, new: local[new]}
     assert "compile cache: uploaded 0 new files" in capsys.readouterr().out
 
 
 def test_off_by_default(tmp_path):
-    assert train.RunConfig().compile_cache_url is None
+    assert RunConfig().compile_cache_url is None
     assert compile_cache.restore(None, str(tmp_path), "k") is None
-    uploads = compile_cache.Uploader.for_run(train.RunConfig(), main_host=True, first_step=0)
+    uploads = compile_cache.Uploader.for_run(RunConfig(), main_host=True, first_step=0)
     uploads.after_step(2)
     uploads.close()
     assert uploads.thread is None and uploads.results == []

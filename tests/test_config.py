@@ -1,4 +1,4 @@
-"""train.check_config and storage.check_url: bad flags fail before the dataset is opened and the
+"""check_config and storage.check_url: bad flags fail before the dataset is opened and the
 runtime starts, naming the field, its flag and the value; which fields a resume may change."""
 import dataclasses
 import os
@@ -10,18 +10,21 @@ import typing
 import pytest
 
 import train
+from commands import evaluate_command, export
+from config import PRESETS, Config, check_config, config_differences, parse_config, resumable_fields
+from lifecycle import start
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSING = "/nonexistent/trm-dataset"  # never opened: the checks come first
 
 
 def cli(*flags):
-    return train.cli(["demo", "--data.path", MISSING, *flags])
+    return parse_config(["demo", "--data.path", MISSING, *flags])
 
 
 def test_every_numeric_field_declares_its_range():
-    for section in dataclasses.fields(train.Config):
-        cls = type(getattr(train.Config(), section.name))
+    for section in dataclasses.fields(Config):
+        cls = type(getattr(Config(), section.name))
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if hints[f.name] in (int, float, int | None, float | None):
@@ -96,25 +99,25 @@ def test_boundary_values_pass():
                  "--optim.beta1", "0", "--optim.max-steps", "0", "--eval.max-examples", "1",
                  "--model.puzzle-emb-ndim", "0", "--data.path", "gs://bucket/data/x", "--run.dir", "memory://runs/x")
     assert (config.run.seed, config.optim.ema_rate, config.optim.max_steps) == (0, 0.0, 0)
-    for _, preset in train.PRESETS.values():  # every preset as shipped
-        train.check_config(preset)
+    for _, preset in PRESETS.values():  # every preset as shipped
+        check_config(preset)
 
 
 def test_start_checks_before_opening_the_dataset():
     """main(config) and eval reach start() without cli(): the flags are checked there first,
     so the error is about the flag, not about the dataset that does not exist."""
-    config = train.PRESETS["demo"][1]
+    config = PRESETS["demo"][1]
     config = dataclasses.replace(config, data=dataclasses.replace(config.data, path=MISSING),
                                  run=dataclasses.replace(config.run, keep_checkpoints=0))
     with pytest.raises(SystemExit, match="^error: run.keep_checkpoints=0 must be >= 1"):
-        train.start(config)
+        start(config)
 
 
 def test_eval_and_export_check_their_urls(tmp_path):
     with pytest.raises(SystemExit, match="^error: --init-from=foo://run: unknown URL scheme foo://"):
-        train.evaluate_command(["--init-from", "foo://run", "--data.path", MISSING])
+        evaluate_command(["--init-from", "foo://run", "--data.path", MISSING])
     with pytest.raises(SystemExit, match="^error: --out=gs:///m.safetensors names no bucket"):
-        train.export(str(tmp_path), out="gs:///m.safetensors")
+        export(str(tmp_path), out="gs:///m.safetensors")
 
 
 def test_bad_flags_exit_1_without_traceback_before_the_runtime_starts():
@@ -132,18 +135,18 @@ def test_bad_flags_exit_1_without_traceback_before_the_runtime_starts():
 def test_resume_may_change_where_and_how_but_not_what():
     """A copied run directory, a profile, the captured step and the compile cache are allowed to
     differ on resume (declared resumable); the learning rate is not."""
-    saved = dataclasses.asdict(train.PRESETS["demo"][1])
-    current = dataclasses.asdict(train.PRESETS["demo"][1])
+    saved = dataclasses.asdict(PRESETS["demo"][1])
+    current = dataclasses.asdict(PRESETS["demo"][1])
     current["run"].update(dir="gs://bucket/runs/copied", profile_steps=5, capture_step=False,
                           compile_cache_dir="/tmp/other-xla-cache", ckpt_every=7)
-    assert train.config_differences(saved, current) == []
+    assert config_differences(saved, current) == []
     current["optim"]["lr"] = 3e-3
     current["model"]["H_cycles"] = 3
-    assert train.config_differences(saved, current) == [
+    assert config_differences(saved, current) == [
         "model.H_cycles: 2 in the run directory, 3 now", "optim.lr: 0.001 in the run directory, 0.003 now"]
     assert {"run.dir", "run.profile_steps", "run.capture_step", "run.compile_cache_dir", "run.compile_cache_url",
-            "run.ckpt_every", "optim.max_steps", "eval.every_epochs"} <= train.resumable_fields()
-    assert not {"optim.lr", "optim.global_batch_size", "run.seed"} & train.resumable_fields()
+            "run.ckpt_every", "optim.max_steps", "eval.every_epochs"} <= resumable_fields()
+    assert not {"optim.lr", "optim.global_batch_size", "run.seed"} & resumable_fields()
 
 
 @pytest.mark.parametrize("argv, flags", [

@@ -16,6 +16,8 @@ import pytest
 import arc
 import build_data
 import data
+from batches import EvalBatches, TrainBatches, total_train_steps
+from build_arc import build_arc
 from data import DatasetError
 from tests.data_fixtures import (
     ARC_EVALUATION,
@@ -178,8 +180,8 @@ def test_split_rebuilt_while_being_copied_is_not_served(tmp_path):
 @pytest.mark.parametrize("process_count", [1, 2, 4, 8])
 def test_host_slices_concatenate_to_the_global_batch(synthetic, process_count):
     batch_size = 16
-    full = data.TrainBatches(synthetic, batch_size, seed=5)
-    hosts = [data.TrainBatches(synthetic, batch_size, seed=5, process_index=p,
+    full = TrainBatches(synthetic, batch_size, seed=5)
+    hosts = [TrainBatches(synthetic, batch_size, seed=5, process_index=p,
                                process_count=process_count) for p in range(process_count)]
     for step in (0, 1, 7, 30):
         expected = full.batch(step)
@@ -190,7 +192,7 @@ def test_host_slices_concatenate_to_the_global_batch(synthetic, process_count):
 
 
 def test_batch_contents_follow_the_plan(synthetic):
-    batches = data.TrainBatches(synthetic, 16, seed=1)
+    batches = TrainBatches(synthetic, 16, seed=1)
     examples, puzzles = batches.global_plan(4)
     batch = batches.batch(4)
     np.testing.assert_array_equal(example_index(batch["inputs"]), examples)
@@ -203,19 +205,19 @@ def test_batch_contents_follow_the_plan(synthetic):
 
 
 def test_same_seed_same_batches_any_access_order(synthetic):
-    sequential = data.TrainBatches(synthetic, 16, seed=9)
+    sequential = TrainBatches(synthetic, 16, seed=9)
     walked = [sequential.batch(step)["inputs"] for step in range(600)]
-    resumed = data.TrainBatches(synthetic, 16, seed=9)  # a resumed run asks for step 555 first
+    resumed = TrainBatches(synthetic, 16, seed=9)  # a resumed run asks for step 555 first
     for step in (555, 300, 599, 0, 256):
         np.testing.assert_array_equal(resumed.batch(step)["inputs"], walked[step])
-    other = data.TrainBatches(synthetic, 16, seed=10)
+    other = TrainBatches(synthetic, 16, seed=10)
     assert not np.array_equal(other.batch(0)["inputs"], walked[0])
 
 
 def test_reference_packing(synthetic):
     """Each batch is whole puzzles of consecutive draws, the last cut short; a puzzle's rows are
     distinct examples of that puzzle; every draw of the first epoch is a different group."""
-    batches = data.TrainBatches(synthetic, 16, seed=2)
+    batches = TrainBatches(synthetic, 16, seed=2)
     sizes = np.diff(synthetic.puzzle_indices)
     draws = []
     for step in range(3):  # 3 * 16 rows cover the first epoch's 12 draws (at most 48 rows)
@@ -234,7 +236,7 @@ def test_reference_packing(synthetic):
 
 def test_every_group_once_per_epoch(demo_root):
     train = data.open_dataset(demo_root, "train")  # 40 groups of 8 one-example puzzles
-    batches = data.TrainBatches(train, 8, seed=4)
+    batches = TrainBatches(train, 8, seed=4)
     groups = [_group_of(train, batches.global_plan(step)[1]) for step in range(15)]
     for epoch in range(3):
         assert sorted(np.concatenate(groups[5 * epoch:5 * epoch + 5])) == list(range(40))
@@ -244,8 +246,8 @@ def test_every_group_once_per_epoch(demo_root):
 def test_uniform_puzzle_sizes_shortcut_matches_replay(tmp_path):
     write_synthetic(str(tmp_path), sizes=(3, 3))
     dataset = data.open_dataset(str(tmp_path), "train")
-    fast = data.TrainBatches(dataset, 16, seed=0)
-    slow = data.TrainBatches(dataset, 16, seed=0)
+    fast = TrainBatches(dataset, 16, seed=0)
+    slow = TrainBatches(dataset, 16, seed=0)
     slow._draws_per_batch = None  # force the general replay of batch boundaries
     assert fast._draws_per_batch == 6
     for step in (0, 1, 2, 9, 40):
@@ -254,7 +256,7 @@ def test_uniform_puzzle_sizes_shortcut_matches_replay(tmp_path):
 
 def test_total_train_steps(demo_root):
     metadata = data.open_dataset(demo_root, "train").metadata
-    assert data.total_train_steps(metadata, epochs=100, global_batch_size=16) == 250
+    assert total_train_steps(metadata, epochs=100, global_batch_size=16) == 250
 
 
 # ----------------------------------------------------------------------------- evaluation batches
@@ -262,7 +264,7 @@ def test_total_train_steps(demo_root):
 @pytest.mark.parametrize("process_count", [1, 2, 4, 8])
 def test_eval_batches_in_order_padded(demo_root, process_count):
     test = data.open_dataset(demo_root, "test")  # 50 examples
-    hosts = [data.EvalBatches(test, 16, p, process_count) for p in range(process_count)]
+    hosts = [EvalBatches(test, 16, p, process_count) for p in range(process_count)]
     assert len(hosts[0]) == 4
     rows = {key: np.concatenate([h.batch(i)[key] for i in range(4) for h in hosts])
             for key in ("inputs", "labels", "puzzle_identifiers")}
@@ -275,8 +277,8 @@ def test_eval_batches_in_order_padded(demo_root, process_count):
 
 
 def test_eval_cap_is_a_fixed_sorted_subset(synthetic):
-    capped = data.EvalBatches(synthetic, 8, max_examples=20, seed=1)
-    again = data.EvalBatches(synthetic, 8, max_examples=20, seed=1)
+    capped = EvalBatches(synthetic, 8, max_examples=20, seed=1)
+    again = EvalBatches(synthetic, 8, max_examples=20, seed=1)
     assert capped.num_examples == 20 and len(capped) == 3
     np.testing.assert_array_equal(capped.examples, again.examples)
     assert np.all(np.diff(capped.examples) > 0)
@@ -285,7 +287,7 @@ def test_eval_cap_is_a_fixed_sorted_subset(synthetic):
     ids = np.concatenate([capped.batch(i)["puzzle_identifiers"] for i in range(3)])[:20]
     expected = np.searchsorted(synthetic.puzzle_indices, capped.examples, side="right")
     np.testing.assert_array_equal(ids, expected)  # identifiers are puzzle index + 1
-    assert data.EvalBatches(synthetic, 8, max_examples=10**6).num_examples == synthetic.num_examples
+    assert EvalBatches(synthetic, 8, max_examples=10**6).num_examples == synthetic.num_examples
 
 
 # ----------------------------------------------------------------------------- builders
@@ -363,7 +365,7 @@ def test_arc_augmentation_inverts(transform_id):
 
 def test_build_arc(tmp_path):
     out = str(tmp_path / "arc")
-    build_data.build_arc(out, arc_files(str(tmp_path)), subsets=["training", "evaluation"],
+    build_arc(out, arc_files(str(tmp_path)), subsets=["training", "evaluation"],
                          test_sets=["evaluation"], num_aug=6, seed=0)
     train, test = data.open_train_test(out)
     names = data.read_identifiers(out)
@@ -546,9 +548,9 @@ def test_error_splits_disagree(tmp_path):
 def test_error_bad_batch_arguments(synthetic):
     with pytest.raises(DatasetError, match="global_batch_size 10 must be a positive multiple of "
                                            "process_count 4"):
-        data.TrainBatches(synthetic, 10, seed=0, process_index=0, process_count=4)
+        TrainBatches(synthetic, 10, seed=0, process_index=0, process_count=4)
     with pytest.raises(DatasetError, match="process_index 4 must lie in 0..3"):
-        data.EvalBatches(synthetic, 8, process_index=4, process_count=4)
+        EvalBatches(synthetic, 8, process_index=4, process_count=4)
 
 
 def test_error_unreachable_storage(monkeypatch, gcs_server):

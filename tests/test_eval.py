@@ -10,12 +10,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import build_data
 import checkpoint
 import data
 import evaluate
 import model
 import train
+from batches import EvalBatches, total_train_steps
+from build_arc import build_arc
+from commands import evaluate_command
+from config import PRESETS, ConfigError, parse_config
+from restore import load_weights_for_eval
+from schedule import evaluation_steps
 from tests.data_fixtures import ARC_EVALUATION_SOLUTIONS, arc_files
 
 
@@ -27,7 +32,7 @@ def small(run_dir, cache_dir, *extra):
 
 def test_standalone_eval_matches_the_runs_final_evaluation(demo_path, tmp_path, capsys):
     run_dir = tmp_path / "run"
-    trained = train.main(train.cli(["demo", "--data.path", demo_path,
+    trained = train.main(parse_config(["demo", "--data.path", demo_path,
                                     *small(run_dir, tmp_path / "cache", "--optim.max-steps", "40")]))
     capsys.readouterr()
     assert train.command_line(["eval", "--init-from", str(run_dir), "--data.path", demo_path,
@@ -43,14 +48,14 @@ def test_standalone_eval_matches_the_runs_final_evaluation(demo_path, tmp_path, 
     # The exported file evaluates the same.
     exported = str(tmp_path / "model.safetensors")
     train.command_line(["export", str(run_dir), "--out", exported])
-    result = train.evaluate_command(["--init-from", exported, "--data.path", demo_path,
+    result = evaluate_command(["--init-from", exported, "--data.path", demo_path,
                                      *small(tmp_path / "elsewhere", tmp_path / "cache")])
     assert result["accuracy"] == pytest.approx(trained["final"]["accuracy"])
 
 
 def test_eval_refuses_a_dataset_the_checkpoint_does_not_fit(demo_path, tmp_path):
     run_dir = tmp_path / "run"
-    train.main(train.cli(["demo", "--data.path", demo_path,
+    train.main(parse_config(["demo", "--data.path", demo_path,
                           *small(run_dir, tmp_path / "cache", "--optim.max-steps", "1")]))
     # Same arrays, but the metadata claims more puzzle identifiers.
     other = tmp_path / "other"
@@ -62,25 +67,25 @@ def test_eval_refuses_a_dataset_the_checkpoint_does_not_fit(demo_path, tmp_path)
         meta_path.write_text(json.dumps(meta))
     with pytest.raises(SystemExit, match="puzzle embedding has 1 identifiers but the dataset at .* has "
                                          "num_puzzle_identifiers=7"):
-        train.evaluate_command(["--init-from", str(run_dir), "--data.path", str(other)])
+        evaluate_command(["--init-from", str(run_dir), "--data.path", str(other)])
     # A model exported for 9x9 Sudoku (seq_len 81) on the 4x4 demo data.
     config = model.TRMConfig(seq_len=81, vocab_size=11, hidden_size=32, puzzle_emb_ndim=32, num_heads=2)
     sudoku_file = str(tmp_path / "sudoku.safetensors")
     save_file(model.TRM(config).state_dict(), sudoku_file,
               metadata={"trm_config": json.dumps(dataclasses.asdict(config))})
     with pytest.raises(SystemExit, match="model.seq_len=81 but the dataset at .* has seq_len=16"):
-        train.evaluate_command(["--init-from", sudoku_file, "--data.path", demo_path])
+        evaluate_command(["--init-from", sudoku_file, "--data.path", demo_path])
 
 
 def test_arc_scores_and_submission_during_training_and_standalone(tmp_path, capsys):
     arc_path = str(tmp_path / "arc")
-    build_data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+    build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
                          test_sets=("evaluation",), num_aug=3, seed=0)
     tiny_arc = ["--model.hidden-size", "32", "--model.num-heads", "2", "--model.puzzle-emb-ndim", "32",
                 "--model.H-cycles", "1", "--model.L-cycles", "1", "--model.L-layers", "1",
                 "--model.halt-max-steps", "2", "--model.forward-dtype", "float32"]
     run_dir = tmp_path / "run"
-    trained = train.main(train.cli(["arc1", "--data.path", arc_path, "--optim.global-batch-size", "16",
+    trained = train.main(parse_config(["arc1", "--data.path", arc_path, "--optim.global-batch-size", "16",
                                     *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2"),
                                     *tiny_arc]))
     final = trained["final"]
@@ -93,7 +98,7 @@ def test_arc_scores_and_submission_during_training_and_standalone(tmp_path, caps
     assert list(submission) == ["task_e"] and len(submission["task_e"]) == 2
     assert set(submission["task_e"][0]) == {"attempt_1", "attempt_2"}
 
-    result = train.evaluate_command(["--init-from", str(run_dir), "--data.path", arc_path,
+    result = evaluate_command(["--init-from", str(run_dir), "--data.path", arc_path,
                                      "--data.cache-dir", str(tmp_path / "cache")])
     assert result["pass@2"] == final["pass@2"] and result["exact_accuracy"] == final["exact_accuracy"]
     assert os.path.exists(run_dir / "eval" / "step_2" / "metrics.json")
@@ -120,7 +125,7 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
     from arc import ArcEvaluator, decode_summary, encode_summary
 
     arc_path = str(tmp_path / "arc")
-    build_data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+    build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
                          test_sets=("evaluation",), num_aug=3, seed=0)
     # 3 groups of 2 examples, batch 16: 24 epochs are 9 steps, evaluations at 3, 6 and 9.
     def args(run_dir):
@@ -129,7 +134,7 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
                 "--eval.every-epochs", "8", "--run.log-every", "3", *TINY_ARC]
 
     straight_dir = tmp_path / "straight"
-    straight = train.main(train.cli(args(straight_dir)))
+    straight = train.main(parse_config(args(straight_dir)))
     assert [e["step"] for e in straight["evals"]] == [3, 6, 9]
     assert [e["aggregated_evaluations"] for e in straight["evals"]] == [1, 2, 3]
     first = straight["evals"][0]
@@ -151,10 +156,10 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
         checks = []
         # The 7th agreement: after steps 1-6 and the one batch of the evaluation at step 3.
         patch.setattr(sharding, "any_host", lambda flag: checks.append(flag) or len(checks) == 7)
-        stopped = train.main(train.cli(args(resumed_dir)))
+        stopped = train.main(parse_config(args(resumed_dir)))
     assert stopped["preempted"] and [e["step"] for e in stopped["evals"]] == [3]
     assert not (resumed_dir / "eval" / "step_6").exists()
-    resumed = train.main(train.cli(args(resumed_dir)))
+    resumed = train.main(parse_config(args(resumed_dir)))
     assert resumed["start_step"] == 6 and [e["step"] for e in resumed["evals"]] == [6, 9]
     for ours, theirs in zip(resumed["evals"], straight["evals"][1:]):
         assert {k: v for k, v in ours.items() if "pass@" in k or k == "aggregated_evaluations"} == \
@@ -165,22 +170,22 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
     # Standalone: the final checkpoint again (its own votes replace step 9's) plus steps 3 and 6.
     eval_args = ["--init-from", str(straight_dir), "--data.path", arc_path,
                  "--data.cache-dir", str(tmp_path / "cache")]
-    alone = train.evaluate_command(eval_args + ["--eval.no-arc-aggregate"])
+    alone = evaluate_command(eval_args + ["--eval.no-arc-aggregate"])
     assert "aggregated_pass@2" not in alone and alone["pass@2"] == straight["final"]["pass@2"]
-    again = train.evaluate_command(eval_args + ["--eval.arc-aggregate"])
+    again = evaluate_command(eval_args + ["--eval.arc-aggregate"])
     assert {k: again[k] for k in again if k.startswith("aggregated")} == \
         {k: straight["final"][k] for k in straight["final"] if k.startswith("aggregated")}
     # Votes saved at an earlier step count: solutions voted 5 times per test input (more than
     # the model's votes of three evaluations) win every aggregated pass@k, not this snapshot's.
     perfect = ArcEvaluator.from_dataset(arc_path, accumulate=True)
-    test_batches = data.EvalBatches(data.open_dataset(arc_path, "test"), 16)
+    test_batches = EvalBatches(data.open_dataset(arc_path, "test"), 16)
     for _ in range(5):
         batch = test_batches.batch(0)
         perfect.update(batch, np.where(batch["labels"] < 0, 0, batch["labels"]), np.zeros(16),
                        test_batches.valid(0))
     (straight_dir / "eval" / "step_1").mkdir()
     (straight_dir / "eval" / "step_1" / "arc_votes.json.gz").write_bytes(encode_summary(perfect.summary()))
-    voted = train.evaluate_command(eval_args)  # the run's config: the arc preset aggregates
+    voted = evaluate_command(eval_args)  # the run's config: the arc preset aggregates
     assert voted["aggregated_evaluations"] == 4
     assert all(voted[f"aggregated_pass@{k}"] == 1.0 for k in PASS_KS)
     assert voted["pass@1"] == straight["final"]["pass@1"] < 1.0
@@ -194,15 +199,15 @@ def test_eval_losses_are_the_last_act_step_of_real_rows_per_counted_example(demo
     labels) must not count. One batch of 64 rows: the demo's 40 test examples and 24 pads."""
     run_dir = tmp_path / "run"
     # float32: the hand computation runs eagerly on the CPU, whose bf16 rounding is not XLA's.
-    trained = train.main(train.cli(["demo", "--data.path", demo_path,
+    trained = train.main(parse_config(["demo", "--data.path", demo_path,
                                     *small(run_dir, tmp_path / "cache", "--optim.max-steps", "3"),
                                     "--optim.global-batch-size", "64", "--model.forward-dtype", "float32"]))
     final = trained["final"]
-    config, weights, _, _ = train.load_weights_for_eval(str(run_dir), train.PRESETS["demo"][1], [])
+    config, weights, _, _ = load_weights_for_eval(str(run_dir), PRESETS["demo"][1], [])
     trm = model.TRM(config.model).eval()
     trm.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})  # the EMA weights
     test_set = data.open_dataset(demo_path, "test")
-    batches = data.EvalBatches(test_set, 64)
+    batches = EvalBatches(test_set, 64)
     assert len(batches) == 1 and batches.num_examples == 40
     batch = {k: torch.from_numpy(v) for k, v in batches.batch(0).items()}
     real = torch.from_numpy(batches.valid(0))
@@ -233,23 +238,23 @@ def test_evaluation_schedule_counts_epochs_and_ends_with_the_final_evaluation():
     # the reference evaluates 10 times; rounding eval_every to 6510 steps once put the 10th at
     # step 65,100 and then the final one at 65,104.
     sudoku = types.SimpleNamespace(total_groups=1000, mean_puzzle_examples=1.0)
-    full = data.total_train_steps(sudoku, 50000, 768)
+    full = total_train_steps(sudoku, 50000, 768)
     assert full == 65104
-    steps = train.evaluation_steps(full, 50000, 5000, full)
+    steps = evaluation_steps(full, 50000, 5000, full)
     assert steps == [6510, 13021, 19531, 26042, 32552, 39062, 45573, 52083, 58594, 65104]
     # ARC: every 10k of 100k epochs, 10 evaluations whatever the step count.
-    assert len(train.evaluation_steps(123457, 100000, 10000, 123457)) == 10
+    assert len(evaluation_steps(123457, 100000, 10000, 123457)) == 10
     # Cut short by optim.max_steps: the scheduled ones before the end, then the final one.
-    assert train.evaluation_steps(full, 50000, 5000, 20000) == [6510, 13021, 19531, 20000]
-    assert train.evaluation_steps(full, 50000, 5000, 19531) == [6510, 13021, 19531]
-    assert train.evaluation_steps(full, 50000, 5000, 100) == [100]
+    assert evaluation_steps(full, 50000, 5000, 20000) == [6510, 13021, 19531, 20000]
+    assert evaluation_steps(full, 50000, 5000, 19531) == [6510, 13021, 19531]
+    assert evaluation_steps(full, 50000, 5000, 100) == [100]
     # Epochs not a multiple of every_epochs: the last scheduled one stays, the final one follows.
-    assert train.evaluation_steps(210, 210, 50, 210) == [50, 100, 150, 200, 210]
+    assert evaluation_steps(210, 210, 50, 210) == [50, 100, 150, 200, 210]
     # Fewer steps than evaluations: at most one per step.
-    assert train.evaluation_steps(3, 200, 50, 3) == [1, 2, 3]
-    assert train.evaluation_steps(full, 50000, 50000, full) == [full]
-    with pytest.raises(train.ConfigError, match="eval.every_epochs=0 must be at least 1"):
-        train.evaluation_steps(full, 50000, 0, full)
+    assert evaluation_steps(3, 200, 50, 3) == [1, 2, 3]
+    assert evaluation_steps(full, 50000, 50000, full) == [full]
+    with pytest.raises(ConfigError, match="eval.every_epochs=0 must be at least 1"):
+        evaluation_steps(full, 50000, 0, full)
 
 
 @pytest.mark.parametrize("where", ["local", "gcs"])
@@ -272,7 +277,7 @@ def test_saved_arc_votes_are_found_by_step_locally_and_on_gcs(where, tmp_path, r
 
 def test_arc_aggregate_without_arc_scoring_is_refused(demo_path, tmp_path):
     with pytest.raises(SystemExit, match="eval.arc_aggregate votes over ARC evaluations but eval.arc is off"):
-        train.main(train.cli(["demo", "--data.path", demo_path, "--eval.arc-aggregate",
+        train.main(parse_config(["demo", "--data.path", demo_path, "--eval.arc-aggregate",
                               *small(tmp_path / "run", tmp_path / "cache", "--optim.max-steps", "1")]))
 
 
@@ -297,7 +302,7 @@ def test_eval_of_a_reference_checkpoint_with_other_sizes_equals_the_same_weights
 
     dataset = str(tmp_path / "synthetic")
     write_synthetic(dataset, num_groups=4, puzzles_per_group=3, seq_len=8)  # 13 identifiers
-    config, trm, reference = reference_weights_with_other_sizes(train.PRESETS["sudoku-att"][1].model, 13)
+    config, trm, reference = reference_weights_with_other_sizes(PRESETS["sudoku-att"][1].model, 13)
     reference_file = str(tmp_path / "reference_step_500.pt")
     torch.save(reference, reference_file)
     ours_file = str(tmp_path / "ours.safetensors")
@@ -305,7 +310,7 @@ def test_eval_of_a_reference_checkpoint_with_other_sizes_equals_the_same_weights
 
     def evaluate_with(*init_from, out):
         # Fewer cycles and ACT steps than the preset keep it quick: flags apply to both the same.
-        return train.evaluate_command(["sudoku-att", *init_from, "--data.path", dataset, "--data.cache-dir",
+        return evaluate_command(["sudoku-att", *init_from, "--data.path", dataset, "--data.cache-dir",
                                        str(tmp_path / "cache"), "--optim.global-batch-size", "16",
                                        "--eval.max-examples", "16", "--model.H-cycles", "2",
                                        "--model.L-cycles", "2", "--model.halt-max-steps", "3",
@@ -322,14 +327,14 @@ def test_eval_of_a_reference_checkpoint_with_other_sizes_equals_the_same_weights
     write_synthetic(other, num_groups=5, puzzles_per_group=3, seq_len=8)  # 16 identifiers
     with pytest.raises(SystemExit, match="puzzle embedding has 13 identifiers but the dataset at .* has "
                                          "num_puzzle_identifiers=16"):
-        train.evaluate_command(["sudoku-att", "--init-from", reference_file, "--data.path", other])
+        evaluate_command(["sudoku-att", "--init-from", reference_file, "--data.path", other])
 
 
 def test_weights_trained_on_other_identifiers_are_refused_by_eval_and_fine_tuned_by_training(demo_path, tmp_path,
                                                                                             capsys):
     # Same shapes, other identifier names: the demo's table rows would belong to other puzzles.
     run_dir = tmp_path / "run"
-    train.main(train.cli(["demo", "--data.path", demo_path,
+    train.main(parse_config(["demo", "--data.path", demo_path,
                           *small(run_dir, tmp_path / "cache", "--optim.max-steps", "1")]))
     renamed = tmp_path / "renamed"
     shutil.copytree(demo_path, renamed)
@@ -338,7 +343,7 @@ def test_weights_trained_on_other_identifiers_are_refused_by_eval_and_fine_tuned
     train.command_line(["export", str(run_dir), "--out", exported])
     for source in (str(run_dir), exported):
         with pytest.raises(SystemExit, match="trained on a dataset with other puzzle identifiers"):
-            train.evaluate_command(["--init-from", source, "--data.path", str(renamed),
+            evaluate_command(["--init-from", source, "--data.path", str(renamed),
                                     "--data.cache-dir", str(tmp_path / "cache2")])
     # Training from them fine-tunes: dense weights kept, every table row restarted from the mean row
     # (the reference's rule), here on the renamed identifiers and on a dataset with 5 of them.
@@ -352,7 +357,7 @@ def test_weights_trained_on_other_identifiers_are_refused_by_eval_and_fine_tuned
     for dataset, source, rows in ((renamed, exported, 1), (more, str(run_dir), 5)):
         capsys.readouterr()
         tuned_dir = tmp_path / f"tuned-{dataset.name}"
-        train.main(train.cli(["demo", "--data.path", str(dataset),
+        train.main(parse_config(["demo", "--data.path", str(dataset),
                               *small(tuned_dir, tmp_path / f"cache-{dataset.name}", "--optim.max-steps", "0",
                                      "--run.init-from", source)]))
         said = capsys.readouterr().out
@@ -364,7 +369,7 @@ def test_weights_trained_on_other_identifiers_are_refused_by_eval_and_fine_tuned
         assert torch.equal(start["puzzle_embedding.weight"], table.mean(0, keepdim=True).expand(rows, -1))
     # Resuming the run on the renamed dataset is a configuration change.
     with pytest.raises(SystemExit, match="puzzle identifiers: fingerprint"):
-        train.main(train.cli(["demo", "--data.path", str(renamed),
+        train.main(parse_config(["demo", "--data.path", str(renamed),
                               *small(run_dir, tmp_path / "cache2", "--optim.max-steps", "2")]))
 
 
@@ -372,15 +377,15 @@ def test_captured_evaluation_equals_the_retraced_one_with_arc_votes(tmp_path):
     """The evaluation ACT step traced once and replayed (run.capture_step) gives the metrics,
     pass@k and saved ARC votes of re-tracing it every ACT step, on the same weights."""
     arc_path = str(tmp_path / "arc")
-    build_data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+    build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
                          test_sets=("evaluation",), num_aug=3, seed=0)
     run_dir = tmp_path / "run"
-    train.main(train.cli(["arc1", "--data.path", arc_path, "--optim.global-batch-size", "16",
+    train.main(parse_config(["arc1", "--data.path", arc_path, "--optim.global-batch-size", "16",
                           "--optim.lr-warmup-steps", "1",
                           *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2"), *TINY_ARC]))
 
     def evaluate_into(out, *extra):
-        result = train.evaluate_command(["--init-from", str(run_dir), "--data.path", arc_path,
+        result = evaluate_command(["--init-from", str(run_dir), "--data.path", arc_path,
                                          "--data.cache-dir", str(tmp_path / "cache"), "--run.dir", str(out),
                                          "--eval.no-arc-aggregate", *extra])
         return result, (out / "eval" / "step_2" / "arc_votes.json.gz").read_bytes()

@@ -133,7 +133,7 @@ def test_a_checkpoint_missing_tensors_stops_the_resume_and_lists_them(demo_path,
 def test_the_final_save_survives_a_crash_in_the_final_evaluation(demo_path, tmp_path):
     # The final save is slowed down so that the crash comes while it is under way.
     fault = """
-        import time, checkpoint, train
+        import time, checkpoint, evaluate
         _write_bytes = checkpoint.write_bytes
         def slow_write(url, payload):
             time.sleep(0.5)
@@ -141,7 +141,7 @@ def test_the_final_save_survives_a_crash_in_the_final_evaluation(demo_path, tmp_
         checkpoint.write_bytes = slow_write
         def crashing_evaluate(*args, **kwargs):
             raise RuntimeError("evaluation crashed")
-        train.evaluate = crashing_evaluate
+        evaluate.evaluate = crashing_evaluate
     """
     code, out, err = run(run_args(demo_path, tmp_path / "run", "--optim.max-steps", "3", "--run.ckpt-every", "100"),
                          fault)

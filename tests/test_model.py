@@ -233,7 +233,7 @@ def test_exploration_noise_has_the_reference_distribution():
     ("rope_theta", float("inf"), "rope_theta=inf must be a finite number > 0"),
 ])
 def test_bad_config_values_are_named(field, value, message):
-    """The model refuses them when built (train.check_config reports the same before a run)."""
+    """The model refuses them when built (check_config reports the same before a run)."""
     with pytest.raises(ValueError, match=message):
         TRM(tiny_config(**{field: value}))
 

@@ -16,7 +16,7 @@ import pytest
 
 import checkpoint
 import storage
-import train
+from lifecycle import EXIT_RETRYABLE
 
 PROJECT_DIR = str(Path(__file__).resolve().parent.parent)
 
@@ -90,8 +90,8 @@ def test_with_retries_rides_out_a_short_outage_and_gives_up_on_a_lasting_one(fak
 DEADLINE_SCRIPT = """
 import sys, threading
 sys.path.insert(0, {project!r})
-import train
-preemption = train.Preemption(1, 10, None, train.ShutdownDeadline({timeout}))
+from lifecycle import Preemption, ShutdownDeadline
+preemption = Preemption(1, 10, None, ShutdownDeadline({timeout}))
 print("ready", flush=True)
 threading.Event().wait()  # the main thread stuck, as on a storage call that never returns
 """
@@ -110,7 +110,7 @@ def test_a_stuck_stop_exits_75_at_the_deadline_and_a_second_signal_at_once(tmp_p
     signalled = time.time()
     proc.send_signal(signal.SIGINT)  # Ctrl-C: no KeyboardInterrupt, the stop is asked for and timed
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == train.EXIT_RETRYABLE == 75, err
+    assert proc.returncode == EXIT_RETRYABLE == 75, err
     assert 3 <= time.time() - signalled < 15
     assert "SIGINT: stopping" in err and "another SIGINT exits at once" in err and "KeyboardInterrupt" not in err
     assert "error: still running 3s after SIGINT (run.shutdown_timeout_s): exiting with status 75" in err
@@ -229,7 +229,7 @@ def test_a_lasting_outage_stops_the_run_with_a_storage_error(demo_path, tmp_path
     status, seconds = run.wait(timeout_s=300)
     out, err = "".join(run.stdout), "".join(run.stderr)
     print(f"exited {status} {seconds:.0f}s after the emulator died")
-    assert status == train.EXIT_RETRYABLE, out[-2000:] + err[-3000:]
+    assert status == EXIT_RETRYABLE, out[-2000:] + err[-3000:]
     # The save of step 5 (under way when the emulator died) names the file it could not reach.
     assert re.search(r"error: \w+ gs://outage/run/checkpoints/step_00000005/\S+ failed after \d+ attempts?: "
                      r".*the storage service cannot be reached", err), err[-3000:]
@@ -247,7 +247,7 @@ def test_sigterm_during_an_outage_ends_the_run_at_the_deadline(demo_path, tmp_pa
     run.proc.send_signal(signal.SIGTERM)  # the save it asks for cannot finish
     status, seconds = run.wait(timeout_s=120)
     err = "".join(run.stderr)
-    assert status == train.EXIT_RETRYABLE, err[-3000:]
+    assert status == EXIT_RETRYABLE, err[-3000:]
     assert 10 <= seconds < 30, seconds
     assert "error: still running 10s after SIGTERM (run.shutdown_timeout_s): exiting with status 75" in err
     assert "Training step: " in err and "Training step: unknown" not in err, err[-3000:]

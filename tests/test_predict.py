@@ -11,6 +11,9 @@ import build_data
 import data
 import predict
 import train
+from build_arc import build_arc
+from commands import usage
+from config import PROJECT_DIR, parse_config
 from tests.data_fixtures import arc_files
 from tests.test_checkpoint import subprocess_env
 from tests.test_eval import TINY_ARC, small
@@ -20,7 +23,7 @@ def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_pat
     run_dir = tmp_path / "run"
     # A model this small and short solves few test puzzles (often none): the answers are also compared cell
     # by cell below (the evaluation's token accuracy), which every cell of every answer must match.
-    trained = train.main(train.cli(["demo", "--data.path", demo_path,
+    trained = train.main(parse_config(["demo", "--data.path", demo_path,
                                     *small(run_dir, tmp_path / "cache", "--optim.max-steps", "40")]))
     final = trained["final"]
     test_set = data.open_dataset(demo_path, "test")
@@ -31,8 +34,8 @@ def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_pat
         f"demo,{digits(q)},{digits(a)},0\n" for q, a in zip(test_set.inputs, test_set.labels)))
     lines_file.write_text("".join(digits(q).replace("0", ".") + "\n" for q in test_set.inputs))
     out_file = tmp_path / "predictions.json"
-    # As a user runs it: `python train.py predict` (predict.py imports the running train.py).
-    proc = subprocess.run([sys.executable, os.path.join(train.PROJECT_DIR, "train.py"), "predict", "--init-from",
+    # As a user runs it: `python train.py predict`.
+    proc = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), "predict", "--init-from",
                            str(run_dir), "--puzzle-file", str(csv_file), f"--out={out_file}"],
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,12 +75,12 @@ def test_act_steps_used_is_the_first_step_whose_q_halt_logit_is_positive():
 
 def test_predict_of_arc_tasks_equals_the_checkpoints_submission(tmp_path, capsys):
     arc_path = str(tmp_path / "arc")
-    build_data.build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
+    build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
                          test_sets=("evaluation",), num_aug=3, seed=0)
     # Batch 8: the evaluation's batch holds the test split's 8 rows, as predict's does (one row per
     # device): the same computation, so even candidates tied on votes rank alike (by mean q_halt).
     run_dir = tmp_path / "run"
-    train.main(train.cli(["arc1", "--data.path", arc_path, "--optim.lr-warmup-steps", "1",
+    train.main(parse_config(["arc1", "--data.path", arc_path, "--optim.lr-warmup-steps", "1",
                           *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2"),
                           "--optim.global-batch-size", "8", *TINY_ARC]))
     with open(run_dir / "eval" / "step_2" / "submission.json") as f:
@@ -105,7 +108,7 @@ def test_predict_help_and_refusals(capsys):
     assert exit_info.value.code == 0
     said = capsys.readouterr().out
     assert all(name in said for name in ("--init-from", "--puzzle", "--puzzle-file", "--task", "--out"))
-    assert "predict" in train.usage()
+    assert "predict" in usage()
     with pytest.raises(SystemExit, match="predict needs puzzles"):
         predict.predict_command(["--init-from", "runs/nothing"])
     with pytest.raises(SystemExit, match="--puzzle-file nothing.txt not found"):

@@ -10,11 +10,14 @@ import torch
 import torch_xla
 from safetensors.torch import load_file
 
-import build_data
 import checkpoint
 import data
 import sharding
 import train
+from build_arc import build_arc
+from commands import export
+from config import check_against_dataset, parse_config
+from restore import load_initial_weights
 from tests.data_fixtures import arc_files
 from tests.test_train import run_in_fresh_process
 from trainer import TABLE, Trainer
@@ -32,7 +35,7 @@ FLOAT32 = ["--model.forward-dtype", "float32"]  # for comparisons across device 
 def arc_path(tmp_path_factory):
     root = tmp_path_factory.mktemp("arc_table")
     path = str(root / "arc")
-    build_data.build_arc(path, arc_files(str(root)), subsets=("training", "evaluation"),
+    build_arc(path, arc_files(str(root)), subsets=("training", "evaluation"),
                          test_sets=("evaluation",), num_aug=3, seed=0)
     return path
 
@@ -47,7 +50,7 @@ def split_run(arc_path, tmp_path_factory):
     """4 steps on 8 devices with the table split (the default), checkpoints at steps 2 and 4;
     float32, so that runs on other device counts can be compared closely."""
     run_dir = tmp_path_factory.mktemp("split") / "run"
-    result = train.main(train.cli(run_args(arc_path, run_dir, "--optim.max-steps", "4", "--run.ckpt-every", "2",
+    result = train.main(parse_config(run_args(arc_path, run_dir, "--optim.max-steps", "4", "--run.ckpt-every", "2",
                                            *FLOAT32)))
     return run_dir, result
 
@@ -62,8 +65,8 @@ def test_split_table_trains_evaluates_and_saves_like_the_replicated_table(arc_pa
     pass@k), every tensor of the final checkpoint and the exported model; the split table is
     saved as rows."""
     split_dir, replicated_dir = tmp_path / "split", tmp_path / "replicated"
-    split = train.main(train.cli(run_args(arc_path, split_dir, "--optim.max-steps", "3")))
-    replicated = train.main(train.cli(run_args(arc_path, replicated_dir, "--optim.max-steps", "3",
+    split = train.main(parse_config(run_args(arc_path, split_dir, "--optim.max-steps", "3")))
+    replicated = train.main(parse_config(run_args(arc_path, replicated_dir, "--optim.max-steps", "3",
                                                "--run.no-shard-puzzle-table")))
     assert [h["loss"] for h in split["history"]] == [h["loss"] for h in replicated["history"]]
     assert split["final"] == replicated["final"] and split["final"]["count"] == 8
@@ -79,7 +82,7 @@ def test_split_table_trains_evaluates_and_saves_like_the_replicated_table(arc_pa
     assert table_entry(split_dir)["row_start"] == 0 and table_entry(split_dir)["rows"] == 10
     assert table_entry(replicated_dir)["row_start"] is None
     for run_dir in (split_dir, replicated_dir):
-        train.export(str(run_dir), str(run_dir) + ".safetensors")
+        export(str(run_dir), str(run_dir) + ".safetensors")
     exported = [load_file(str(d) + ".safetensors") for d in (split_dir, replicated_dir)]
     assert exported[0].keys() == exported[1].keys()
     assert all(torch.equal(exported[0][k], exported[1][k]) for k in exported[0])
@@ -90,11 +93,11 @@ def test_a_table_loaded_from_an_export_is_split_by_rows_on_the_devices(arc_path,
     table on the devices split by rows: 2 rows per device, the whole table on the host again."""
     split_dir, _ = split_run
     exported = str(split_dir.parent / "init.safetensors")
-    train.export(str(split_dir), exported)
+    export(str(split_dir), exported)
     weights = load_file(exported)
-    config = train.check_against_dataset(train.cli(run_args(arc_path, split_dir.parent / "unused", *FLOAT32)),
+    config = check_against_dataset(parse_config(run_args(arc_path, split_dir.parent / "unused", *FLOAT32)),
                                          data.open_dataset(arc_path, "train").metadata)
-    trainer = Trainer(config, sharding, sharding.data_mesh(), train.load_initial_weights(exported, config.model))
+    trainer = Trainer(config, sharding, sharding.data_mesh(), load_initial_weights(exported, config.model))
     table = trainer.model.puzzle_embedding.weight
     assert torch_xla._XLAC._get_xla_sharding_spec(table).startswith("{devices=[8,1]")
     assert torch.equal(table.cpu(), weights["puzzle_embedding.weight"])

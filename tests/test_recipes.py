@@ -1,5 +1,5 @@
 """The paper's recipes as users run them: every preset but demo, in its own numerics, trained
-for some steps through train.cli/train.main on a dataset that build_data.py's command line builds from
+for some steps through parse_config/train.main on a dataset that build_data.py's command line builds from
 small source files. Every logged loss must be finite and the loss must fall.
 
 Only widths and the batch are narrowed for the CPU:
@@ -24,6 +24,7 @@ import pytest
 import build_data
 import data
 import train
+from config import PRESETS, check_against_dataset, config_differences, parse_config
 from tests.data_fixtures import arc_rule_files, maze_30x30_csv, sudoku_csv
 
 NARROW = ["--model.hidden-size", "64", "--model.num-heads", "1", "--model.puzzle-emb-ndim", "64",
@@ -80,7 +81,7 @@ def recipe_args(preset, path, run_dir, steps):
 @pytest.mark.parametrize("preset", list(RECIPES))
 def test_recipe_trains_with_finite_falling_loss(preset, recipe_data, tmp_path):
     steps, least_fall = RECIPES[preset]
-    result = train.main(train.cli(recipe_args(preset, recipe_data[preset], tmp_path, steps)))
+    result = train.main(parse_config(recipe_args(preset, recipe_data[preset], tmp_path, steps)))
     history = result["history"]
     assert [h["step"] for h in history] == list(range(1, steps + 1))
     not_finite = [(h["step"], h["lm_loss"], h["q_halt_loss"]) for h in history
@@ -98,10 +99,10 @@ def test_recipe_numerics_are_the_presets(recipe_data, tmp_path):
     """The tier's overrides change widths, the batch and the warmup, nothing else: the saved
     config of a run equals the preset's in every other field (bfloat16 included)."""
     for preset in RECIPES:
-        config = train.cli(recipe_args(preset, recipe_data[preset], tmp_path / preset, 1))
-        config = train.check_against_dataset(config, data.open_dataset(config.data.path, "train",
+        config = parse_config(recipe_args(preset, recipe_data[preset], tmp_path / preset, 1))
+        config = check_against_dataset(config, data.open_dataset(config.data.path, "train",
                                                                         config.data.cache_dir).metadata)
-        preset_config = dataclasses.asdict(train.PRESETS[preset][1])
-        changed = {line.split(":")[0] for line in train.config_differences(preset_config, dataclasses.asdict(config))}
+        preset_config = dataclasses.asdict(PRESETS[preset][1])
+        changed = {line.split(":")[0] for line in config_differences(preset_config, dataclasses.asdict(config))}
         assert changed <= NARROWED_FIELDS, f"{preset}: {changed - NARROWED_FIELDS}"
         assert config.model.forward_dtype == "bfloat16" and config.optim.lr_warmup_steps == 3

@@ -12,6 +12,9 @@ import time
 import pytest
 
 import train
+from batches import PrefetchedBatches, TrainBatches
+from config import PRESETS, OptimConfig, check_against_dataset, parse_config, settings_lines
+from schedule import lr_at
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,7 +33,8 @@ def run_in_fresh_process(args, cpu_devices=8):
         import json, sys
         sys.path.insert(0, {PROJECT_DIR!r})
         import train
-        result = train.main(train.cli({args!r}))
+        from config import parse_config
+        result = train.main(parse_config({args!r}))
         print("RESULT" + json.dumps({{k: result[k] for k in ("history", "evals", "final", "xla",
                                                                "checkpoint_transfers")}}))
     """)
@@ -125,16 +129,16 @@ def test_metrics_parts_rotate_and_a_relaunch_drops_the_steps_it_redoes(tmp_path)
 
 
 def test_the_settings_printed_at_start_are_the_differences_from_the_preset():
-    given = train.cli(["arc1", "--optim.lr", "3e-4", "--eval.no-arc-aggregate", "--data.path", "gs://b/my data"])
+    given = parse_config(["arc1", "--optim.lr", "3e-4", "--eval.no-arc-aggregate", "--data.path", "gs://b/my data"])
     resolved = dataclasses.replace(given, model=dataclasses.replace(given.model, num_puzzle_identifiers=1234))
-    lines = train.settings_lines(given, resolved, "arc1")
+    lines = settings_lines(given, resolved, "arc1")
     assert lines[1:] == ["  --data.path 'gs://b/my data' (preset: data/arc1concept-aug-1000)",
                          "  --optim.lr 0.0003 (preset: 0.0001)",
                          "  --eval.no-arc-aggregate (preset: True)",
                          "  --model.num-puzzle-identifiers 1234 (from the dataset; preset: 1)"]
     # Without the preset's name, the closest preset: arc2 differs from this only by its data.path.
-    arc2 = train.cli(["arc2"])
-    assert train.settings_lines(arc2, arc2)[0].startswith("settings: preset arc2,")
+    arc2 = parse_config(["arc2"])
+    assert settings_lines(arc2, arc2)[0].startswith("settings: preset arc2,")
 
 
 def test_sharded_over_8_devices_equals_1_device(demo_path, tmp_path):
@@ -142,7 +146,7 @@ def test_sharded_over_8_devices_equals_1_device(demo_path, tmp_path):
     # apart), and bfloat16 turns that into 1-ulp flips of ~5% of the logits: ~1e-4 on the loss.
     steps = ("--optim.max-steps", "5", "--run.log-every", "1", "--eval.every-epochs", "1000",
              "--model.forward-dtype", "float32")
-    sharded = train.main(train.cli(tiny_args(demo_path, tmp_path / "sharded", *steps)))
+    sharded = train.main(parse_config(tiny_args(demo_path, tmp_path / "sharded", *steps)))
     args = tiny_args(demo_path, tmp_path / "one", *steps)
 
     one_device, stdout = run_in_fresh_process(args + ["--run.cpu-devices", "1"], cpu_devices=1)
@@ -156,25 +160,25 @@ def test_sharded_over_8_devices_equals_1_device(demo_path, tmp_path):
 def test_config_errors_name_the_values(demo_path, tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"model.seq_len=81 but the dataset at .* has seq_len=16: "
                                          r"pass --model.seq-len 16"):
-        train.main(train.cli(tiny_args(demo_path, tmp_path, "--model.seq-len", "81")))
+        train.main(parse_config(tiny_args(demo_path, tmp_path, "--model.seq-len", "81")))
     with pytest.raises(SystemExit, match="model.vocab_size=11 but the dataset .* has vocab_size=6"):
-        train.main(train.cli(tiny_args(demo_path, tmp_path, "--model.vocab-size", "11")))
+        train.main(parse_config(tiny_args(demo_path, tmp_path, "--model.vocab-size", "11")))
     with pytest.raises(SystemExit, match=r"global_batch_size=36 does not divide over the 8 devices .* "
                                          r"use a multiple of 8 \(e.g. 40\)"):
-        train.main(train.cli(tiny_args(demo_path, tmp_path, "--optim.global-batch-size", "36")))
+        train.main(parse_config(tiny_args(demo_path, tmp_path, "--optim.global-batch-size", "36")))
     # 1 epoch of the test demo's 100 examples is no step of a global batch of 512 (max_steps 0 is allowed).
     with pytest.raises(SystemExit, match=r"optim.epochs=1 of this dataset's 100 examples per epoch make no step "
                                          r"of optim.global_batch_size=512: raise --optim.epochs to at least 6 "):
-        train.main(train.cli(tiny_args(demo_path, tmp_path, "--optim.epochs", "1", "--optim.global-batch-size",
+        train.main(parse_config(tiny_args(demo_path, tmp_path, "--optim.epochs", "1", "--optim.global-batch-size",
                                        "512", "--optim.max-steps", "5")))
     missing = str(tmp_path / "nowhere")
     with pytest.raises(SystemExit, match="nowhere"):
-        train.main(train.cli(tiny_args(demo_path, tmp_path, "--data.path", missing)))
+        train.main(parse_config(tiny_args(demo_path, tmp_path, "--data.path", missing)))
     with pytest.raises(SystemExit):
-        train.cli(["sudoku-xl"])
+        parse_config(["sudoku-xl"])
     assert "sudoku-xl" in capsys.readouterr().err
     with pytest.raises(SystemExit, match=r"^error: model.H_cycles=0 must be >= 1 \(set it with --model.H-cycles\)$"):
-        train.cli(tiny_args(demo_path, tmp_path, "--model.H-cycles", "0"))
+        parse_config(tiny_args(demo_path, tmp_path, "--model.H-cycles", "0"))
 
 
 def test_tpu_requested_without_tpu_fails_loudly():
@@ -185,7 +189,7 @@ def test_tpu_requested_without_tpu_fails_loudly():
 
 
 def test_presets_are_the_papers_recipes():
-    presets = {name: config for name, (_, config) in train.PRESETS.items()}
+    presets = {name: config for name, (_, config) in PRESETS.items()}
     assert presets["sudoku-mlp"].model.mlp_t and presets["sudoku-mlp"].model.pos_encodings == "none"
     for name in ("sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2"):
         c = presets[name]
@@ -202,14 +206,14 @@ def test_presets_are_the_papers_recipes():
 
 
 def test_lr_schedule_matches_the_reference_formula():
-    optim = dataclasses.replace(train.OptimConfig(), lr_warmup_steps=10, lr_min_ratio=0.1)
-    assert train.lr_at(0, 1.0, optim, 110) == 0
-    assert train.lr_at(5, 1.0, optim, 110) == pytest.approx(0.5)
-    assert train.lr_at(10, 1.0, optim, 110) == pytest.approx(1.0)
-    assert train.lr_at(60, 1.0, optim, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert train.lr_at(110, 1.0, optim, 110) == pytest.approx(0.1)
+    optim = dataclasses.replace(OptimConfig(), lr_warmup_steps=10, lr_min_ratio=0.1)
+    assert lr_at(0, 1.0, optim, 110) == 0
+    assert lr_at(5, 1.0, optim, 110) == pytest.approx(0.5)
+    assert lr_at(10, 1.0, optim, 110) == pytest.approx(1.0)
+    assert lr_at(60, 1.0, optim, 110) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(110, 1.0, optim, 110) == pytest.approx(0.1)
     constant = dataclasses.replace(optim, lr_min_ratio=1.0)
-    assert train.lr_at(80, 2.0, constant, 110) == 2.0
+    assert lr_at(80, 2.0, constant, 110) == 2.0
 
 
 def _free_port():
@@ -245,7 +249,7 @@ def test_hosts_with_different_configs_all_stop_naming_the_odd_host():
 
 
 def test_profile_of_a_few_steps_lands_in_the_tensorboard_dir(demo_path, tmp_path):
-    train.main(train.cli(tiny_args(demo_path, tmp_path, "--optim.max-steps", "12", "--run.profile-steps", "2",
+    train.main(parse_config(tiny_args(demo_path, tmp_path, "--optim.max-steps", "12", "--run.profile-steps", "2",
                                    "--eval.every-epochs", "1000")))
     profiles = [os.path.join(root, name) for root, _, names in os.walk(tmp_path / "run" / "tb" / "plugins" / "profile")
                 for name in names if name.endswith(".xplane.pb")]
@@ -255,8 +259,8 @@ def test_profile_of_a_few_steps_lands_in_the_tensorboard_dir(demo_path, tmp_path
 def test_captured_step_equals_the_retraced_step(demo_path, tmp_path):
     """The step traced once and replayed gives the same numbers as re-tracing it every step."""
     args = ("--optim.max-steps", "8", "--run.log-every", "1", "--eval.every-epochs", "1000")
-    replayed = train.main(train.cli(tiny_args(demo_path, tmp_path / "a", *args)))
-    retraced = train.main(train.cli(tiny_args(demo_path, tmp_path / "b", *args, "--run.no-capture-step")))
+    replayed = train.main(parse_config(tiny_args(demo_path, tmp_path / "a", *args)))
+    retraced = train.main(parse_config(tiny_args(demo_path, tmp_path / "b", *args, "--run.no-capture-step")))
     assert [h["loss"] for h in replayed["history"]] == [h["loss"] for h in retraced["history"]]
     assert replayed["final"] == retraced["final"]
 
@@ -289,7 +293,7 @@ def test_prefetched_batches_come_in_step_order_from_a_background_thread():
             raise OSError("bucket went away")
         return {"step": step}
 
-    batches = train.PrefetchedBatches(load, first_step=2, last_step=5)
+    batches = PrefetchedBatches(load, first_step=2, last_step=5)
     assert [batches.get(step)["step"] for step in (2, 3)] == [2, 3]
     with pytest.raises(OSError, match="bucket went away"):
         batches.get(4)  # the loader's error reaches the training loop at the step that needs it
@@ -311,7 +315,7 @@ def test_a_nan_stop_writes_the_non_finite_window_before_it_exits(demo_path, tmp_
         write(self)
     monkeypatch.setattr(report.MetricsFile, "_write", slow_write)
     with pytest.raises(SystemExit, match="not finite"):
-        train.main(train.cli(tiny_args(demo_path, tmp_path, "--optim.lr", "1e30", "--optim.max-steps", "8",
+        train.main(parse_config(tiny_args(demo_path, tmp_path, "--optim.lr", "1e30", "--optim.max-steps", "8",
                                        "--run.log-every", "4", "--run.ckpt-every", "4")))
     records = metrics_records(str(tmp_path / "run"))  # read at once: the exit waited for the write
     assert records and (records[-1]["step"], records[-1]["loss"]) == (4, None), records
@@ -328,13 +332,13 @@ def test_grad_norm_is_clip_grad_norms_total_norm_of_the_eager_cpu_gradients(demo
     from model import TRM, Carry, loss_and_metrics
     from trainer import TRAIN_METRICS, Trainer
 
-    config = train.cli(tiny_args(demo_path, tmp_path, "--model.forward-dtype", "float32", "--model.H-cycles", "2",
+    config = parse_config(tiny_args(demo_path, tmp_path, "--model.forward-dtype", "float32", "--model.H-cycles", "2",
                                  "--model.L-cycles", "1"))  # smaller than the demo's 3 x 6: compiles faster
     train_set = data.open_dataset(demo_path, "train")
-    config = train.check_against_dataset(config, train_set.metadata)
+    config = check_against_dataset(config, train_set.metadata)
     mesh = sharding.data_mesh()
     trainer = Trainer(config, sharding, mesh)
-    host_batch = data.TrainBatches(train_set, config.optim.global_batch_size, seed=0).batch(0)
+    host_batch = TrainBatches(train_set, config.optim.global_batch_size, seed=0).batch(0)
     trainer.init_carries(sharding.host_batch_to_global(host_batch, mesh))
     sharding.sync()
     weights = {k: v.cpu() for k, v in trainer.model.state_dict().items()}
@@ -373,7 +377,8 @@ def test_mfu_is_model_flops_over_time_and_peak_and_absent_on_cpu():
     import torch
 
     import report
-    from model import model_flops, peak_tflops_per_device
+    from model import model_flops
+    from projection import peak_tflops_per_device
     from trainer import TRAIN_METRICS
 
     # 43 GFLOP per example, 768 per step, 100 steps in 2 s (20 ms each) on 32 devices of a v4:
@@ -386,7 +391,7 @@ def test_mfu_is_model_flops_over_time_and_peak_and_absent_on_cpu():
         [275.0, 197.0, 918.0, None, None, None]
 
     # Through RunLog's step line, with the accelerator kind injected, and the real FLOP formula.
-    config = train.PRESETS["sudoku-mlp"][1]
+    config = PRESETS["sudoku-mlp"][1]
     flops = model_flops(config.model)["train"]
     sums = torch.zeros(len(TRAIN_METRICS))
     sums[TRAIN_METRICS.index("count")] = 768 * 100

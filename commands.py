@@ -1,0 +1,151 @@
+"""The commands besides training, reached from train.py's command line: `eval` (weights on a
+test split), `export` (a run's EMA weights as one safetensors file), and the flag parsing that
+`eval` and `predict` share (the weights, then any training setting on top of theirs).
+
+    python train.py eval --init-from gs://BUCKET/runs/NAME --data.path gs://BUCKET/data/...
+    python train.py export gs://BUCKET/runs/NAME --out gs://BUCKET/models/NAME.safetensors
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import tyro
+
+import checkpoint
+import storage
+from arc import ArcEvaluator, write_submission
+from batches import EvalBatches
+from config import PRESETS, Config
+from evaluate import evaluate
+from lifecycle import start
+from restore import load_weights_for_eval
+from trainer import Trainer
+
+
+@dataclass
+class ExportCommand:
+    """Write the EMA weights of a checkpoint as one model.safetensors (config in its metadata)."""
+
+    source: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="SOURCE")]
+    """A run directory (its newest readable committed checkpoint) or one checkpoint directory."""
+    out: str
+    """Where to write, local or gs:// (e.g. gs://BUCKET/models/sudoku.safetensors)."""
+
+
+def export_command(argv: list[str]) -> None:
+    """`python train.py export SOURCE --out URL`."""
+    flags = tyro.cli(ExportCommand, args=argv, prog="train.py export")
+    export(flags.source, flags.out)
+
+
+def export(source: str, out: str) -> None:
+    """Write the EMA weights of `source` (ExportCommand) to `out`."""
+    for what, value in (("the export source", source), ("--out", out)):
+        try:
+            storage.check_url(value, what)
+        except storage.StorageError as e:
+            raise SystemExit(f"error: {e}")
+    try:
+        found = checkpoint.weights_of(source)
+    except checkpoint.CheckpointError as e:
+        raise SystemExit(f"error: {e}")
+    if found is None:
+        raise SystemExit(f"error: {source} is not a run or checkpoint directory")
+    weights, state, url = found
+    checkpoint.export_model(weights, state, out)
+    print(f"exported the EMA weights of {url} (step {state['step']}) to {out}", flush=True)
+
+
+@dataclass
+class WeightsCommand:
+    """The flags of a command that runs given weights (eval): the weights, then any setting
+    of the training configuration (they override what the weights' run used)."""
+
+    init_from: Annotated[str, tyro.conf.arg(help_behavior_hint="(required)")]
+    """The weights: a run directory (its newest readable checkpoint), a checkpoint directory, an exported model.safetensors or a reference checkpoint; local or gs://."""  # noqa: E501 (one line: tyro keeps line breaks)
+    config: Annotated[Config, tyro.conf.arg(name="")] = field(default_factory=Config)
+
+
+def parse_weights_command(command: str, argv: list[str], description: str,
+                          flags: type[WeightsCommand] = WeightsCommand) -> tuple[str, WeightsCommand, list[str]]:
+    """(preset, the command's own flags parsed, the configuration flags as typed) of
+    `train.py COMMAND [PRESET] ...`; tyro checks every flag and prints `--help` (exit 0). The
+    configuration flags are returned unparsed: they apply on top of the weights' own run
+    configuration, not of the preset."""
+    preset = argv[0] if argv and argv[0] in PRESETS else "sudoku-mlp"
+    rest = argv[1:] if argv and argv[0] in PRESETS else argv
+    parsed = tyro.cli(flags, args=rest, default=flags("", PRESETS[preset][1]),
+                      prog=f"train.py {command} [PRESET]", description=description)
+    if not parsed.init_from:
+        raise SystemExit(f"error: {command} needs --init-from URL (a run directory, checkpoint, exported "
+                         "model.safetensors or reference checkpoint)")
+    own = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(flags) if f.name != "config"}
+    overrides, skip = [], False
+    for arg in rest:  # every flag but the command's own (`--flag value` or `--flag=value`)
+        name = arg.split("=", 1)[0].replace("_", "-")
+        if skip:
+            skip = False
+        elif name in own:
+            skip = "=" not in arg
+        else:
+            overrides.append(arg)
+    return preset, parsed, overrides
+
+
+def evaluate_command(argv: list[str]) -> dict:
+    """`python train.py eval [PRESET] --init-from URL --data.path URL [overrides]`: evaluate a
+    run directory / checkpoint, an exported model.safetensors or a reference checkpoint on a
+    dataset's test split; prints and saves the metrics (and ARC scores) under
+    {run.dir}/eval/step_N/."""
+    preset, flags, args = parse_weights_command("eval", argv, "Evaluate " + " ".join(
+        evaluate_command.__doc__.split(":", 1)[1].split()).removeprefix("evaluate "))
+    source = flags.init_from
+    try:
+        storage.check_url(source, "--init-from")
+    except storage.StorageError as e:
+        raise SystemExit(f"error: {e}")
+    config, weights, step, trained_on = load_weights_for_eval(source, PRESETS[preset][1], args)
+    table = weights.get("model/puzzle_embedding.weight")
+    config, _, test_set, sharding, device_kind, _ = start(config, None if table is None else table.shape[0],
+                                                          trained_on, source)
+    data_index, data_count = sharding.data_split()
+    say = print if sharding.is_main_process() else (lambda *a, **k: None)
+    mesh = sharding.data_mesh()
+    trainer = Trainer(config, sharding, mesh, weights)
+    batches = EvalBatches(test_set, config.optim.global_batch_size, process_index=data_index,
+                               process_count=data_count,
+                               max_examples=config.eval.max_examples, seed=config.run.seed)
+    trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
+    sharding.sync()
+    say(f"evaluating {source} (step {step}) on {batches.num_examples} examples of {config.data.path} "
+        f"on {device_kind} ({len(batches)} batches)", flush=True)
+    started = time.time()
+    arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+    result, submission = evaluate(trainer, batches, sharding.sync, arc, lambda *a: say(*a, flush=True),
+                                  storage.join_url(config.run.dir, "eval"), step, config.eval.arc_aggregate)
+    out = storage.join_url(config.run.dir, "eval", f"step_{step}")
+    if sharding.is_main_process():
+        metrics = json.dumps(dict(result, source=source), indent=2).encode()
+        storage.write_bytes(storage.join_url(out, "metrics.json"), metrics)
+        if submission is not None:
+            write_submission(out, submission)
+    scores = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()
+                       if k not in ("count", "num_examples"))
+    say(f"eval of {source}: {scores}  ({time.time() - started:.0f}s); saved to {out}", flush=True)
+    return result
+
+
+def usage() -> str:
+    """`python train.py --help`: the presets and the commands."""
+    width = max(map(len, PRESETS))
+    return "\n".join([
+        "usage: python train.py PRESET [FLAGS]                          train (PRESET --help: every flag)",
+        "       python train.py eval [PRESET] --init-from URL [FLAGS]   evaluate weights on a test split",
+        "       python train.py export SOURCE --out URL                 the EMA weights as one safetensors file",
+        "       python train.py predict [PRESET] --init-from URL ...    answers to --puzzle / --puzzle-file / --task",
+        "", "presets:", *(f"  {name.ljust(width)}  {about}" for name, (about, _) in PRESETS.items()),
+        "", "Each command's --help lists its flags; flags take `--flag value` or `--flag=value`."])

@@ -1,0 +1,349 @@
+"""The training configuration: the dataclasses users change with flags (one docstring line per
+field, which `--help` shows), the presets (the paper's recipes and the CPU demo), and everything
+about a configuration that needs neither a dataset nor a device: the range and URL checks, the
+settings lines printed at start, the fingerprint hosts compare, which fields a resume may
+change, and the command-line parser (`parse`).
+
+    python train.py --help               # the presets
+    python train.py arc1 --help          # every field with the preset's value
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import tyro
+
+import data
+import storage
+from model import TRMConfig
+from ranges import range_problems, ranged
+
+PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def resumable(default, **limits):
+    """A config field that a relaunch of the run may change: it does not change the math of the
+    training (the resume check in `config_differences` lets it differ). `limits`: its allowed
+    range, as for `ranged` (e.g. ge=1), checked by `check_config`."""
+    return ranged(default, resumable=True, **limits)
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/sudoku-extreme-1k-aug-1000"
+    """Dataset root in the reference's format: a local path or an fsspec URL (gs://...)."""
+    cache_dir: str | None = resumable(None)
+    """Local directory for the cached arrays (default ~/.cache/trm-data/<hash of path>)."""
+
+
+# AdamATan2's betas must stay below 1 in float32 (optim.AdamATan2 refuses 0.99999999, which rounds to 1).
+_BETA_MAX = 0.99999994
+
+
+_BETA_NOTE = "below 1 in float32"
+
+
+@dataclass
+class OptimConfig:
+    global_batch_size: int = ranged(768, ge=1)
+    """Examples per step over all hosts (the paper's 768); must divide by the device count."""
+    epochs: int = ranged(50000, ge=1)
+    """Training length in epochs (an epoch draws one puzzle per group)."""
+    max_steps: int | None = resumable(None, ge=0, note="leave it out to train for optim.epochs")
+    """Stop after this many steps instead (for quick runs; 0 saves and evaluates the initial or
+    --run.init-from weights); None trains for `epochs`."""
+    lr: float = ranged(1e-4, ge=0)
+    """Peak learning rate of AdamATan2."""
+    lr_min_ratio: float = ranged(1.0, ge=0, le=1, note="a fraction of the peak lr")
+    """Cosine decay floor as a fraction of lr (1.0: constant after warmup, as in the paper)."""
+    lr_warmup_steps: int = ranged(2000, ge=0)
+    """Linear warmup steps from 0."""
+    beta1: float = ranged(0.9, ge=0, le=_BETA_MAX, note=_BETA_NOTE)
+    """AdamATan2 beta1."""
+    beta2: float = ranged(0.95, ge=0, le=_BETA_MAX, note=_BETA_NOTE)
+    """AdamATan2 beta2."""
+    weight_decay: float = ranged(1.0, ge=0)
+    """Decoupled weight decay of AdamATan2."""
+    puzzle_emb_lr: float = ranged(1e-4, ge=0)
+    """Peak learning rate of the puzzle-embedding SignSGD (same schedule)."""
+    puzzle_emb_weight_decay: float = ranged(1.0, ge=0)
+    """Decoupled weight decay of the puzzle embedding."""
+    ema_rate: float = ranged(0.999, ge=0, lt=1, note="0 evaluates the trained weights as they are")
+    """EMA rate of the weights used for evaluation and export."""
+
+
+@dataclass
+class EvalConfig:
+    every_epochs: int = resumable(5000, ge=1, note="the final evaluation always runs; set it to optim.epochs "
+                                                   "for only that one")
+    """Evaluate every this many epochs, counted in epochs as the reference does; the final
+    evaluation at the last step takes the place of the one due at the end."""
+    max_examples: int | None = resumable(None, ge=1, note="leave it out to evaluate every test example")
+    """Cap intermediate evaluations to a fixed seeded subset of this many test examples
+    (the final evaluation uses all); None evaluates everything every time."""
+    arc: bool = resumable(False)
+    """Score ARC pass@1/2/5/10/100/1000 by voting over augmentations and write submission.json
+    (needs the ARC builder's identifiers.json and test_puzzles.json; on in the arc presets)."""
+    arc_aggregate: bool = resumable(False)
+    """Also vote over every evaluation of this run so far (aggregated_pass@k, and the submission),
+    as the reference reports ARC scores; `train.py eval` votes over its own and the saved votes
+    of earlier steps in {run.dir}/eval/step_N/arc_votes.json.gz. Needs --eval.arc."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = resumable("runs/default")
+    """Run directory (local or gs://): config, checkpoints, TensorBoard logs."""
+    seed: int = ranged(0, ge=0, le=2**32 - 1)
+    """Seed of the initial weights, the data order and the halting exploration."""
+    device: Literal["auto", "tpu", "cpu"] = resumable("auto")
+    """auto (TPU if attached or PJRT_DEVICE says so), tpu (fail without one), cpu (virtual mesh)."""
+    cpu_devices: int = resumable(8, ge=1)
+    """Virtual devices of the CPU mesh (device cpu)."""
+    log_every: int = resumable(100, ge=1)
+    """Read metrics back and print a progress line every this many steps."""
+    ckpt_every: int = resumable(2000, ge=1, note="the end of the run and SIGTERM always save one")
+    """Save a checkpoint every this many steps (and always at the end and on SIGTERM)."""
+    keep_checkpoints: int = resumable(3, ge=1, note="the latest is always kept")
+    """Committed checkpoints to keep; older ones are deleted."""
+    init_from: str | None = resumable(None)
+    """Start from these weights when the run directory has no checkpoint yet: a run or checkpoint
+    directory (its EMA weights), an exported model.safetensors or a reference checkpoint. A puzzle
+    table trained on other identifiers restarts from its mean row (fine-tuning on new puzzles)."""
+    allow_config_change: bool = resumable(False)
+    """Resume even though the run directory was created with a different configuration."""
+    preempt_check_every: int = resumable(10, ge=1)
+    """On several hosts, agree every this many steps whether any host got SIGTERM."""
+    shutdown_timeout_s: float = resumable(90.0, gt=0)
+    """After SIGTERM or Ctrl-C, exit with status 75 (relaunch resumes) if still running this long later."""
+    compile_cache_dir: str = resumable("~/.cache/trm-xla")
+    """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
+    compile_cache_url: str | None = resumable(None)
+    """Keep the compilation cache's files under {this}/{key}/ too (key: accelerator type, torch_xla
+    and libtpu versions, code hash), so that a new VM does not recompile: each host restores them
+    before the runtime starts, process 0 uploads new ones after the first steps and at the end
+    (best effort; compile_cache.py). launch.sh train passes gs://BUCKET/xla-cache."""
+    shard_puzzle_table: bool = resumable(True)
+    """Split the puzzle-embedding table's rows over the devices (each holds and saves 1/N of it);
+    a table with fewer rows than devices stays replicated. False replicates it on every device."""
+    capture_step: bool = resumable(True)
+    """Trace the training step and the evaluation ACT step once each and replay them as XLA
+    computations (host time per step: README, Speed); False re-traces them every step."""
+    profile_steps: int = resumable(0, ge=0, note="0 = off")
+    """Capture an XLA profile of this many steps (from the 10th step of this launch) into
+    {run.dir}/tb/plugins/profile for TensorBoard's profile tab; 0 = off."""
+    start_over: bool = resumable(False)
+    """Start from step 0 when every committed checkpoint in run.dir is unreadable (they are moved
+    to checkpoints-unreadable-TIME/); a readable one is still resumed, so relaunching with it is safe."""
+    watchdog_minutes: float = resumable(30.0, ge=0, note="0 = off")
+    """Exit (status 75, so launch.sh --retry relaunches) when no training step or evaluation batch
+    completes for this long: a hung host or collective; 0 = off."""
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: TRMConfig = field(default_factory=lambda: TRMConfig(mlp_t=True, pos_encodings="none"))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+def _preset(base: Config | None = None, **sections) -> Config:
+    config = base or Config()
+    for name, overrides in sections.items():
+        config = dataclasses.replace(config, **{name: dataclasses.replace(getattr(config, name), **overrides)})
+    return config
+
+
+_arc = _preset(
+    data=dict(path="data/arc1concept-aug-1000"),
+    model=dict(seq_len=900, vocab_size=12, mlp_t=False, pos_encodings="rope", L_cycles=4),
+    optim=dict(epochs=100000, puzzle_emb_lr=1e-2, weight_decay=0.1, puzzle_emb_weight_decay=0.1),
+    eval=dict(every_epochs=10000, arc=True, arc_aggregate=True),
+)
+
+
+PRESETS: dict[str, tuple[str, Config]] = {
+    "sudoku-mlp": ("Sudoku-Extreme, TRM-MLP (paper: 87.4% exact)", Config()),
+    "sudoku-att": ("Sudoku-Extreme, attention TRM (paper: 74.7%)",
+                   _preset(model=dict(mlp_t=False, pos_encodings="rope"))),
+    "maze": ("Maze-Hard 30x30, attention TRM (paper: 85.3%)",
+             _preset(data=dict(path="data/maze-30x30-hard-1k"),
+                     model=dict(seq_len=900, vocab_size=6, mlp_t=False, pos_encodings="rope", L_cycles=4))),
+    "arc1": ("ARC-AGI-1, attention TRM (paper: 44.6% pass@2)", _arc),
+    "arc2": ("ARC-AGI-2, attention TRM (paper: 7.8% pass@2)",
+             _preset(_arc, data=dict(path="data/arc2concept-aug-1000"))),
+    # The demo keeps the presets' bfloat16 activations, so the first command users run takes the
+    # numerics of the real runs (on 2 cores: 100% exact; float32 99.0% with ~13% less CPU time).
+    "demo": ("4x4 Sudoku built locally, a tiny TRM on the CPU mesh in minutes",
+             _preset(data=dict(path="data/demo"),
+                     model=dict(seq_len=16, vocab_size=6, hidden_size=64, num_heads=4, expansion=2.0,
+                                H_cycles=2, L_cycles=2, puzzle_emb_ndim=64, puzzle_emb_len=1,
+                                halt_max_steps=4, forward_dtype="bfloat16"),
+                     optim=dict(global_batch_size=128, epochs=200, lr=1e-3, puzzle_emb_lr=1e-2,
+                                lr_warmup_steps=50, weight_decay=0.1, puzzle_emb_weight_decay=0.1,
+                                ema_rate=0.99),
+                     eval=dict(every_epochs=50, max_examples=512),
+                     run=dict(dir="runs/demo", device="cpu", log_every=20))),
+}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a dotted config field: optim.global_batch_size ->
+    --optim.global-batch-size."""
+    return "--" + name.replace("_", "-")
+
+
+def check_config(config: Config) -> None:
+    """Every check of the flags that needs neither the dataset nor a device, in one place, run
+    before the dataset is opened and the runtime starts: each numeric field within the range
+    declared on it (`ranged` / `resumable(..., ge=...)`), the model's sizes fitting together, the
+    URLs spelled so that fsspec can open them. ConfigError lists every problem, one per line,
+    each naming the field, its flag and the value."""
+    problems = []
+    for section in dataclasses.fields(Config):
+        for name, value, rule, note in range_problems(getattr(config, section.name)):
+            dotted = f"{section.name}.{name}"
+            problems.append(f"{dotted}={value!r} must be {rule} ({note + '; ' if note else ''}"
+                            f"set it with {flag(dotted)})")
+    if not any(p.startswith("model.") for p in problems):
+        problems += [f"model.{p}" for p in config.model.problems(ranges=False)]
+    if config.eval.arc_aggregate and not config.eval.arc:
+        problems.append("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
+                        "pass --eval.arc too (needs an ARC dataset)")
+    urls = [("data.path", config.data.path, False), ("run.dir", config.run.dir, False),
+            ("data.cache_dir", config.data.cache_dir, True), ("run.init_from", config.run.init_from, False)]
+    for name, url, local_only in urls:
+        if url is not None or name in ("data.path", "run.dir"):
+            try:
+                storage.check_url(url, name, local_only)
+            except storage.StorageError as e:
+                problems.append(f"{e} (set it with {flag(name)})")
+    if problems:
+        raise ConfigError("\nerror: ".join(problems))
+
+
+def check_against_dataset(config: Config, metadata: data.Metadata) -> Config:
+    """The model's data-derived fields must match the dataset; returns the config with the
+    dataset's identifier count filled in."""
+    for name in ("seq_len", "vocab_size"):
+        ours, theirs = getattr(config.model, name), getattr(metadata, name)
+        if ours != theirs:
+            raise ConfigError(
+                f"model.{name}={ours} but the dataset at {config.data.path} has {name}={theirs}: "
+                f"pass --model.{name.replace('_', '-')} {theirs} or the preset made for this dataset")
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, num_puzzle_identifiers=metadata.num_puzzle_identifiers))
+
+
+DATASET_FIELDS = ("model.num_puzzle_identifiers",)
+
+
+"""Fields that check_against_dataset fills in from the dataset (seq_len and vocab_size are only
+checked against it)."""
+
+
+def flat_config(config: Config) -> dict:
+    """{dotted field name: value} of a Config."""
+    return {f"{section.name}.{name}": value for section in dataclasses.fields(Config)
+            for name, value in dataclasses.asdict(getattr(config, section.name)).items()}
+
+
+def flag_with_value(name: str, value) -> str:
+    """How to set a field on the command line: --optim.lr 0.001, --eval.arc / --eval.no-arc."""
+    if isinstance(value, bool):
+        section, _, field_name = name.rpartition(".")
+        return flag(f"{section}.{'' if value else 'no_'}{field_name}")
+    import shlex
+
+    return f"{flag(name)} {shlex.quote(str(value))}"
+
+
+def settings_lines(given: Config, resolved: Config, preset: str | None = None) -> list[str]:
+    """The run's settings as printed at start: the fields whose value differs from the preset's
+    (what the flags changed), then those filled in from the dataset, one line each
+    `--flag value (preset: X)`. `preset` defaults to the preset the config differs least from."""
+    mine = flat_config(given)
+
+    def changes(name):
+        return [k for k, v in flat_config(PRESETS[name][1]).items() if mine[k] != v]
+    preset = preset or min(PRESETS, key=lambda name: len(changes(name)))
+    base, resolved_flat = flat_config(PRESETS[preset][1]), flat_config(resolved)
+    lines = [f"settings: preset {preset}, and what differs from it (config.json in the run directory has them all):"]
+    lines += [f"  {flag_with_value(k, mine[k])} (preset: {base[k]})" for k in changes(preset)
+              if k not in DATASET_FIELDS]
+    lines += [f"  {flag_with_value(k, resolved_flat[k])} (from the dataset; preset: {base[k]})"
+              for k in DATASET_FIELDS]
+    return lines
+
+
+def check_batch_layout(global_batch_size: int, num_devices: int, num_hosts: int) -> None:
+    if global_batch_size % num_devices:
+        raise ConfigError(
+            f"optim.global_batch_size={global_batch_size} does not divide over the {num_devices} devices "
+            f"of this slice; use a multiple of {num_devices} "
+            f"(e.g. {math.ceil(global_batch_size / num_devices) * num_devices})")
+    if global_batch_size % num_hosts:
+        raise ConfigError(f"optim.global_batch_size={global_batch_size} does not divide over {num_hosts} hosts")
+
+
+def config_fingerprint(config: Config) -> str:
+    """Text that differs whenever the flags or the code differ (compared across hosts): the
+    config and a hash of every Python file of the project that a run executes."""
+    sources = []
+    for name in sorted(n for n in os.listdir(PROJECT_DIR) if n.endswith(".py")):
+        with open(os.path.join(PROJECT_DIR, name), "rb") as f:
+            sources.append(f"{name}:{hashlib.sha256(f.read()).hexdigest()}")
+    return json.dumps(dataclasses.asdict(config), sort_keys=True) + "\n" + "\n".join(sources)
+
+
+def resumable_fields() -> set[str]:
+    """Dotted names of the fields declared with `resumable(...)`: those a relaunch may change."""
+    defaults = Config()
+    return {f"{section.name}.{f.name}" for section in dataclasses.fields(Config)
+            for f in dataclasses.fields(getattr(defaults, section.name)) if f.metadata.get("resumable")}
+
+
+def config_differences(saved: dict, current: dict, prefix: str = "", may_change: set[str] | None = None) -> list[str]:
+    """Fields (dotted) whose values differ, leaving out those that may change on resume."""
+    may_change = resumable_fields() if may_change is None else may_change
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        name = f"{prefix}{key}"
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, name + ".", may_change)
+        elif a != b and name not in may_change:
+            out.append(f"{name}: {a!r} in the run directory, {b!r} now")
+    return out
+
+
+def config_from_dict(saved: dict) -> Config:
+    return Config(data=DataConfig(**saved["data"]), model=TRMConfig(**saved["model"]),
+                  optim=OptimConfig(**saved["optim"]), eval=EvalConfig(**saved["eval"]), run=RunConfig(**saved["run"]))
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """The training configuration from the command line (a preset name, then overrides)."""
+    config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
+    try:
+        check_config(config)  # again in start(), which eval and direct callers of main() reach too
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
+    if config.data.path == PRESETS["demo"][1].data.path and not os.path.exists(config.data.path):
+        import build_data
+
+        print(f"building the demo dataset at {config.data.path}", flush=True)
+        build_data.build_demo(config.data.path, seed=0)
+    return config

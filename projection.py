@@ -1,0 +1,185 @@
+"""What a TRM run costs on a Cloud TPU slice, without running it: the slices (chips, hosts, the
+bf16 peak of each generation), the device time of a step's model FLOPs at a given MFU, the
+paper datasets' sizes, and a whole recipe's projected hours. bench.py adds its measurements of
+the host to these projections, study.py plans a study's device-hours with them, and the step
+line's MFU reads the peaks (`peak_tflops_per_device`). The FLOP formula itself is the model's
+(`model.model_flops`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from batches import total_train_steps
+from model import model_flops
+from schedule import evaluation_steps
+
+if TYPE_CHECKING:
+    from config import Config
+
+# ----------------------------------------------------------------------------------------------
+# TPU generations and slices
+
+PEAK_TFLOPS_PER_CHIP = {"v4": 275.0, "v5e": 197.0, "v6e": 918.0}  # bf16 dense, Google's figures
+"""Peak bf16 TFLOP/s of one chip per TPU generation. A chip is one PyTorch/XLA device on each of
+them (a v4 chip's two TensorCores are one megacore device), so this is also the peak per device."""
+
+# The runtime's device kind (PJRT's name, e.g. "TPU v4"; v5e calls itself "TPU v5 lite", v6e
+# "TPU v6 lite") -> the generation of PEAK_TFLOPS_PER_CHIP.
+_KIND_GENERATIONS = {"tpu v4": "v4", "tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5litepod": "v5e",
+                     "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
+
+
+def peak_tflops_per_device(device_kind: str | None) -> float | None:
+    """bf16 peak TFLOP/s of one device of this kind ("TPU v4", "TPU v5 lite", "TPU v6 lite"), or
+    None for any other kind (CPU, an unknown TPU): no peak, so no MFU."""
+    generation = _KIND_GENERATIONS.get((device_kind or "").strip().lower())
+    return PEAK_TFLOPS_PER_CHIP[generation] if generation else None
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    name: str
+    generation: str
+    chips: int
+    hosts: int
+    peak_tflops_per_chip: float
+
+    @property
+    def peak_tflops(self) -> float:
+        return self.chips * self.peak_tflops_per_chip
+
+
+def slice_spec(name: str) -> SliceSpec:
+    """Chips and hosts of a slice from its name, as Cloud TPU names them.
+
+    v4-N counts TensorCores (2 per chip): N/2 chips, 4 chips per host (v4-8: 1 host, v4-64: 32
+    chips on 8 hosts). v5e-N and v6e-N count chips: a slice of up to 8 chips is one host, larger
+    ones have 4 chips per host. Peak per chip (bf16): v4 275, v5e 197, v6e 918 TFLOP/s.
+    """
+    match = re.fullmatch(r"(v4|v5e|v6e)-(\d+)", name.strip().lower())
+    if not match:
+        raise ValueError(f"unknown TPU slice {name!r}: use v4-N, v5e-N or v6e-N (e.g. v4-64, v5e-16, v6e-8)")
+    generation, n = match.group(1), int(match.group(2))
+    if generation == "v4":
+        if n < 8 or n % 8:
+            raise ValueError(f"{name}: a v4 slice counts TensorCores, a multiple of 8 (v4-8, v4-16, ..., v4-64)")
+        chips = n // 2
+        hosts = chips // 4
+    else:
+        if n < 1:
+            raise ValueError(f"{name}: a slice has at least one chip")
+        chips = n
+        hosts = 1 if n <= 8 else -(-n // 4)
+    return SliceSpec(name.strip().lower(), generation, chips, hosts, PEAK_TFLOPS_PER_CHIP[generation])
+
+
+def projected_ms(flops_per_example: int, global_batch: int, spec: SliceSpec) -> float:
+    """Milliseconds for `global_batch` examples at 100% of the slice's peak."""
+    return flops_per_example * global_batch / (spec.peak_tflops * 1e12) * 1e3
+
+
+# ----------------------------------------------------------------------------------------------
+# The paper's datasets
+
+
+@dataclass(frozen=True)
+class PaperDataset:
+    """A preset's real dataset as the reference's builder writes it: the sizes a paper run
+    trains and evaluates on (the projection reads them; the measured steps use synthetic data)."""
+
+    name: str
+    """The reference builder's output directory."""
+    total_groups: int
+    """Groups of the train split (an epoch draws one puzzle of each)."""
+    mean_puzzle_examples: float
+    """Examples per puzzle of the train split (an epoch's examples per group)."""
+    test_examples: int
+    """Examples of the test split (an evaluation reads them all, unless eval.max_examples)."""
+    puzzle_identifiers: int
+    """Rows of the puzzle-embedding table (num_puzzle_identifiers, <blank> included)."""
+    source: str
+    """Where the numbers come from."""
+
+
+_SUDOKU = PaperDataset(
+    "sudoku-extreme-1k-aug-1000", 1000, 1.0, 423_000, 1,
+    "1000 groups of 1001 one-example puzzles (build_sudoku_dataset.py --subsample-size 1000 --num-aug 1000); "
+    "test: the whole Sudoku-Extreme test set, 423k (DESIGN.md section 3, rounded)")
+_ARC_SOURCE = ("counted by running build_data.py's ARC variant drawing (byte-equal to the reference's "
+               "build_arc_dataset.py, seed 42, 1000 augmentations) on the reference repository's "
+               "kaggle/combined files; test: the test pairs of every variant of the test set's tasks")
+PAPER_DATASETS: dict[str, PaperDataset] = {
+    "sudoku-mlp": _SUDOKU,
+    "sudoku-att": _SUDOKU,
+    "maze": PaperDataset("maze-30x30-hard-1k", 1000, 1.0, 1000, 1,
+                         "build_maze_dataset.py defaults: 1000 train and 1000 test mazes, no augmentation"),
+    # 960 tasks; 876,405 puzzles (tasks with few colours or symmetries have fewer than 1000
+    # distinct augmentations) holding 3,633,410 train examples
+    "arc1": PaperDataset("arc1concept-aug-1000", 960, 3_633_410 / 876_405, 385_815, 876_406,
+                         "subsets training evaluation concept, test set evaluation; " + _ARC_SOURCE),
+    # 1280 tasks; 1,191,729 puzzles holding 5,163,277 train examples
+    "arc2": PaperDataset("arc2concept-aug-1000", 1280, 5_163_277 / 1_191_729, 170_393, 1_191_730,
+                         "subsets training2 evaluation2 concept, test set evaluation2; " + _ARC_SOURCE),
+}
+
+
+def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: float) -> dict:
+    """Wall time of the preset's whole recipe on the record's slice, from its measured host
+    times and its device time at `mfu` of the slice's peak; each step takes the longer of the
+    two (the host dispatches a step while the device runs the one before).
+
+      train steps  batches.total_train_steps (epochs x total_groups x mean_puzzle_examples / global batch)
+      evaluations  schedule.evaluation_steps of the recipe, the final one included; each reads
+                   ceil(examples / global batch) batches (examples: the whole test split, or
+                   eval.max_examples of it except in the final one), halt_max_steps ACT steps each
+      checkpoints  every run.ckpt_every steps and the final one (checkpoint.Checkpoints), each
+                   pausing the loop for checkpoint_pause_ms
+    Not counted: start-up, compiles, the evaluation's other host work (reading predictions,
+    ARC votes), restarts. A record without host times (--flops-only) counts device time only.
+    """
+    optim, model = config.optim, config.model
+    global_batch = optim.global_batch_size
+    train_steps = total_train_steps(dataset, optim.epochs, global_batch)  # reads the two size fields
+    evaluation_at = evaluation_steps(train_steps, optim.epochs, config.eval.every_epochs, train_steps)
+    capped = min(dataset.test_examples, config.eval.max_examples or dataset.test_examples)
+    eval_batches = (len(evaluation_at) - 1) * math.ceil(capped / global_batch) \
+        + math.ceil(dataset.test_examples / global_batch)
+    eval_act_steps = eval_batches * model.halt_max_steps
+    checkpoints = (train_steps - 1) // config.run.ckpt_every + 1
+    train_step_ms = max(record.get("host_ms_per_step", 0.0), record["projected_device_ms_per_train_step"] / mfu)
+    eval_step_ms = max(record.get("eval_host_ms_per_step", 0.0), record["projected_device_ms_per_eval_step"] / mfu)
+    pause_ms = record.get("checkpoint_pause_ms", 0.0)
+    train_h = train_steps * train_step_ms / 3.6e6
+    eval_h = eval_act_steps * eval_step_ms / 3.6e6
+    checkpoint_h = checkpoints * pause_ms / 3.6e6
+    return {
+        "dataset": dataclasses.asdict(dataset), "mfu": mfu, "slice": record["slice"],
+        "train_steps": train_steps, "train_ms_per_step": train_step_ms, "train_hours": train_h,
+        "evaluations": len(evaluation_at), "eval_batches": eval_batches, "eval_act_steps": eval_act_steps,
+        "eval_ms_per_act_step": eval_step_ms, "eval_hours": eval_h,
+        "checkpoints": checkpoints, "checkpoint_pause_ms": pause_ms, "checkpoint_minutes": checkpoint_h * 60,
+        "total_hours": train_h + eval_h + checkpoint_h,
+    }
+
+
+def flop_record(preset: str, config: Config, spec: SliceSpec) -> dict:
+    flops = model_flops(config.model)
+    global_batch = config.optim.global_batch_size
+    return {
+        "preset": preset,
+        "model": dataclasses.asdict(config.model),
+        "global_batch_size": global_batch,
+        "train_gflop_per_example": flops["train"] / 1e9,
+        "eval_gflop_per_example": flops["eval"] / 1e9,
+        "train_tflop_per_global_step": flops["train"] * global_batch / 1e12,
+        "slice": spec.name,
+        "slice_chips": spec.chips,
+        "slice_hosts": spec.hosts,
+        "peak_tflops_per_chip": spec.peak_tflops_per_chip,
+        "projected_device_ms_per_train_step": projected_ms(flops["train"], global_batch, spec),
+        "projected_device_ms_per_eval_step": projected_ms(flops["eval"], global_batch, spec),
+    }
