@@ -1,0 +1,102 @@
+"""Every command the README and docs/ show works as written: each `python train.py`,
+`build_data.py` and `bench.py` line parses with the program's own parser and passes its checks
+that need no dataset or device, and each `bash launch.sh` line runs with --dry-run against the
+stand-in gcloud. The quick start's install and test commands are what CI runs; the demo's
+training itself is run by test_train.py's tests of the demo preset."""
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import tyro
+
+import build_data
+import commands
+import predict
+import train
+from bench import BenchConfig
+from config import PRESETS, check_config
+from tests.test_launch import Pod
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+DOCS = [PROJECT_DIR / "README.md", *sorted((PROJECT_DIR / "docs").glob("*.md"))]
+# The walkthrough's settings (README step 0), for the commands that use them.
+SETTINGS = {"TRM_TPU": "trm-v4-64", "TRM_ZONE": "us-central2-b", "TRM_PROJECT": "my-project",
+            "TRM_BUCKET": "my-trm-bucket", "TRM_DATA": "gs://my-trm-bucket/data/sudoku-extreme-1k-aug-1000"}
+# Commands CI itself runs (the install and the checks) or that need a cloud account.
+NOT_CHECKED_HERE = ("python3 -m venv", ".venv/bin/pip install", ".venv/bin/ruff", ".venv/bin/python -m pytest",
+                    "gcloud ", "export ")
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(doc file, command) of every command line in the docs' bash blocks: continuation lines
+    joined, comments dropped, `a && b` split, the walkthrough's $TRM_* settings filled in."""
+    found = []
+    for path in DOCS:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                words = shlex.split(line, comments=True)
+                for command in " ".join(shlex.quote(w) for w in words).split(" && "):
+                    if command:
+                        command = re.sub(r"\$(TRM_\w+)", lambda m: SETTINGS[m[1]], command)
+                        found.append((path.name, command))
+    return found
+
+
+COMMANDS = documented_commands()
+
+
+def check_train_py(argv: list[str]) -> None:
+    """Parse a train.py command line as train.py would, without running it."""
+    if not argv or argv == ["--help"] or argv[-1] == "--help":
+        with pytest.raises(SystemExit) as done:
+            if train.command_line(argv) == 0:
+                raise SystemExit(0)
+        assert done.value.code in (0, None)
+        return
+    if argv[0] == "export":
+        tyro.cli(commands.ExportCommand, args=argv[1:])
+        return
+    if argv[0] in ("eval", "predict"):
+        parse = (lambda a: commands.parse_weights_command("eval", a, "")) if argv[0] == "eval" \
+            else predict.parse_predict_command
+        preset, _, overrides = parse(argv[1:])
+        config = tyro.cli(type(PRESETS[preset][1]), default=PRESETS[preset][1], args=overrides)
+    else:
+        config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
+    check_config(config)
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory):
+    pod = Pod(tmp_path_factory.mktemp("docs-pod"), workers=2)
+    pod.env.update(SETTINGS)
+    return pod
+
+
+def test_the_docs_show_commands():
+    kinds = {command.split()[1] if command.startswith(("python", ".venv")) else command.split()[0]
+             for _, command in COMMANDS}
+    assert {"train.py", "build_data.py", "bash"} <= kinds, kinds
+
+
+@pytest.mark.parametrize("doc,command", COMMANDS, ids=[f"{d}: {c[:60]}" for d, c in COMMANDS])
+def test_documented_command_works_as_written(doc, command, pod, capsys):
+    if command.startswith(NOT_CHECKED_HERE):
+        return
+    words = shlex.split(command)
+    program, argv = (words[1], words[2:]) if words[0] in ("python", ".venv/bin/python") else (words[0], words[1:])
+    if program == "train.py":
+        check_train_py(argv)
+    elif program == "build_data.py":
+        build_data.command_parser().parse_args(argv)
+    elif program == "bench.py":
+        tyro.cli(BenchConfig, args=argv)
+    elif program == "bash" and argv[0] == "launch.sh":
+        pod.set_tpu(accelerator="v4-64")
+        result = pod.run("--dry-run", *argv[1:], expect=None)
+        assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+    else:
+        pytest.fail(f"{doc} shows a command this test cannot check: {command}")
+    assert os.path.isdir(PROJECT_DIR)  # nothing above may change directory
