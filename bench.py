@@ -46,7 +46,7 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
                  like host ms without the data wait; same warmup and step counts): replayed,
                  or re-traced with --no-capture-step
   ckpt ms        the training loop's pause for one checkpoint: the longest over the slice's hosts
-                 of Trainer.checkpoint_shards(host, hosts), the copy of that host's share of the
+                 of Trainer.checkpoint_shards(host, layout), the copy of that host's share of the
                  state to its memory (the fastest of --checkpoint-repeats, each from an idle
                  device: the copy's own cost, which other work on the cores only adds to; the
                  files are written on a background thread; `measure_checkpoint`)
@@ -413,7 +413,7 @@ def state_bytes_per_device(trainer, sharding) -> dict:
 
 def measure_checkpoint(trainer, hosts: int, repeats: int) -> dict:
     """The training loop's pause for one checkpoint, for each host p of the slice: the wall
-    time of trainer.checkpoint_shards(p, hosts), the copy of host p's share of the state to its
+    time of trainer.checkpoint_shards(p, layout), the copy of host p's share of the state to its
     memory (the fastest of `repeats`, each from an idle device). That copy is what the loop's thread
     does in checkpoint.Checkpoints.save; the files are written on a background thread. Before it the
     loop waits (RunLog.drain) for the metric read of the step just run, i.e. for the device to
@@ -441,13 +441,19 @@ def measure_checkpoint(trainer, hosts: int, repeats: int) -> dict:
 
     state = trainer.named_state()
     pauses, copied = [], []
+    devices = len(trainer.sharding.device_layout().mesh_order())
+    if devices % hosts:
+        raise ValueError(f"the checkpoint pause of a slice of {hosts} hosts is measured on {hosts} equal groups "
+                         f"of this mesh's devices; {devices} devices do not split so: use --cpu-devices "
+                         f"{hosts * -(-devices // hosts)}, or a slice of fewer hosts")
+    layout = trainer.sharding.DeviceLayout.contiguous(devices, hosts)  # each host: a block of devices
     for process_index in range(hosts):
-        ms, shards = timed(lambda p=process_index: trainer.checkpoint_shards(p, hosts, row_split=False))
+        ms, shards = timed(lambda p=process_index: trainer.checkpoint_shards(p, layout, row_split=False))
         copied.append(sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values()))
         del shards
         for name in trainer.row_split:  # host p's rows, as a tensor split over the devices like the table
             table = state[name]
-            lo, hi = trainer.sharding.row_block(table.shape[0], process_index, hosts)
+            lo, hi = layout.row_block(table.shape[0], process_index)
             rows = trainer.sharding.rows_to_device(torch.zeros(hi - lo, *table.shape[1:], dtype=table.dtype),
                                                    trainer.mesh)
             ms += timed(lambda t=rows: trainer.sharding.local_rows(t))[0]

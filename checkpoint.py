@@ -471,7 +471,7 @@ class Checkpoints:
             self.log.drain()  # every host has now read the same windows, so all stop here together
             self._stop_if_not_finite()
             before = self.sharding.xla_counters()["transfers"]
-            shards = self.trainer.checkpoint_shards(self.host, self.num_hosts)  # the loop's pause
+            shards = self.trainer.checkpoint_shards(self.host)  # the loop's pause
             self.transfers += self.sharding.xla_counters()["transfers"] - before
             self.writer.save(step, shards, {"step": step, "config": dataclasses.asdict(self.config),
                                             "dataset_identifiers": self.identifiers})

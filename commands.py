@@ -21,7 +21,7 @@ from arc import ArcEvaluator, write_submission
 from batches import EvalBatches
 from config import PRESETS, Config
 from evaluate import evaluate
-from lifecycle import start
+from lifecycle import check_devices, start
 from restore import load_weights_for_eval
 from trainer import Trainer
 
@@ -112,6 +112,7 @@ def evaluate_command(argv: list[str]) -> dict:
     table = weights.get("model/puzzle_embedding.weight")
     config, _, test_set, sharding, device_kind, _ = start(config, None if table is None else table.shape[0],
                                                           trained_on, source)
+    check_devices(sharding)
     data_index, data_count = sharding.data_split()
     say = print if sharding.is_main_process() else (lambda *a, **k: None)
     mesh = sharding.data_mesh()

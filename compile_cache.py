@@ -1,25 +1,35 @@
-"""The persistent XLA compilation cache kept in a bucket, so that a new VM (a spot slice created
-again after a preemption) starts stepping without compiling from scratch.
+"""XLA's persistent compilation cache: whether it is on, the line that says what it did, and its
+files kept in a bucket so that a new VM (a spot slice created again after a preemption) could
+start stepping without compiling from scratch.
 
-Each TPU host keeps torch_xla's persistent cache in --run.compile-cache-dir (sharding.start_runtime
-turns it on), on the VM's disk, which a recreated slice loses. With --run.compile-cache-url
-(`launch.sh train` passes gs://BUCKET/xla-cache) its files also live under {url}/{key}/, the key
-naming what a compiled program depends on: the accelerator type, the torch_xla and libtpu
-versions and the code hash (launch.sh's, see code_hash). Then
+**torch_xla 2.9 cannot load its persistent cache on a TPU**: loading a cached program calls
+PJRT's DeserializeExecutable, which the TPU client answers UNIMPLEMENTED, so the entry is
+dropped and the program compiled again on every launch (pytorch/xla#9094, open at 2.9.0; the fix
+proposed in pytorch/xla#9759 is unreleased; the CPU client fails the same way). So on 2.9 the
+cache is off by default (`local_dir`): writing it would only cost serialization and disk. A
+directory given with --run.compile-cache-dir turns it on anyway, and a torch_xla without this
+flaw turns it on by default. After the first steps of a launch process 0 prints one line
+(`CompileCache`): hits, misses and failed loads from torch_xla's PersistentCacheHit /
+PersistentCacheMiss / PersistentCacheDeserializeFailure counters, and the graphs compiled with
+their seconds, so a run shows whether the cache did anything.
+
+With --run.compile-cache-url (off by default, also in `launch.sh train`) the local cache's files
+also live under {url}/{key}/, the key naming what a compiled program depends on: the accelerator
+type, the torch_xla and libtpu versions and the code hash (launch.sh's, see code_hash). Then
 
     key_for(device) -> key           this host's key (cache_key of sharding.accelerator_type)
     restore(url, local_dir, key)     before the runtime starts, on every host: the key's files
                                      that the local cache lacks are copied into it
-    Uploader(url, local_dir, key, main_host)
-        .after_step(step)            after the first steps of a launch have compiled (a
-                                     background thread): process 0 copies the local files that
-                                     the bucket lacks
-        .close()                     at the end of the run or on exit: the same, once more
-    restore_run(run), Uploader.for_run(run, main_host, first_step): the same for a RunConfig
+    CompileCache(url, local_dir, key, main_host, first_step, counters)
+        .after_step(step)            after the first steps of a launch have compiled: process 0
+                                     prints the cache's line and (a background thread) copies
+                                     the local files that the bucket lacks
+        .close()                     at the end of the run or on exit: the upload, once more
+    restore_run(run), CompileCache.for_run(run, ...): the same for a RunConfig
 
 Everything here is best effort: a failure prints a warning and the run goes on (compiling).
-The files are copied through storage.py. The CPU backend does not use the persistent cache (no
-files appear), so only a TPU shows the time saved.
+The files are copied through storage.py. The CPU backend is not given the cache (it could not
+load it either), so no files appear there; the tests check the copies through the GCS emulator.
 """
 from __future__ import annotations
 
@@ -45,6 +55,39 @@ JOIN_TIMEOUT_S = 120.0
 """How long close() waits for an upload under way before it gives up on the last one."""
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DIR = "~/.cache/trm-xla"
+"""The local cache's directory when it is on without --run.compile-cache-dir."""
+CANNOT_LOAD = {"2.9": "pytorch/xla#9094"}
+"""torch_xla releases (major.minor) whose TPU client cannot load a persisted program, and why."""
+
+
+def load_problem(torch_xla_version: str | None = None) -> str | None:
+    """Why this torch_xla cannot load its persistent cache on a TPU (its issue), or None."""
+    version = torch_xla_version or _version("torch_xla")
+    return CANNOT_LOAD.get(".".join(version.split(".")[:2]))
+
+
+def local_dir(run, device_kind: str = "TPU") -> str | None:
+    """The persistent cache's local directory for a RunConfig, or None (off): a TPU only; the
+    given run.compile_cache_dir, else DEFAULT_DIR where torch_xla can load the cache or where
+    run.compile_cache_url asks to keep its files."""
+    if device_kind != "TPU":
+        return None
+    if run.compile_cache_dir:
+        return run.compile_cache_dir
+    return DEFAULT_DIR if run.compile_cache_url or not load_problem() else None
+
+
+def state_line(counters: dict, cache_dir: str | None, device_kind: str) -> str:
+    """One line of what the cache did so far: `counters` from sharding.xla_counters()."""
+    compiled = f"{counters['compiles']} graphs compiled in {counters['compile_seconds']:.1f}s"
+    if cache_dir is None:
+        why = (f"the {device_kind} runtime is not given the cache" if device_kind != "TPU" else
+               f"torch_xla {_version('torch_xla')} cannot load it on a TPU ({load_problem()}): "
+               "--run.compile-cache-dir turns it on anyway")
+        return f"compile cache: off ({why}); {compiled}"
+    return (f"compile cache ({cache_dir}): {counters['cache_hits']} hits, {counters['cache_misses']} misses, "
+            f"{counters['cache_load_failures']} failed loads; {compiled}")
 
 
 def code_hash(project_dir: str = PROJECT_DIR) -> str:
@@ -87,10 +130,15 @@ def key_for(device: str) -> str:
 
 
 def restore_run(run) -> tuple[int, int] | None:
-    """restore() for a RunConfig (run.compile_cache_url, run.compile_cache_dir, run.device)."""
+    """restore() for a RunConfig (run.compile_cache_url, run.compile_cache_dir, run.device), with
+    a warning when this torch_xla cannot load what it restores."""
     if not run.compile_cache_url:
         return None
-    return restore(run.compile_cache_url, run.compile_cache_dir, key_for(run.device))
+    if load_problem():
+        print(f"warning: compile cache: torch_xla {_version('torch_xla')} cannot load a persistent cache on a TPU "
+              f"({load_problem()}): restoring {run.compile_cache_url} as --run.compile-cache-url asks, but the "
+              "programs will compile again", flush=True)
+    return restore(run.compile_cache_url, run.compile_cache_dir or DEFAULT_DIR, key_for(run.device))
 
 
 def _megabytes(n: int) -> str:
@@ -152,28 +200,43 @@ def upload(url: str, local_dir: str, key: str, names: dict[str, int] | None = No
     return files, size
 
 
-class Uploader:
-    """Process 0's uploads of a training launch: once in the background after its first
-    UPLOAD_AFTER_STEPS steps, and at close(). Does nothing without a url or on other hosts."""
+class CompileCache:
+    """The cache's part in a training launch, on process 0: after its first UPLOAD_AFTER_STEPS
+    steps the line of what the cache did (`state_line`), and with a url the upload of new files,
+    in the background and again at close(). Other hosts do nothing."""
 
-    def __init__(self, url: str | None, local_dir: str, key: str, main_host: bool, first_step: int):
-        self.url, self.local_dir, self.key = url, local_dir, key
+    def __init__(self, url: str | None, local_dir: str, key: str, main_host: bool, first_step: int,
+                 counters=None, device_kind: str = "TPU", runtime_dir: str | None = None):
+        self.url, self.local_dir, self.key = url, local_dir, key  # local_dir: the files synced with url
+        self.main_host, self.counters, self.device_kind = main_host, counters, device_kind
+        self.runtime_dir = runtime_dir  # the cache the runtime was given (None: off)
         self.enabled = bool(url) and main_host
         self.upload_step = first_step + UPLOAD_AFTER_STEPS
         self.thread: threading.Thread | None = None
         self.results: list[tuple[int, int] | None] = []
+        self.said = False
 
     @classmethod
-    def for_run(cls, run, main_host: bool, first_step: int) -> Uploader:
-        """The uploads of a RunConfig's launch (run.compile_cache_url, .compile_cache_dir, .device)."""
+    def for_run(cls, run, main_host: bool, first_step: int, counters=None, device_kind: str = "TPU") -> CompileCache:
+        """The cache of a RunConfig's launch (run.compile_cache_url, .compile_cache_dir, .device);
+        `counters`: sharding.xla_counters, read for the line."""
         key = key_for(run.device) if run.compile_cache_url and main_host else ""
-        return cls(run.compile_cache_url, run.compile_cache_dir, key, main_host, first_step)
+        return cls(run.compile_cache_url, run.compile_cache_dir or DEFAULT_DIR, key, main_host, first_step, counters,
+                   device_kind, local_dir(run, device_kind))
 
     def _upload(self, names: dict[str, int] | None) -> None:
         self.results.append(upload(self.url, self.local_dir, self.key, names))
 
+    def _say(self) -> None:
+        if self.main_host and self.counters is not None and not self.said:
+            self.said = True
+            print(state_line(self.counters(), self.runtime_dir, self.device_kind), flush=True)
+
     def after_step(self, step: int) -> None:
-        if self.enabled and step == self.upload_step and self.thread is None:
+        if step != self.upload_step or not self.main_host:
+            return
+        self._say()
+        if self.enabled and self.thread is None:
             # The files listed now are complete (their programs ran); later ones wait for close().
             names = _local_files(os.path.expanduser(self.local_dir))
             self.thread = threading.Thread(target=self._upload, args=(names,), daemon=True,
@@ -181,7 +244,9 @@ class Uploader:
             self.thread.start()
 
     def close(self) -> None:
-        """The last upload (the files compiled since, e.g. the evaluation's); never raises."""
+        """The line, if a launch shorter than UPLOAD_AFTER_STEPS has not said it, and the last
+        upload (the files compiled since, e.g. the evaluation's); never raises."""
+        self._say()
         if not self.enabled:
             return
         if self.thread is not None:

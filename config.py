@@ -22,9 +22,12 @@ import tyro
 import data
 import storage
 from model import TRMConfig
+from optim import DENSE_OPTIMIZERS
 from ranges import range_problems, ranged
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+LR_SCHEDULES = ("cosine", "linear", "constant")
+"""The learning rate's shape after warmup (schedule.lr_at)."""
 
 
 def resumable(default, **limits):
@@ -58,18 +61,22 @@ class OptimConfig:
     max_steps: int | None = resumable(None, ge=0, note="leave it out to train for optim.epochs")
     """Stop after this many steps instead (for quick runs; 0 saves and evaluates the initial or
     --run.init-from weights); None trains for `epochs`."""
+    optimizer: Literal["adam_atan2", "adamw", "adam"] = "adam_atan2"
+    """Optimizer of the dense weights: adam_atan2 (the paper's), or torch's adamw or adam (eps 1e-8)."""
     lr: float = ranged(1e-4, ge=0)
-    """Peak learning rate of AdamATan2."""
+    """Peak learning rate of the dense weights' optimizer."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """The learning rate after warmup: cosine or linear from lr down to lr_min_ratio·lr, or constant lr."""
     lr_min_ratio: float = ranged(1.0, ge=0, le=1, note="a fraction of the peak lr")
-    """Cosine decay floor as a fraction of lr (1.0: constant after warmup, as in the paper)."""
+    """Floor of the cosine or linear decay as a fraction of lr (1.0: constant after warmup, as in the paper)."""
     lr_warmup_steps: int = ranged(2000, ge=0)
     """Linear warmup steps from 0."""
     beta1: float = ranged(0.9, ge=0, le=_BETA_MAX, note=_BETA_NOTE)
-    """AdamATan2 beta1."""
+    """beta1 of the dense weights' optimizer."""
     beta2: float = ranged(0.95, ge=0, le=_BETA_MAX, note=_BETA_NOTE)
-    """AdamATan2 beta2."""
+    """beta2 of the dense weights' optimizer."""
     weight_decay: float = ranged(1.0, ge=0)
-    """Decoupled weight decay of AdamATan2."""
+    """Weight decay of the dense weights (decoupled for adam_atan2 and adamw; added to the gradient for adam)."""
     puzzle_emb_lr: float = ranged(1e-4, ge=0)
     """Peak learning rate of the puzzle-embedding SignSGD (same schedule)."""
     puzzle_emb_weight_decay: float = ranged(1.0, ge=0)
@@ -122,13 +129,10 @@ class RunConfig:
     """On several hosts, agree every this many steps whether any host got SIGTERM."""
     shutdown_timeout_s: float = resumable(90.0, gt=0)
     """After SIGTERM or Ctrl-C, exit with status 75 (relaunch resumes) if still running this long later."""
-    compile_cache_dir: str = resumable("~/.cache/trm-xla")
-    """Persistent XLA compilation cache on each TPU host, so a relaunch does not recompile."""
+    compile_cache_dir: str | None = resumable(None)
+    """XLA's persistent compilation cache on each TPU host. None: ~/.cache/trm-xla where torch_xla can load it; off on torch_xla 2.9, which cannot on a TPU (pytorch/xla#9094): a directory turns it on anyway."""  # noqa: E501 (one line: tyro keeps line breaks)
     compile_cache_url: str | None = resumable(None)
-    """Keep the compilation cache's files under {this}/{key}/ too (key: accelerator type, torch_xla
-    and libtpu versions, code hash), so that a new VM does not recompile: each host restores them
-    before the runtime starts, process 0 uploads new ones after the first steps and at the end
-    (best effort; compile_cache.py). launch.sh train passes gs://BUCKET/xla-cache."""
+    """Also keep the cache's files under {this}/{key}/ (key: accelerator type, torch_xla and libtpu versions, code hash) for a new VM: restored before the runtime starts, new files uploaded by process 0. Off by default: torch_xla 2.9 cannot load them on a TPU (pytorch/xla#9094)."""  # noqa: E501
     shard_puzzle_table: bool = resumable(True)
     """Split the puzzle-embedding table's rows over the devices (each holds and saves 1/N of it);
     a table with fewer rows than devices stays replicated. False replicates it on every device."""
@@ -219,6 +223,10 @@ def check_config(config: Config) -> None:
                             f"set it with {flag(dotted)})")
     if not any(p.startswith("model.") for p in problems):
         problems += [f"model.{p}" for p in config.model.problems(ranges=False)]
+    for name, value, choices in (("optim.optimizer", config.optim.optimizer, DENSE_OPTIMIZERS),
+                                 ("optim.lr_schedule", config.optim.lr_schedule, LR_SCHEDULES)):
+        if value not in choices:
+            problems.append(f"{name}={value!r} must be one of {', '.join(choices)} (set it with {flag(name)})")
     if config.eval.arc_aggregate and not config.eval.arc:
         problems.append("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
                         "pass --eval.arc too (needs an ARC dataset)")
@@ -327,6 +335,15 @@ def config_differences(saved: dict, current: dict, prefix: str = "", may_change:
         elif a != b and name not in may_change:
             out.append(f"{name}: {a!r} in the run directory, {b!r} now")
     return out
+
+
+def with_new_fields(saved: dict) -> dict:
+    """A configuration saved as a dict (config.json, a checkpoint's state) with every field added
+    to the dataclasses since then, at its default: what the code that saved it did (e.g.
+    optim.optimizer adam_atan2, optim.lr_schedule cosine)."""
+    defaults = dataclasses.asdict(Config())
+    return {section: {**defaults.get(section, {}), **values} if isinstance(values, dict) else values
+            for section, values in saved.items()}
 
 
 def config_from_dict(saved: dict) -> Config:

@@ -136,7 +136,10 @@ usage_check() {
   cat <<'EOF'
 usage: bash launch.sh check [--data gs://...] [--dry-run]
 
-Preflight on every worker: TPU, versions, device count, bucket, dataset (--data or TRM_DATA), code.
+Preflight on every worker: TPU, versions, device count, bucket, dataset (--data or TRM_DATA), code,
+and TCP from every worker to worker 0's port 12355, where the trainers' host group meets (torch's
+MASTER_PORT; TRM_CHECK_PORT checks another, for TRM_CHECK_WAIT seconds, default 60). Skipped while
+a trainer runs.
 Needs --tpu, --zone, --project, --bucket.
 More: README.md, "What each command does".
 EOF
@@ -149,8 +152,9 @@ usage: bash launch.sh train [--retry] [--queued] [--poll SECONDS] [--max-restart
 
 train.py PRESET [flags...] on every worker, run directory gs://BUCKET/runs/RUN_NAME. Everything
 after RUN_NAME goes to train.py untouched; launch.sh's own options come before RUN_NAME.
---data.path defaults to --data / TRM_DATA, --run.compile-cache-url to gs://BUCKET/xla-cache (the
-XLA compilation cache kept for a new VM). The same RUN_NAME again resumes the run.
+--data.path defaults to --data / TRM_DATA. The same RUN_NAME again resumes the run. The XLA
+compilation cache is not kept in the bucket: torch_xla 2.9 cannot load a persistent cache on a TPU
+(pytorch/xla#9094), so every launch compiles; --run.compile-cache-url gs://BUCKET/xla-cache opts in.
 
   --retry              stay on the laptop and watch the run: recreate a preempted TPU, setup,
                        deploy and relaunch; relaunch when train.py exits 75 or a worker's trainer
@@ -735,25 +739,34 @@ cmd_deploy() { require tpu zone project; do_deploy; }
 
 cmd_check() {
   require tpu zone project bucket
-  local out problems=() w ws n v first expected want_torch want_xla procs
+  local out problems=() w ws n v first expected want_torch want_xla procs ips host0 port=${TRM_CHECK_PORT:-12355}
   describe_tpu READY || die "could not read TPU $TPU"
   [ "$T_STATE" = READY ] || die "TPU $TPU is $T_STATE, not READY${T_STATE:+ (bash $PROG create, or status)}"
   case ${T_HEALTH:-HEALTHY} in HEALTHY) ;; *) problems+=("TPU health is $T_HEALTH") ;; esac
+  # The workers' internal addresses (worker 0's first), for the TCP check of the host group's port.
+  ips=$(gc compute tpus tpu-vm describe "$TPU" "${TPU_FLAGS[@]}" '--format=value(networkEndpoints[].ipAddress)') \
+    || die "could not read the addresses of TPU $TPU"
+  host0=${ips%%;*}
   build_code
   tmpdir
   out=$TMPD/check.out
   info "check: every worker of $TPU ($T_ACC)"
-  ssh_capture "$out" all remote_check "gs://$BUCKET" "$DATA" || problems+=("the check command failed on some workers")
+  ssh_capture "$out" all remote_check "gs://$BUCKET" "$DATA" "$host0" "$port" \
+    "$(printf '%s' "$ips" | tr ';' '\n' | grep -c .)" "${TRM_CHECK_WAIT:-60}" \
+    || problems+=("the check command failed on some workers")
   dry && return 0
   ws=$(workers_in "$out")
   n=$(printf '%s\n' "$ws" | grep -c . || true)
   [ "$n" -gt 0 ] || die "no worker answered"
-  printf '%-6s %-8s %-7s %-9s %-8s %-7s %-6s %-6s %-6s %s\n' worker python torch torch_xla libtpu devices local procs code bucket/data
+  printf '%-6s %-8s %-7s %-9s %-8s %-7s %-6s %-6s %-6s %-6s %s\n' worker python torch torch_xla libtpu devices local procs \
+    code port bucket/data
   for w in $ws; do
-    printf '%-6s %-8s %-7s %-9s %-8s %-7s %-6s %-6s %-6s %s\n' "$w" "$(field "$out" "$w" python)" \
+    v=$(field "$out" "$w" master_port)
+    printf '%-6s %-8s %-7s %-9s %-8s %-7s %-6s %-6s %-6s %-6s %s\n' "$w" "$(field "$out" "$w" python)" \
       "$(field "$out" "$w" torch)" "$(field "$out" "$w" torch_xla)" "$(field "$out" "$w" libtpu)" \
       "$(field "$out" "$w" devices | cut -c1-7)" "$(field "$out" "$w" local_devices)" "$(field "$out" "$w" processes)" \
-      "$(field "$out" "$w" code | cut -c1-6)" "$(field "$out" "$w" bucket | cut -c1-20)/$(field "$out" "$w" data | cut -c1-20)"
+      "$(field "$out" "$w" code | cut -c1-6)" "${v%% *}" \
+      "$(field "$out" "$w" bucket | cut -c1-20)/$(field "$out" "$w" data | cut -c1-20)"
   done
   want_torch=$(pinned torch)
   want_xla=$(pinned torch_xla)
@@ -770,6 +783,12 @@ cmd_check() {
       || problems+=("worker $w: torch_xla $(field "$out" "$w" torch_xla), requirements.txt pins $want_xla (setup)")
     [ "$(field "$out" "$w" libtpu)" != missing ] || problems+=("worker $w: libtpu missing (setup installs torch_xla[tpu])")
     [ "$(field "$out" "$w" bucket)" = ok ] || problems+=("worker $w: bucket gs://$BUCKET: $(field "$out" "$w" bucket)")
+    v=$(field "$out" "$w" master_port)
+    case $v in
+      ok*|skipped*) ;;
+      ERROR*) problems+=("worker $w: ${v#ERROR } (the trainers' host group needs TCP between the workers: docs/pod.md)") ;;
+      *) [ "$n" -le 1 ] || problems+=("worker $w: no answer from the check of port $port (see its output above)") ;;
+    esac
     if [ -n "$DATA" ] && [ "$(field "$out" "$w" data)" != ok ]; then
       problems+=("worker $w: dataset $DATA: $(field "$out" "$w" data)")
     fi
@@ -809,14 +828,13 @@ parse_train_args() {
   case ${TRAIN_ARGS[0]} in
     -*) usage_error "train.py's preset comes right after the run name, before its flags: train $RUN PRESET ${TRAIN_ARGS[*]}" ;;
   esac
-  local a has_data=0 has_device=0 has_cache=0
+  local a has_data=0 has_device=0
   for a in "${TRAIN_ARGS[@]}"; do
     case $a in
       --run.dir|--run.dir=*|--run-dir|--run-dir=*)
         usage_error "launch.sh sets --run.dir to gs://$BUCKET/runs/$RUN itself: choose the run with RUN_NAME" ;;
       --data.path|--data.path=*|--data-path|--data-path=*) has_data=1 ;;
       --run.device|--run.device=*) has_device=1 ;;
-      --run.compile-cache-url|--run.compile-cache-url=*|--run.compile_cache_url|--run.compile_cache_url=*) has_cache=1 ;;
     esac
   done
   if [ "$has_data" = 0 ]; then
@@ -828,8 +846,6 @@ parse_train_args() {
   fi
   TRAIN_ARGS+=(--run.dir "gs://$BUCKET/runs/$RUN")
   [ "$has_device" = 1 ] || TRAIN_ARGS+=(--run.device tpu)
-  # The XLA compilation cache's files, kept in the bucket for the next VM (compile_cache.py).
-  [ "$has_cache" = 1 ] || TRAIN_ARGS+=(--run.compile-cache-url "gs://$BUCKET/xla-cache")
 }
 
 # Ask every worker, then start. Returns 0 when started, 3 when RUN is already running (--retry

@@ -29,11 +29,12 @@ EXIT_RETRYABLE = 75
 
 def start(config: Config, weights_rows: int | None = None, weights_identifiers: str | None = None,
           weights_url: str = ""):
-    """Everything that can be checked without a device, then the runtime and the host group.
-    Returns (config with the dataset's identifier count, train set, test set, the sharding
-    module, "TPU" or "CPU", the dataset's identifiers fingerprint). `weights_rows` and
-    `weights_identifiers`: the rows of given weights' puzzle-embedding table and the fingerprint
-    of the identifiers they were trained on, which must match the dataset's."""
+    """Everything that can be checked without a device, then the runtime, the host group and
+    the same-configuration check (then callers run `check_devices`). Returns (config with the
+    dataset's identifier count, train set, test set, the sharding module, "TPU" or "CPU", the
+    dataset's identifiers fingerprint). `weights_rows` and `weights_identifiers`: the rows of
+    given weights' puzzle-embedding table and the fingerprint of the identifiers they were
+    trained on, which must match the dataset's."""
     try:
         check_config(config)
         train_set, test_set = data.open_train_test(config.data.path, cache_dir=config.data.cache_dir)
@@ -51,7 +52,7 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
     import sharding
 
     compile_cache.restore_run(config.run)  # the bucket's copy, before the runtime reads the cache
-    device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices, config.run.compile_cache_dir)
+    device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices, compile_cache.local_dir(config.run))
     num_devices, _ = sharding.device_counts()
     try:
         check_batch_layout(config.optim.global_batch_size, num_devices, sharding.process_count())
@@ -60,6 +61,20 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
     sharding.init_host_group()
     sharding.check_same_config(config_fingerprint(config))
     return config, train_set, test_set, sharding, device_kind, identifiers
+
+
+def check_devices(sharding) -> None:
+    """The self-check that each host's rows land on its own devices (sharding.check_row_placement),
+    before anything is trained or evaluated, and one line with the device layout; a failure stops
+    every host with the placement of every host."""
+    try:
+        seconds = sharding.check_row_placement(sharding.data_mesh())
+    except sharding.RowPlacementError as e:
+        raise SystemExit(f"error: {e}")
+    layout = sharding.device_layout()
+    if sharding.is_main_process():
+        print(f"device layout (host order): {layout}; each host's rows land on its own devices "
+              f"(checked in {seconds * 1e3:.0f} ms)", flush=True)
 
 
 class ShutdownDeadline:

@@ -16,6 +16,7 @@ import numpy as np
 import tyro
 
 import build_data
+import compile_cache
 import data
 import storage
 from arc import Q_SCALE, ArcEvaluator, grid_key, parse_arc_identifier, sigmoid
@@ -89,7 +90,8 @@ def _predict_runtime(config: Config):
         raise SystemExit(f"error: {e}")
     import sharding  # brings torch_xla: after the checks
 
-    device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices, config.run.compile_cache_dir)
+    device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices,
+                                         compile_cache.local_dir(config.run))
     return sharding, device_kind
 
 

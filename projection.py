@@ -23,19 +23,20 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------------------
 # TPU generations and slices
 
-PEAK_TFLOPS_PER_CHIP = {"v4": 275.0, "v5e": 197.0, "v6e": 918.0}  # bf16 dense, Google's figures
-"""Peak bf16 TFLOP/s of one chip per TPU generation. A chip is one PyTorch/XLA device on each of
-them (a v4 chip's two TensorCores are one megacore device), so this is also the peak per device."""
+PEAK_TFLOPS_PER_CHIP = {"v4": 275.0, "v5e": 197.0, "v5p": 459.0, "v6e": 918.0}  # bf16 dense, Google's figures
+"""Peak bf16 TFLOP/s of one chip per TPU generation (v5p: docs.cloud.google.com/tpu/docs/v5p-training).
+A chip is one PyTorch/XLA device on each of them (the two TensorCores of a v4 or v5p chip are one
+megacore device), so this is also the peak per device."""
 
-# The runtime's device kind (PJRT's name, e.g. "TPU v4"; v5e calls itself "TPU v5 lite", v6e
-# "TPU v6 lite") -> the generation of PEAK_TFLOPS_PER_CHIP.
+# The runtime's device kind (PJRT's name, e.g. "TPU v4"; v5e calls itself "TPU v5 lite", v5p
+# "TPU v5", v6e "TPU v6 lite") -> the generation of PEAK_TFLOPS_PER_CHIP.
 _KIND_GENERATIONS = {"tpu v4": "v4", "tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5litepod": "v5e",
-                     "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
+                     "tpu v5": "v5p", "tpu v5p": "v5p", "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
 
 
 def peak_tflops_per_device(device_kind: str | None) -> float | None:
-    """bf16 peak TFLOP/s of one device of this kind ("TPU v4", "TPU v5 lite", "TPU v6 lite"), or
-    None for any other kind (CPU, an unknown TPU): no peak, so no MFU."""
+    """bf16 peak TFLOP/s of one device of this kind ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v6
+    lite"), or None for any other kind (CPU, an unknown TPU): no peak, so no MFU."""
     generation = _KIND_GENERATIONS.get((device_kind or "").strip().lower())
     return PEAK_TFLOPS_PER_CHIP[generation] if generation else None
 
@@ -56,17 +57,19 @@ class SliceSpec:
 def slice_spec(name: str) -> SliceSpec:
     """Chips and hosts of a slice from its name, as Cloud TPU names them.
 
-    v4-N counts TensorCores (2 per chip): N/2 chips, 4 chips per host (v4-8: 1 host, v4-64: 32
-    chips on 8 hosts). v5e-N and v6e-N count chips: a slice of up to 8 chips is one host, larger
-    ones have 4 chips per host. Peak per chip (bf16): v4 275, v5e 197, v6e 918 TFLOP/s.
+    v4-N and v5p-N count TensorCores (2 per chip): N/2 chips, 4 chips per host (v4-8: 1 host,
+    v4-64: 32 chips on 8 hosts). v5e-N and v6e-N count chips: a slice of up to 8 chips is one
+    host, larger ones have 4 chips per host. Peak per chip (bf16): v4 275, v5e 197, v5p 459, v6e
+    918 TFLOP/s.
     """
-    match = re.fullmatch(r"(v4|v5e|v6e)-(\d+)", name.strip().lower())
+    match = re.fullmatch(r"(v4|v5e|v5p|v6e)-(\d+)", name.strip().lower())
     if not match:
-        raise ValueError(f"unknown TPU slice {name!r}: use v4-N, v5e-N or v6e-N (e.g. v4-64, v5e-16, v6e-8)")
+        raise ValueError(f"unknown TPU slice {name!r}: use v4-N, v5e-N, v5p-N or v6e-N (e.g. v4-64, v5e-16, v6e-8)")
     generation, n = match.group(1), int(match.group(2))
-    if generation == "v4":
+    if generation in ("v4", "v5p"):
         if n < 8 or n % 8:
-            raise ValueError(f"{name}: a v4 slice counts TensorCores, a multiple of 8 (v4-8, v4-16, ..., v4-64)")
+            raise ValueError(f"{name}: a {generation} slice counts TensorCores, a multiple of 8 "
+                             f"({generation}-8, {generation}-16, ...)")
         chips = n // 2
         hosts = chips // 4
     else:

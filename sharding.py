@@ -7,6 +7,14 @@ Data parallel over one global 1-D mesh named "data": batch-shaped tensors (input
 carry) and the puzzle-embedding table are split on their first dimension across every device
 of every host; parameters and optimizer state are replicated. Every host runs the same
 program; the runtime finds its peers from the TPU VM metadata.
+
+The mesh lists the devices in host order (`DeviceLayout`): host 0's devices as its runtime
+lists them, then host 1's, and so on. Device ids are not host-contiguous on every slice (a
+v5litepod-16's host 0 owns ids 0, 1, 4, 5), and a host's slice of each batch lands on its own
+devices in the order its runtime lists them, wherever they sit in the mesh; in host order, host
+p's devices hold the global rows [p·B/P, (p+1)·B/P), so every row-to-host mapping (batches,
+carry and puzzle-table checkpoint shares, evaluation outputs) derives from the layout alone.
+`check_row_placement` proves it on every slice before the first step.
 """
 from __future__ import annotations
 
@@ -16,6 +24,8 @@ import hashlib
 import math
 import os
 import re
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,6 +42,10 @@ _spmd_on = False
 # files, the SIGTERM agreement, the watchdog) while it runs the whole program on its own CPU mesh
 # and reads every row of every batch: all processes hold the same state, as the hosts of a pod do.
 SIMULATED_SLICE_ENV = "TRM_SIMULATED_SLICE"
+# With a simulated slice, the device ids each simulated host owns, as a real slice's runtime lists
+# them: TRM_SIMULATED_DEVICES="0,1,4,5|2,3,6,7" (host 0 | host 1 | ...); default: contiguous blocks.
+# The upload of a host's rows then lands where the runtime would put them (`_place_like_the_runtime`).
+SIMULATED_DEVICES_ENV = "TRM_SIMULATED_DEVICES"
 
 
 def _simulated_slice() -> tuple[int, int, str] | None:
@@ -55,7 +69,8 @@ def start_runtime(device: str, cpu_devices: int = 8, compile_cache_dir: str | No
 
     device: "tpu" (fail loudly when this VM has no TPU), "cpu" (a virtual mesh of
     `cpu_devices` CPU devices), or "auto" (PJRT_DEVICE if set, else TPU when one is attached).
-    compile_cache_dir: persistent compilation cache on TPU (the CPU client cannot reload it).
+    compile_cache_dir: the persistent compilation cache's directory on a TPU, or None (off;
+    compile_cache.local_dir decides); the CPU runtime is never given one.
     """
     device, has_tpu = _resolve_device(device)
     if device == "tpu":
@@ -138,32 +153,118 @@ def data_split() -> tuple[int, int]:
     return (0, 1) if _simulated_slice() else (process_index(), process_count())
 
 
-def row_block(num_rows: int, index: int, count: int) -> tuple[int, int]:
-    """[start, stop) of the rows that host `index` of `count` holds of a tensor split by rows over
-    the whole mesh. XLA gives every device ceil(num_rows / devices) rows (the last ones fewer,
-    or none), and a host's devices hold consecutive blocks; when the count of hosts does not
-    divide the devices (only in a simulated slice) the rows are split evenly instead."""
-    devices = xr.global_runtime_device_count()
-    if devices % count:
-        return index * num_rows // count, (index + 1) * num_rows // count
-    rows_per_host = devices // count * -(-num_rows // devices)
-    return min(num_rows, index * rows_per_host), min(num_rows, (index + 1) * rows_per_host)
+@dataclass(frozen=True)
+class DeviceLayout:
+    """Which devices each host owns: `hosts[p]` are host p's device ids (the mesh ids, i.e. the
+    runtime's global ordinals) in the order its runtime lists its addressable devices, the order
+    in which a minibatch upload fills them. The mesh is their concatenation (host order), so host
+    p's devices sit at the mesh positions [start, stop) of `positions(p)`."""
+
+    hosts: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def contiguous(cls, devices: int, hosts: int) -> DeviceLayout:
+        """Host p owns ids [p·L, (p+1)·L): one host, the CPU mesh, or a slice whose ids follow
+        its hosts (bench.py's hypothetical slices)."""
+        if hosts < 1 or devices % hosts:
+            raise ValueError(f"{devices} devices do not split over {hosts} hosts")
+        per_host = devices // hosts
+        return cls(tuple(tuple(range(p * per_host, (p + 1) * per_host)) for p in range(hosts)))
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceLayout:
+        """"0,1,4,5|2,3,6,7" -> host 0 owns 0,1,4,5, host 1 owns 2,3,6,7."""
+        try:
+            return cls(tuple(tuple(int(i) for i in host.split(",")) for host in text.split("|")))
+        except ValueError:
+            raise ValueError(f"device layout {text!r}: expected ids per host, e.g. 0,1,4,5|2,3,6,7") from None
+
+    def problems(self, devices: int) -> list[str]:
+        """What keeps this layout from being a slice of `devices` devices (each id once, every
+        host the same number of devices)."""
+        ids = [i for host in self.hosts for i in host]
+        out = []
+        if sorted(ids) != list(range(devices)):
+            out.append(f"the hosts' devices {self} are not each of the ids 0..{devices - 1} once")
+        if len({len(host) for host in self.hosts}) != 1:
+            out.append(f"the hosts own different numbers of devices: {self}")
+        return out
+
+    def mesh_order(self) -> list[int]:
+        return [i for host in self.hosts for i in host]
+
+    def positions(self, host: int) -> tuple[int, int]:
+        start = sum(len(h) for h in self.hosts[:host])
+        return start, start + len(self.hosts[host])
+
+    def row_block(self, num_rows: int, host: int) -> tuple[int, int]:
+        """[start, stop) of the rows host `host`'s devices hold of a tensor split by rows over the
+        mesh: XLA gives the device at position k the rows [k·c, (k+1)·c), c = ceil(num_rows /
+        devices) (the last ones fewer, or none)."""
+        per_device = -(-num_rows // sum(len(h) for h in self.hosts))
+        first, last = self.positions(host)
+        return min(num_rows, first * per_device), min(num_rows, last * per_device)
+
+    def __str__(self) -> str:
+        return " | ".join(",".join(map(str, host)) for host in self.hosts)
+
+
+_layout: DeviceLayout | None = None
+
+
+def _own_device_ids() -> list[int]:
+    """This host's device ids as its runtime lists its addressable devices ("TPU:4" -> 4): the
+    order in which a minibatch upload fills them (torch_xla's GetLocalDevices)."""
+    return [int(name.rsplit(":", 1)[1]) for name in torch_xla._XLAC._xla_get_runtime_devices()]
+
+
+def device_layout() -> DeviceLayout:
+    """The slice's layout, gathered once from every host's runtime (after init_host_group on a
+    slice of several hosts); a simulated slice takes it from SIMULATED_DEVICES_ENV."""
+    global _layout
+    if _layout is None:
+        devices, simulated = xr.global_runtime_device_count(), _simulated_slice()
+        if simulated:
+            given = os.environ.get(SIMULATED_DEVICES_ENV)
+            layout = DeviceLayout.parse(given) if given else DeviceLayout.contiguous(devices, simulated[1])
+            if len(layout.hosts) != simulated[1]:
+                raise ValueError(f"{SIMULATED_DEVICES_ENV}={given!r} lists {len(layout.hosts)} hosts, the "
+                                 f"simulated slice has {simulated[1]}")
+            own = list(layout.hosts[simulated[0]])
+        else:
+            own = _own_device_ids()
+        if _group_size() != process_count():
+            raise RuntimeError("the device layout needs every host: call init_host_group() first")
+        layout = DeviceLayout(tuple(tuple(ids) for ids in all_gather_object(own)))
+        problems = layout.problems(devices)
+        if problems:
+            raise RuntimeError("the hosts' devices do not form one slice: " + "; ".join(problems))
+        _layout = layout
+    return _layout
+
+
+def row_block(num_rows: int, index: int, layout: DeviceLayout | None = None) -> tuple[int, int]:
+    """[start, stop) of the rows that host `index` holds of a tensor split by rows over the mesh
+    (the slice's layout unless `layout` is given)."""
+    return (layout or device_layout()).row_block(num_rows, index)
 
 
 def rows_here(num_rows: int) -> tuple[int, int]:
     """[start, stop) of the rows of a tensor split by rows (a batch, the carry, the puzzle table)
-    held by this process's devices."""
+    that this process reads and writes: its host's block; all of them in a simulated slice, whose
+    processes each run the whole program."""
     index, count = data_split()
-    return (0, num_rows) if count == 1 else row_block(num_rows, index, count)
+    return (0, num_rows) if count == 1 else row_block(num_rows, index)
 
 
 # -- sharding -----------------------------------------------------------------------------------
 
 
-def data_mesh() -> xs.Mesh:
-    """One axis over all devices of the slice; the size always comes from the runtime."""
-    num_devices = xr.global_runtime_device_count()
-    return xs.Mesh(np.arange(num_devices), (num_devices,), ("data",))
+def data_mesh(layout: DeviceLayout | None = None) -> xs.Mesh:
+    """One axis over all devices of the slice, in host order (`DeviceLayout`): host 0's devices,
+    then host 1's, ...; on one host, the runtime's own order."""
+    order = (layout or device_layout()).mesh_order()
+    return xs.Mesh(np.array(order), (len(order),), ("data",))
 
 
 def _batch_spec(ndim: int) -> tuple:
@@ -205,9 +306,12 @@ def host_batch_to_global(host_batch: dict[str, np.ndarray | torch.Tensor], mesh:
 
     This host's array holds its contiguous slice of the global batch (host p of P holds rows
     [p·B/P, (p+1)·B/P)); with `minibatch=True` the runtime places the slice on this host's
-    devices without any cross-host traffic. Each key gets a spec of its own rank: a spec of the
-    wrong rank would silently leave that tensor replicated. All keys go in one transfer call
-    with specs built once (cheaper in host time than one xm.send_cpu_data_to_device per key).
+    devices without any cross-host traffic, its i-th chunk on the i-th device the runtime lists,
+    which the host-ordered mesh puts at the slice's global rows. Each key gets a spec of its own
+    rank: a spec of the wrong rank would silently leave that tensor replicated. All keys go in
+    one transfer call with specs built once (cheaper in host time than one
+    xm.send_cpu_data_to_device per key). A simulated slice uploads every host's rows to the
+    devices the simulated hosts own (`_place_like_the_runtime`).
     """
     local_devices = xr.addressable_runtime_device_count()
     tensors, shardings = [], []
@@ -220,31 +324,119 @@ def host_batch_to_global(host_batch: dict[str, np.ndarray | torch.Tensor], mesh:
                       else torch.from_numpy(np.ascontiguousarray(array)))
         tensors.append(cpu_tensor)
         shardings.append(_input_spec(mesh, array.ndim).xla_spec(cpu_tensor))
+    if _simulated_slice():
+        return {key: _place_like_the_runtime(t, mesh, device_layout()) for key, t in zip(host_batch, tensors)}
     on_device = torch_xla._XLAC._xla_tensors_from_aten(tensors, [str(device())] * len(tensors), shardings)
     return dict(zip(host_batch, on_device))
 
 
-def local_rows(tensor: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """This host's rows of a batch-sharded tensor as (first global row, CPU tensor), copied from
-    the local devices only (`.cpu()` of a sharded tensor would gather from every host)."""
+def _place_like_the_runtime(global_rows: torch.Tensor, mesh: xs.Mesh, layout: DeviceLayout) -> torch.Tensor:
+    """The global batch as a slice's hosts upload it with `minibatch=True` (a simulated slice,
+    whose one process holds every row and every device): host p's slice is rows
+    [p·B/P, (p+1)·B/P), and its i-th chunk of B/N rows goes to the i-th device it owns
+    (layout.hosts[p][i]), wherever the mesh puts that device (torch_xla 2.9,
+    xla_sharding_util.cpp GetShardIndicesForMinibatchTensor: chunk i of a host's tensor to its
+    i-th addressable device). With a host-ordered mesh the rows land at their own global rows."""
+    num_devices = len(layout.mesh_order())
+    chunk = global_rows.shape[0] // num_devices
+    by_device = {}
+    for host, owned in enumerate(layout.hosts):
+        first = layout.positions(host)[0] * chunk  # the host's slice starts here (equal hosts)
+        for i, device_id in enumerate(owned):
+            by_device[device_id] = global_rows[first + i * chunk:first + (i + 1) * chunk]
+    op_sharding = mesh.get_op_sharding(_batch_spec(global_rows.ndim))
+    shards = [by_device[i].contiguous() for i in _own_device_ids()]  # in this process's device order
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, op_sharding, list(global_rows.shape))
+
+
+def local_rows(tensor: torch.Tensor, devices: list[int] | None = None, shards=None) -> tuple[int, torch.Tensor]:
+    """Rows of a batch-sharded tensor as (first global row, CPU tensor), copied from this
+    process's devices only (`.cpu()` of a sharded tensor would gather from every host): all of
+    them, or those of `devices` (ids; a host's devices in a simulated slice, where one process
+    holds them all). They must be consecutive rows, as a host's are in the host-ordered mesh.
+    `shards`: the tensor's local shards if already read (`read_local_shards`)."""
+    shards = read_local_shards(tensor) if shards is None else shards
+    if any(s.indices is Ellipsis for s in shards):  # a mesh of one device: nothing is split
+        return 0, shards[0].data
+    if devices is not None:
+        shards = [s for s in shards if int(s.shard_device.rsplit(":", 1)[1]) in set(devices)]
+    blocks = sorted(((s.indices[0].start, s.unpadded_data) for s in shards), key=lambda b: b[0])
+    start = blocks[0][0]
+    if [b[0] for b in blocks] != [start + sum(len(x) for _, x in blocks[:i]) for i in range(len(blocks))]:
+        raise RuntimeError(f"the rows of devices {devices or _own_device_ids()} are not consecutive (they start at "
+                           f"rows {[b[0] for b in blocks]}): the mesh does not list the devices in host order")
+    return start, torch.cat([b for _, b in blocks])
+
+
+def read_local_shards(tensor: torch.Tensor) -> list:
+    """The shards of `tensor` on this process's devices, copied to the CPU (one device-to-host
+    transfer), each with its device and its global indices."""
     from torch_xla.distributed.spmd import XLAShardedTensor
 
     xm.wait_device_ops()  # local shards can only be read once the computation producing them ended
-    shards = XLAShardedTensor(tensor).local_shards
-    if any(s.indices is Ellipsis for s in shards):  # a mesh of one device: nothing is split
-        return 0, shards[0].data
-    blocks = sorted(((s.indices[0].start, s.unpadded_data) for s in shards), key=lambda b: b[0])
-    start = blocks[0][0]
-    rows = torch.cat([b for _, b in blocks])
-    if [b[0] for b in blocks] != [start + sum(len(x) for _, x in blocks[:i]) for i in range(len(blocks))]:
-        raise RuntimeError("this host's rows are not contiguous; "
-                           "the data mesh must list devices in host order")
+    return XLAShardedTensor(tensor).local_shards
+
+
+def host_rows(tensor: torch.Tensor, host: int, layout: DeviceLayout | None = None) -> tuple[int, torch.Tensor]:
+    """Host `host`'s rows of a batch-sharded tensor (first global row, CPU tensor), read from its
+    own devices; they must be the layout's row block of that host."""
+    layout = layout or device_layout()
+    start, rows = local_rows(tensor, list(layout.hosts[host]))
+    expected = layout.row_block(tensor.shape[0], host)
+    if (start, start + len(rows)) != expected and len(rows):
+        raise RuntimeError(f"host {host}'s devices {list(layout.hosts[host])} hold rows [{start}, {start + len(rows)}) "
+                           f"of {tensor.shape[0]}, not its block [{expected[0]}, {expected[1]}): the mesh does not "
+                           "list the devices in host order")
     return start, rows
 
 
 def local_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A CPU copy of a replicated tensor, read from one local device (no cross-host traffic)."""
+    """A CPU copy of a replicated tensor, read from one local device (no cross-host traffic).
+    Any other sharding would make `.cpu()` run a program on every device of the slice, which
+    hangs when one host reads alone (a checkpoint share): refused."""
+    spec = torch_xla._XLAC._get_xla_sharding_spec(tensor)
+    if spec not in ("", "{replicated}"):
+        raise ValueError(f"local_copy of a tensor sharded as {spec}: only a replicated tensor can be read by "
+                         "one host alone (use local_rows for a tensor split by rows)")
     return tensor.cpu()
+
+
+class RowPlacementError(RuntimeError):
+    """The rows a host uploads do not land on its own devices (`check_row_placement`)."""
+
+
+def check_row_placement(mesh: xs.Mesh) -> float:
+    """The start-up self-check of a slice (seconds it took): upload one batch whose rows hold
+    their own global index, then every host reads its devices' rows back and compares them with
+    what it sent; on any host's mismatch every host raises RowPlacementError naming each host's
+    devices and the rows that landed there. It costs one small upload and one device-to-host read
+    of local rows (one row per device)."""
+    started = time.perf_counter()
+    layout = device_layout()
+    num_rows = len(layout.mesh_order())  # one row per device
+    index, count = data_split()
+    sent = (index * num_rows // count, (index + 1) * num_rows // count)  # this process's rows
+    uploaded = host_batch_to_global({"row": torch.arange(*sent, dtype=torch.int32)[:, None]}, mesh)["row"]
+    host = process_index()
+    block = layout.row_block(num_rows, host)
+    try:
+        shards = read_local_shards(uploaded)  # the check's one read
+        start, landed = local_rows(uploaded, shards=shards)
+        own_start, own = local_rows(uploaded, list(layout.hosts[host]), shards)
+        seen = f"rows {landed[:, 0].tolist()} from row {start}; its own devices rows {own[:, 0].tolist()}"
+        ok = (start == sent[0] and landed[:, 0].tolist() == list(range(*sent))
+              and own_start == block[0] and own[:, 0].tolist() == list(range(*block)))
+    except RuntimeError as e:
+        ok, seen = False, str(e)
+    reports = all_gather_object((ok, f"host {host} (devices {','.join(map(str, layout.hosts[host]))}): sent rows "
+                                      f"{sent[0]}..{sent[1] - 1}, its devices hold {seen}"))
+    if not all(ok for ok, _ in reports):
+        raise RowPlacementError(
+            f"the rows each host uploads do not land on its own devices (device layout {layout}; mesh order "
+            f"{','.join(map(str, mesh.device_ids))}):\n  " + "\n  ".join(line for _, line in reports)
+            + "\nTraining would mix rows across hosts and checkpoints would lose rows; nothing was trained. "
+            "Please report these lines (torch_xla's placement differs from the host-ordered mesh).")
+    return time.perf_counter() - started
 
 
 def bytes_per_device(tensor: torch.Tensor) -> int:
@@ -267,7 +459,10 @@ def sync() -> None:
 
 
 def xla_counters() -> dict:
-    """Graphs compiled (and seconds), aten:: CPU fallbacks by op, device-to-host transfers."""
+    """Graphs compiled (and seconds), aten:: CPU fallbacks by op, device-to-host transfers, and
+    the persistent compilation cache's hits, misses and failed loads (torch_xla's counters
+    PersistentCacheHit / PersistentCacheMiss / PersistentCacheDeserializeFailure, runtime/cache.h;
+    a counter exists once it first counts)."""
     import torch_xla.debug.metrics as met
 
     compile_data = met.metric_data("CompileTime")
@@ -277,6 +472,9 @@ def xla_counters() -> dict:
         "compile_seconds": compile_data[1] / 1e9 if compile_data else 0.0,
         "fallbacks": {n: met.counter_value(n) for n in met.counter_names() if n.startswith("aten::")},
         "transfers": transfers[0] if transfers else 0,
+        "cache_hits": met.counter_value("PersistentCacheHit") or 0,
+        "cache_misses": met.counter_value("PersistentCacheMiss") or 0,
+        "cache_load_failures": met.counter_value("PersistentCacheDeserializeFailure") or 0,
     }
 
 

@@ -47,7 +47,7 @@ from batches import PrefetchedBatches, TrainBatches
 from checkpoint import Checkpoints
 from config import PRESETS, Config, ConfigError, parse_config, settings_lines
 from evaluate import Evaluations
-from lifecycle import EXIT_RETRYABLE, Preempted, Preemption, ShutdownDeadline, Watchdog, start
+from lifecycle import EXIT_RETRYABLE, Preempted, Preemption, ShutdownDeadline, Watchdog, check_devices, start
 from report import HostLog, Profile, RunLog, format_duration
 from restore import resume_or_start
 from schedule import lr_at, run_schedule
@@ -57,12 +57,14 @@ def main(config: Config, preset: str | None = None) -> dict:
     """Train (and evaluate) as configured, resuming from the run directory's latest
     checkpoint; returns the logged history, the evaluations and the XLA counters. `preset`: the
     preset the flags were applied to (for the settings printed at start; default: the closest)."""
-    # 1. Checks (before any device work), then the runtime, the mesh and the hosts; from then on
-    # what this host prints also goes to {run.dir}/logs/host_I.launch-TIME.log.
+    # 1. Checks (before any device work), then the runtime and the hosts; from then on what this
+    # host prints also goes to {run.dir}/logs/host_I.launch-TIME.log. Each host's rows must land
+    # on its own devices before anything trains.
     original = config
     config, train_set, test_set, sharding, device_kind, identifiers = start(config)
     launch = sharding.broadcast_object(time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
     with HostLog(config.run.dir, sharding.process_index(), launch):
+        check_devices(sharding)
         if sharding.is_main_process():
             print("\n".join(settings_lines(original, config, preset)), flush=True)
         return training(config, train_set, test_set, sharding, device_kind, identifiers)
@@ -71,6 +73,7 @@ def main(config: Config, preset: str | None = None) -> dict:
 def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sharding, device_kind: str,
              identifiers: str | None) -> dict:
     """main() once the runtime runs: the run itself."""
+    startup_transfers = sharding.xla_counters()["transfers"]  # the start-up self-check's read
     num_devices, local_devices = sharding.device_counts()
     num_hosts, host = sharding.process_count(), sharding.process_index()
     optim = config.optim
@@ -101,7 +104,8 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
     watchdog = Watchdog(config.run.watchdog_minutes, host)
     evaluations = Evaluations(config, trainer, test_set, log, eval_steps, preemption, watchdog)
     profile = Profile(config, start_step + 10, sharding.is_main_process(), sharding, log.say)
-    cache_uploads = compile_cache.Uploader.for_run(config.run, sharding.is_main_process(), start_step)
+    compiles = compile_cache.CompileCache.for_run(config.run, sharding.is_main_process(), start_step,
+                                                  sharding.xla_counters, device_kind)
 
     # 4. The loop. Nothing in it reads a device value: metric sums are read by a background
     # thread at the end of each logging window, while the host runs the following steps.
@@ -121,7 +125,7 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
             sharding.sync()
             watchdog.progress(f"step {step}")
             profile.after_step(step)
-            cache_uploads.after_step(step)
+            compiles.after_step(step)  # says what the compile cache did, once
             stop = preemption.agreed_stop(step, log.nonfinite is not None)
             log.after_step(step, lr, end_window=stop or checkpoints.due(step))
             if stop:  # SIGTERM on some host (a NaN stops inside save instead)
@@ -145,7 +149,7 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
         batches.close()
         checkpoints.close()  # a save under way commits (or is reported) however the loop ends
         watchdog.close()
-        cache_uploads.close()  # best effort, bounded (after SIGTERM by the shutdown deadline too)
+        compiles.close()  # best effort, bounded (after SIGTERM by the shutdown deadline too)
         preemption.close()  # last: its shutdown deadline also bounds the wait for the save
     log.close()
     xla = sharding.xla_counters()
@@ -154,8 +158,8 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
             f"{sum(xla['fallbacks'].values())} aten:: CPU fallbacks{fallbacks}, "
             f"{xla['transfers']} device-to-host transfers")
     return {"history": log.history, "evals": log.evals, "final": log.evals[-1] if log.evals else None,
-            "xla": xla, "checkpoint_transfers": checkpoints.transfers, "preempted": preempted,
-            "start_step": start_step}
+            "xla": xla, "checkpoint_transfers": checkpoints.transfers, "startup_transfers": startup_transfers,
+            "preempted": preempted, "start_step": start_step}
 
 
 COMMANDS = {"eval": commands.evaluate_command, "export": commands.export_command, "predict": predict.predict_command}

@@ -1,8 +1,9 @@
 """The training state on the XLA devices and the steps that change it.
 
-`Trainer` holds the TRM, AdamATan2, SignSGD, the EMA and the ACT carries, and names every
-tensor of that state in one fixed order (`state_tensors`): checkpoints save and restore it by
-those names, and capture.py binds it as the inputs and outputs of the captured step.
+`Trainer` holds the TRM, the dense weights' optimizer (AdamATan2, or torch's Adam / AdamW),
+SignSGD, the EMA and the ACT carries, and names every tensor of that state in one fixed order
+(`state_tensors`): checkpoints save and restore it by those names, and capture.py binds it as the
+inputs and outputs of the captured step.
 
 `Trainer.train_step` and `Trainer.eval_step` are the training step and the evaluation ACT step
 as plain PyTorch: by default (`run.capture_step`) each runs once, on placeholder tensors, to be
@@ -19,7 +20,7 @@ import torch
 
 from checkpoint import IncompleteCheckpointError, Shard, assign_owners, state_differences
 from model import TRM, Carry, loss_and_metrics
-from optim import EMA, AdamATan2, SignSGD
+from optim import EMA, SignSGD, dense_optimizer
 
 TRAIN_METRICS = ("count", "accuracy", "exact_accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss",
                  "grad_norm")
@@ -43,7 +44,7 @@ class StateTensor:
 def dense_grad_norm(parameters) -> torch.Tensor:
     """The global L2 norm of the gradients of `parameters` (float32, a lazy device value): the
     total norm `torch.nn.utils.clip_grad_norm_` reports, without clipping anything. The
-    training step passes AdamATan2's parameters, the dense weights; the puzzle-embedding table
+    training step passes the dense optimizer's parameters, the dense weights; the puzzle-embedding table
     (a buffer trained by SignSGD) is not among them, so its gradient is not in the norm."""
     norms = [torch.linalg.vector_norm(p.grad.float()) for p in parameters if p.grad is not None]
     return torch.linalg.vector_norm(torch.stack(norms))
@@ -82,11 +83,11 @@ class Trainer:
             else:
                 self.model.puzzle_embedding.weight = table.to(self.device)
         optim = config.optim
-        self.adam = AdamATan2(self.model.parameters(), betas=(optim.beta1, optim.beta2),
-                              weight_decay=optim.weight_decay)
+        # The dense weights' optimizer (optim.optimizer; AdamATan2 in the paper's recipes).
+        self.dense = dense_optimizer(self.model.parameters(), optim.optimizer, betas=(optim.beta1, optim.beta2),
+                                    weight_decay=optim.weight_decay)
         self.sign_sgd = (SignSGD(self.model.puzzle_embedding, weight_decay=optim.puzzle_emb_weight_decay)
                          if config.model.puzzle_emb_ndim > 0 else None)
-        self.adam.init_state()
         self.ema = EMA(self.model, rate=optim.ema_rate)
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
@@ -125,7 +126,7 @@ class Trainer:
     def state_tensors(self) -> list[StateTensor]:
         """Every tensor a training step reads or writes besides the carry, the batch and the
         learning rates, in an order that is the same on every host and every launch:
-        parameters, buffers, AdamATan2's state, the EMA."""
+        parameters, buffers, the dense optimizer's state, the EMA."""
         model, state = self.model, []
         for name, p in model.named_parameters():
             state.append(StateTensor(f"model/{name}", lambda p=p: p.data, lambda v, p=p: setattr(p, "data", v), True))
@@ -138,7 +139,7 @@ class Trainer:
                     lambda m=module, n=name: getattr(m, n), lambda v, m=module, n=name: setattr(m, n, v),
                     full == "puzzle_embedding.weight"))  # SignSGD writes the table; other buffers are fixed
         for name, p in model.named_parameters():
-            adam = self.adam.state[p]
+            adam = self.dense.state[p]
             for key in sorted(adam):
                 state.append(StateTensor(f"adam/{name}/{key}", lambda s=adam, k=key: s[k],
                                          lambda v, s=adam, k=key: s.__setitem__(k, v), True))
@@ -152,28 +153,30 @@ class Trainer:
         """Every saved tensor of the training state under its checkpoint name (not the carries)."""
         return {s.name: s.get() for s in self.state_tensors() if s.name}
 
-    def checkpoint_shards(self, process_index: int, process_count: int,
-                          row_split: bool = True) -> dict[str, Shard]:
-        """This host's share of the state, copied to the CPU: the replicated tensors it owns,
-        its rows of the carry and of the row-split puzzle table (left out with
-        row_split=False: bench.py times that copy apart)."""
-        def host_rows(t: torch.Tensor) -> Shard:  # (in a simulated slice this process holds them all)
-            start, rows = self.sharding.local_rows(t)
-            lo, hi = self.sharding.row_block(t.shape[0], process_index, process_count)
-            return Shard(rows[lo - start:hi - start], tuple(t.shape), lo)
+    def checkpoint_shards(self, host: int, layout=None, row_split: bool = True) -> dict[str, Shard]:
+        """Host `host`'s share of the state, copied to the CPU: the replicated tensors it owns,
+        its rows of the carry and of the row-split puzzle table, read from its own devices
+        (left out with row_split=False: bench.py times that copy apart). `layout`: the slice's
+        sharding.DeviceLayout unless given (bench.py's hypothetical slices)."""
+        layout = layout or self.sharding.device_layout()
+        hosts = len(layout.hosts)
+
+        def rows_of_host(t: torch.Tensor) -> Shard:
+            start, rows = self.sharding.host_rows(t, host, layout)
+            return Shard(rows, tuple(t.shape), start)
 
         state = self.named_state()
         replicated = {n: t for n, t in state.items() if n not in self.row_split}
-        owners = assign_owners({n: t.numel() * t.element_size() for n, t in replicated.items()}, process_count)
+        owners = assign_owners({n: t.numel() * t.element_size() for n, t in replicated.items()}, hosts)
         shards = {n: Shard(self.sharding.local_copy(t), tuple(t.shape)) for n, t in replicated.items()
-                  if owners[n] == process_index}
-        shards.update({n: host_rows(state[n]) for n in self.row_split if row_split})
+                  if owners[n] == host}
+        shards.update({n: rows_of_host(state[n]) for n in self.row_split if row_split})
         for name, t in self.carry.tensors().items():
             if t.ndim == 0:
-                if process_index == 0:
+                if host == 0:
                     shards[f"carry/{name}"] = Shard(self.sharding.local_copy(t), ())
             else:
-                shards[f"carry/{name}"] = host_rows(t)
+                shards[f"carry/{name}"] = rows_of_host(t)
         return shards
 
     def init_carries(self, batch: dict[str, torch.Tensor]) -> None:
@@ -201,33 +204,33 @@ class Trainer:
         return self.train_step(batch)
 
     def set_lrs(self, lr: torch.Tensor, puzzle_emb_lr: torch.Tensor) -> None:
-        for group in self.adam.param_groups:
+        for group in self.dense.param_groups:
             group["lr"] = lr
         if self.sign_sgd is not None:
             self.sign_sgd.lr = puzzle_emb_lr
 
     def lrs(self) -> tuple:
-        """The learning rates now set (AdamATan2's, SignSGD's or None)."""
-        return self.adam.param_groups[0]["lr"], None if self.sign_sgd is None else self.sign_sgd.lr
+        """The learning rates now set (the dense optimizer's, SignSGD's or None)."""
+        return self.dense.param_groups[0]["lr"], None if self.sign_sgd is None else self.sign_sgd.lr
 
     def clear_gradients(self) -> None:
         """Drop every gradient a step left behind (the tracing step leaves placeholders' ones)."""
-        self.adam.zero_grad(set_to_none=True)
+        self.dense.zero_grad(set_to_none=True)
         if self.sign_sgd is not None:
             self.sign_sgd.zero_grad()
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One ACT segment, backward, both optimizers and the EMA; returns the metric vector
         (TRAIN_METRICS order) as a lazy device tensor, the norm of the dense gradients (of the
-        loss / global batch, which AdamATan2 steps with) included: part of the same graph, read
+        loss / global batch, which the dense optimizer steps with) included: part of the same graph, read
         with the other metrics. With run.capture_step (the default) this runs once, on
         placeholders, and capture.py replays its traced computation after."""
         carry, outputs = self.model(self.carry, batch)
         loss, metrics = loss_and_metrics(carry, outputs)
         (loss / self.config.optim.global_batch_size).backward()
-        metrics["grad_norm"] = dense_grad_norm(p for group in self.adam.param_groups for p in group["params"])
-        self.adam.step()
-        self.adam.zero_grad(set_to_none=True)
+        metrics["grad_norm"] = dense_grad_norm(p for group in self.dense.param_groups for p in group["params"])
+        self.dense.step()
+        self.dense.zero_grad(set_to_none=True)
         if self.sign_sgd is not None:
             self.sign_sgd.step()
             self.sign_sgd.zero_grad()

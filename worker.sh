@@ -21,7 +21,8 @@
 #                                    and once it ended the last line train.py printed
 #   remote_stop WAIT_SECONDS KILL    SIGTERM to train.py, wait, SIGKILL if KILL is 1
 #   remote_logs RUN LINES MODE       the run's log (RUN "" = latest): follow, tail or prefix
-#   remote_check BUCKET DATA_URL     versions, bucket, dataset and TPU devices (check)
+#   remote_check BUCKET DATA_URL HOST0 PORT WORKERS WAIT
+#                                    versions, bucket, dataset, TCP to worker 0's PORT, TPU devices (check)
 #
 # What they print for launch.sh: lines TRM|WORKER|KEY|VALUE (launch.sh shows KEY ok, note and error
 # to the user and reads the others); anything else goes through as it is. On the worker: code in
@@ -77,8 +78,11 @@ r_checks_py() {
 """versions: Python, torch, torch_xla and libtpu versions (setup).
 check WORKER BUCKET DATA DEVICES: the versions; then bucket: a probe object written to and removed from
 gs://BUCKET/runs/.trm-check/; data: DATA's train and test dataset.json read (if DATA); devices,
-local_devices, processes: the TPU runtime's counts (if DEVICES is 1). A failure is ERROR Type: text."""
-import importlib.metadata as md, json, platform, sys
+local_devices, processes: the TPU runtime's counts (if DEVICES is 1). A failure is ERROR Type: text.
+port WORKER HOST0 PORT WORKERS WAIT: master_port: TCP between the workers on the port where the
+trainers' host group meets (gloo's rendezvous on worker 0, torch's MASTER_PORT): worker 0 listens,
+every other worker connects to HOST0 (ok ... or ERROR ..., within WAIT seconds)."""
+import importlib.metadata as md, json, platform, socket, sys, time
 
 
 def say(k, v):
@@ -89,6 +93,37 @@ def error(e):
     return f"ERROR {type(e).__name__}: {e}".replace("\n", " ")[:300]
 
 
+def port_check(worker, host0, port, workers, wait):
+    deadline = time.time() + wait
+    if worker == 0:
+        try:
+            with socket.create_server(("", port)) as server:
+                connected = 0
+                while connected < workers - 1 and time.time() < deadline:
+                    server.settimeout(max(0.1, deadline - time.time()))
+                    try:
+                        server.accept()[0].close()
+                        connected += 1
+                    except socket.timeout:
+                        break
+            state = "ok" if connected == workers - 1 else "ERROR"
+            say("master_port", f"{state} {connected} of {workers - 1} workers reached port {port} here in {wait} s")
+        except OSError as e:
+            say("master_port", f"ERROR cannot listen on port {port}: {e}")
+        return
+    while True:
+        try:
+            socket.create_connection((host0, port), timeout=5).close()
+            return say("master_port", f"ok {host0}:{port} reached")
+        except OSError as e:
+            if time.time() > deadline:
+                return say("master_port", f"ERROR no TCP connection to worker 0 at {host0}:{port} in {wait} s: {e}")
+            time.sleep(0.5)
+
+
+if sys.argv[1] == "port":
+    port_check(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
+    sys.exit(0)
 say("python", platform.python_version())
 for name in ("torch", "torch_xla", "libtpu"):
     try:
@@ -311,14 +346,19 @@ remote_logs() {  # remote_logs RUN_NAME("" = latest) LINES MODE(follow/tail/pref
   esac
 }
 
-remote_check() {  # remote_check BUCKET DATA_URL
-  local bucket=$1 data=$2 p devices=1 rc
+remote_check() {  # remote_check BUCKET DATA_URL HOST0 PORT WORKERS WAIT
+  local bucket=$1 data=$2 host0=${3:-} port=${4:-12355} workers=${5:-1} wait=${6:-60} p devices=1 rc
   r_say code "$(r_code_hash "$C")"
   if [ ! -x "$PY" ]; then r_say error "no venv ~/trm-venv: run setup"; return 1; fi
   if p=$(r_active_pid); then
     devices=0; r_say note "trainer running (pid $p): TPU busy, device test skipped"
   elif [ -e /tmp/libtpu_lockfile ]; then
     r_say note "/tmp/libtpu_lockfile exists (another process may hold the TPU; train removes it)"
+  fi
+  if [ "$workers" -gt 1 ] && [ "$devices" = 0 ]; then
+    r_say master_port "skipped: a trainer runs (it holds the port)"
+  elif [ "$workers" -gt 1 ]; then
+    r_checks_py | timeout $((wait + 30)) "$PY" - port "$W" "$host0" "$port" "$workers" "$wait" | r_say_each
   fi
   r_checks_py | PJRT_DEVICE=TPU timeout 300 "$PY" - check "$W" "$bucket" "$data" "$devices" | r_say_each
   rc=${PIPESTATUS[1]}

@@ -36,7 +36,7 @@ def run_in_fresh_process(args, cpu_devices=8):
         from config import parse_config
         result = train.main(parse_config({args!r}))
         print("RESULT" + json.dumps({{k: result[k] for k in ("history", "evals", "final", "xla",
-                                                               "checkpoint_transfers")}}))
+                                                               "checkpoint_transfers", "startup_transfers")}}))
     """)
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(cpu_devices))
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
@@ -55,9 +55,10 @@ def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
     assert not xla["fallbacks"]
     # Device-to-host reads: one per log line and two per evaluation (its metrics, and its first
     # batch's predictions for the puzzle pictures), nothing in the steps. The final checkpoint's
-    # copies are counted apart.
-    assert (xla["transfers"] - result["checkpoint_transfers"] == len(result["history"]) + 2 * len(result["evals"])
-            == 3 + 2)
+    # copies and the start-up self-check's one read of its rows are counted apart.
+    assert result["startup_transfers"] == 1
+    assert (xla["transfers"] - result["checkpoint_transfers"] - result["startup_transfers"]
+            == len(result["history"]) + 2 * len(result["evals"]) == 3 + 2)
     history = result["history"]
     assert [h["step"] for h in history] == [50, 100, 150]
     assert history[-1]["lm_loss"] < 0.8 * history[0]["lm_loss"], history
@@ -91,6 +92,26 @@ def test_training_is_clean_on_xla_and_learns(demo_path, tmp_path):
     [host_log] = (tmp_path / "run" / "logs").glob("host_0.launch-*.log")
     logged = host_log.read_text()
     assert "step 150/150" in logged and "done: 150 steps" in logged and "XLA: 3 graphs compiled" in logged
+    # The start-up self-check's line, and after the first steps what the compile cache did.
+    assert "device layout (host order): 0,1,2,3,4,5,6,7; each host's rows land on its own devices" in logged
+    assert "compile cache: off (the CPU runtime is not given the cache); 2 graphs compiled in" in logged
+
+
+@pytest.mark.parametrize("optimizer,schedule", [("adamw", "linear"), ("adam", "constant")])
+def test_the_studys_optimizers_and_schedules_train_without_recompiling(demo_path, tmp_path, optimizer, schedule):
+    # torch's AdamW / Adam in place of AdamATan2 and another schedule after warmup: the same three
+    # graphs (the learning rate is a device input), no fallbacks, and the loss falls.
+    result, stdout = run_in_fresh_process(tiny_args(
+        demo_path, tmp_path, "--optim.max-steps", "60", "--run.log-every", "20", "--eval.every-epochs", "1000",
+        "--optim.lr-warmup-steps", "5", "--optim.optimizer", optimizer, "--optim.lr-schedule", schedule,
+        "--optim.lr-min-ratio", "0.1", "--optim.weight-decay", "0.01"))
+    assert result["xla"]["compiles"] == 3 and not result["xla"]["fallbacks"], result["xla"]
+    history = result["history"]
+    assert history[-1]["lm_loss"] < 0.9 * history[0]["lm_loss"], history  # 1.71 -> 1.41 and 1.73 -> 1.38
+    assert f"--optim.optimizer {optimizer} (preset: adam_atan2)" in stdout
+    lrs = [h["lr"] for h in history]  # at steps 20, 40, 60 of 60, after 5 warmup steps
+    want = {"linear": [1e-3 * (0.1 + 0.9 * (1 - p)) for p in (15 / 55, 35 / 55, 1.0)], "constant": [1e-3] * 3}
+    assert lrs == pytest.approx(want[schedule], rel=1e-6)
 
 
 def metrics_records(run_dir: str) -> list[dict]:
@@ -214,6 +235,11 @@ def test_lr_schedule_matches_the_reference_formula():
     assert lr_at(110, 1.0, optim, 110) == pytest.approx(0.1)
     constant = dataclasses.replace(optim, lr_min_ratio=1.0)
     assert lr_at(80, 2.0, constant, 110) == 2.0
+    # The shapes a study compares after the same warmup: a straight line to the floor, or none.
+    linear = dataclasses.replace(optim, lr_schedule="linear")
+    assert [lr_at(s, 1.0, linear, 110) for s in (5, 10, 60, 110)] == pytest.approx([0.5, 1.0, 0.55, 0.1])
+    flat = dataclasses.replace(optim, lr_schedule="constant")
+    assert [lr_at(s, 1.0, flat, 110) for s in (5, 10, 60, 110)] == pytest.approx([0.5, 1.0, 1.0, 1.0])
 
 
 def _free_port():
@@ -387,8 +413,8 @@ def test_mfu_is_model_flops_over_time_and_peak_and_absent_on_cpu():
     assert rates["step_ms"] == pytest.approx(20.0) and rates["examples_per_s"] == pytest.approx(38400.0)
     assert rates["tflops_per_device"] == pytest.approx(51.6) and rates["mfu"] == pytest.approx(51.6 / 275)
     assert "mfu" not in report.speed(100, 2.0, 768, 43e9, 32, None)
-    assert [peak_tflops_per_device(k) for k in ("TPU v4", "TPU v5 lite", "TPU v6 lite", "CPU", "TPU", None)] == \
-        [275.0, 197.0, 918.0, None, None, None]
+    assert [peak_tflops_per_device(k) for k in ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v6 lite", "CPU", "TPU",
+                                                None)] == [275.0, 197.0, 459.0, 918.0, None, None, None]
 
     # Through RunLog's step line, with the accelerator kind injected, and the real FLOP formula.
     config = PRESETS["sudoku-mlp"][1]
