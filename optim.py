@@ -1,9 +1,10 @@
 """The optimizers of TRM and the EMA of its weights, in plain PyTorch (no torch_xla).
 
 AdamATan2 (the `adam-atan2` 0.0.3 kernel's rule, the reference's optimizer for the dense
-weights), SignSGD for the sparse puzzle-embedding table, and the exponential moving average
-used for evaluation and export. Learning rates may be device tensors and every state tensor
-exists before the first step, so a traced step is the same graph every time.
+weights; torch's Adam and AdamW are the alternatives a study compares, `dense_optimizer`),
+SignSGD for the sparse puzzle-embedding table, and the exponential moving average used for
+evaluation and export. Learning rates may be device tensors and every state tensor exists
+before the first step, so a traced step is the same graph every time.
 """
 from __future__ import annotations
 
@@ -40,20 +41,12 @@ class AdamATan2(torch.optim.Optimizer):
             raise ValueError(f"AdamATan2 weight_decay must be >= 0, got {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
-    @torch.no_grad()
     def init_state(self):
-        """Create the state now rather than at the first step, so that the first step traces
-        the same graph as every later one."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not self.state[p]:
-                    self.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    self.state[p]["exp_avg"] = torch.zeros_like(p)
-                    self.state[p]["exp_avg_sq"] = torch.zeros_like(p)
+        init_state(self)
 
     @torch.no_grad()
     def step(self, closure=None):
-        self.init_state()
+        init_state(self)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, decay = group["lr"], group["weight_decay"]
@@ -69,6 +62,40 @@ class AdamATan2(torch.optim.Optimizer):
                 v.lerp_(p.grad.square(), 1 - beta2)
                 step_size = lr / (1 - beta1 ** t)
                 p.sub_(step_size * torch.atan2(m, v.sqrt() / (1 - beta2 ** t).sqrt()))
+
+
+DENSE_OPTIMIZERS = ("adam_atan2", "adamw", "adam")
+"""The optimizers of the dense weights: the paper's AdamATan2, torch's AdamW (decoupled weight
+decay) and Adam (weight decay added to the gradient, as torch.optim.Adam does)."""
+
+
+def dense_optimizer(params, name: str, betas=(0.9, 0.95), weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    """The optimizer of the dense weights, its state already created (`init_state`). torch's
+    Adam and AdamW run capturable (their step count stays a device tensor, the bias corrections
+    are device math) and unfused, one parameter at a time, so a tensor lr written into each param
+    group every step keeps the traced graph the same; eps is torch's default, 1e-8."""
+    if name == "adam_atan2":
+        optimizer = AdamATan2(params, betas=betas, weight_decay=weight_decay)
+    elif name in ("adam", "adamw"):
+        optimizer = torch.optim.Adam(params, lr=0.0, betas=betas, weight_decay=weight_decay, capturable=True,
+                                     foreach=False, decoupled_weight_decay=name == "adamw")
+    else:
+        raise ValueError(f"unknown optimizer {name!r}: use one of {', '.join(DENSE_OPTIMIZERS)}")
+    init_state(optimizer)
+    return optimizer
+
+
+@torch.no_grad()
+def init_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create an Adam-like optimizer's state (step, exp_avg, exp_avg_sq, as torch's Adam names
+    them) now rather than at the first step, so that the first step traces the same graph as
+    every later one."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                optimizer.state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                optimizer.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                optimizer.state[p]["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 class SignSGD:

@@ -15,7 +15,7 @@ import tyro
 import checkpoint
 import data
 import storage
-from config import Config, ConfigError, config_differences, config_from_dict
+from config import Config, ConfigError, config_differences, config_from_dict, with_new_fields
 from model import TRM, TRMConfig
 from report import RunLog
 from trainer import Trainer
@@ -28,7 +28,7 @@ class ConfigChangedError(ConfigError):
 def refuse_changed_config(config: Config, saved: dict, identifiers: str | None) -> None:
     """Raise ConfigChangedError when the checkpoint's state says the run was made with another
     configuration in a way that matters (and run.allow_config_change is off)."""
-    differences = config_differences(saved["config"], dataclasses.asdict(config))
+    differences = config_differences(with_new_fields(saved["config"]), dataclasses.asdict(config))
     if saved.get("dataset_identifiers") not in (None, identifiers):
         differences.append(f"the dataset's puzzle identifiers: fingerprint {saved['dataset_identifiers']} "
                            f"in the run directory, {identifiers} now")

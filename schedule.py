@@ -10,14 +10,24 @@ from config import ConfigError, OptimConfig
 
 
 def lr_at(step: int, peak: float, optim: OptimConfig, total_steps: int) -> float:
-    """The reference schedule: linear warmup from 0, then cosine down to lr_min_ratio·peak.
+    """The learning rate of update `step` (counted from 1: the reference increments its counter
+    before the update):
 
-    `step` counts updates from 1 (the reference increments its counter before the update).
+      1. warmup: linear from 0 to `peak` over optim.lr_warmup_steps;
+      2. then, by optim.lr_schedule, over the rest of the run's total_steps:
+         cosine   (the reference's) half a cosine from peak down to lr_min_ratio·peak,
+         linear   a straight line from peak down to lr_min_ratio·peak,
+         constant peak.
+    With lr_min_ratio 1.0 (every paper recipe) all three are constant after warmup.
     """
     if step < optim.lr_warmup_steps:
         return peak * step / max(1, optim.lr_warmup_steps)
-    progress = (step - optim.lr_warmup_steps) / max(1, total_steps - optim.lr_warmup_steps)
+    progress = min(1.0, (step - optim.lr_warmup_steps) / max(1, total_steps - optim.lr_warmup_steps))
     floor = optim.lr_min_ratio
+    if optim.lr_schedule == "constant":
+        return peak
+    if optim.lr_schedule == "linear":
+        return peak * (floor + (1 - floor) * (1 - progress))
     return peak * (floor + max(0.0, (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))))
 
 

@@ -170,3 +170,17 @@ def test_eval_flags_are_checked_before_anything_runs(capsys):
     with pytest.raises(SystemExit) as stopped:
         train.command_line(["eval", "--init-from=x", "--optim.no-such-flag", "1"])
     assert stopped.value.code == 2 and "--optim.no-such-flag" in capsys.readouterr().err
+
+
+def test_a_run_saved_before_a_field_existed_resumes_with_its_default():
+    # Run directories made before optim.optimizer and optim.lr_schedule existed trained with
+    # AdamATan2 and the cosine schedule: the defaults, so no configuration change.
+    from restore import refuse_changed_config
+
+    config = cli("--run.dir", "/tmp/never-written")
+    saved = dataclasses.asdict(config)
+    del saved["optim"]["optimizer"], saved["optim"]["lr_schedule"]
+    refuse_changed_config(config, {"config": saved}, None)  # no error
+    changed = dataclasses.replace(config, optim=dataclasses.replace(config.optim, optimizer="adamw"))
+    with pytest.raises(ValueError, match="optim.optimizer: 'adam_atan2' in the run directory, 'adamw' now"):
+        refuse_changed_config(changed, {"config": saved}, None)

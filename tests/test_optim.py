@@ -7,7 +7,7 @@ import torch
 
 import model
 from model import TRM
-from optim import EMA, AdamATan2, SignSGD
+from optim import EMA, AdamATan2, SignSGD, dense_optimizer
 from tests.test_model import tiny_config
 
 
@@ -49,6 +49,44 @@ def test_adam_atan2_first_step_is_the_kernels_not_the_bias_corrected_atan2():
     opt.step()
     expected = -0.01 / 0.1 * math.atan(0.1)
     torch.testing.assert_close(p.detach(), torch.tensor([expected, -expected, expected]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_torch_adam_and_adamw_on_xla_with_a_tensor_lr_equal_torch_on_the_cpu(name):
+    # As the training step runs them: on the XLA device, capturable, a device tensor lr written into
+    # the group every step (so the traced graph never changes), state made before the first step.
+    import torch_xla
+
+    import sharding
+
+    torch.manual_seed(0)
+    start = [torch.randn(5), torch.randn(2, 3)]
+    grads = [[torch.randn(5), torch.randn(2, 3)] for _ in range(4)]
+    lrs = [0.0, 0.1, 0.05, 0.3]
+    reference = [torch.nn.Parameter(p.clone()) for p in start]
+    torch_cpu = (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(
+        reference, lr=0.0, betas=(0.9, 0.95), weight_decay=0.5)
+    device = sharding.device()
+    params = [torch.nn.Parameter(p.clone().to(device)) for p in start]
+    ours = dense_optimizer(params, name, betas=(0.9, 0.95), weight_decay=0.5)
+    assert sorted(ours.state[params[0]]) == ["exp_avg", "exp_avg_sq", "step"]  # made before the first step
+    for step_grads, lr in zip(grads, lrs):
+        for group in torch_cpu.param_groups:
+            group["lr"] = lr
+        for group in ours.param_groups:
+            group["lr"] = torch.tensor(lr).to(device)
+        for p, q, g in zip(reference, params, step_grads):
+            p.grad, q.grad = g.clone(), g.clone().to(device)
+        torch_cpu.step()
+        ours.step()
+        torch_xla.sync()
+    for p, q in zip(reference, params):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_dense_optimizer_names_the_choices():
+    with pytest.raises(ValueError, match="unknown optimizer 'lion': use one of adam_atan2, adamw, adam"):
+        dense_optimizer([torch.nn.Parameter(torch.zeros(2))], "lion")
 
 
 def test_adam_atan2_refuses_betas_that_round_to_one_in_float32():
