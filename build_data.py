@@ -38,6 +38,7 @@ from data import (
     SPLITS,
     DatasetError,
     SplitAccumulator,
+    npy_header,
     open_dataset,
     read_identifiers,
     read_metadata,
@@ -343,16 +344,6 @@ def build_demo(out: str, train_puzzles: int = 300, num_aug: int = 15, test_puzzl
 # info, bench and the command line
 # --------------------------------------------------------------------------------------------
 
-def _npy_header(fs, path: str) -> tuple[tuple, np.dtype, int]:
-    """(shape, dtype, data offset) of a .npy file, reading only its header."""
-    with fs.open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                       else np.lib.format.read_array_header_2_0)
-        shape, _fortran_order, dtype = read_header(f)
-        return shape, dtype, f.tell()
-
-
 def _format_sequence(tokens: np.ndarray) -> str:
     """Tokens as a square grid when the length is a square, else one line."""
     width = len(str(int(tokens.max()))) if len(tokens) else 1
@@ -383,7 +374,7 @@ def info(url: str) -> None:
                 if not fs.exists(path):
                     print(f"  {name:20s} MISSING")
                     continue
-                headers[name] = _npy_header(fs, path)
+                headers[name] = npy_header(fs, path)
             shape, dtype, _ = headers[name]
             print(f"  {name:20s} {str(dtype):6s} {str(shape):18s} "
                   f"{math.prod(shape) * dtype.itemsize / 1e6:10.2f} MB")

@@ -358,9 +358,15 @@ def parse_config(argv: list[str] | None = None) -> Config:
         check_config(config)  # again in start(), which eval and direct callers of main() reach too
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
+    ensure_demo_data(config)
+    return config
+
+
+def ensure_demo_data(config: Config) -> None:
+    """Build the demo dataset where the demo preset reads it (data/demo), if it is not there:
+    `python train.py demo` works on a fresh checkout."""
     if config.data.path == PRESETS["demo"][1].data.path and not os.path.exists(config.data.path):
         import build_data
 
         print(f"building the demo dataset at {config.data.path}", flush=True)
         build_data.build_demo(config.data.path, seed=0)
-    return config

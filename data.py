@@ -505,6 +505,26 @@ def _check_values(arrays: dict, metadata: Metadata, split_url: str) -> None:
                 f"{field_name} in dataset.json if the arrays are right.")
 
 
+def npy_header(fs, path: str) -> tuple[tuple, np.dtype, int]:
+    """(shape, dtype, data offset) of a .npy file, reading only its header."""
+    with fs.open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, _fortran_order, dtype = read_header(f)
+        return shape, dtype, f.tell()
+
+
+def split_examples(url: str, split: str) -> int:
+    """Examples in one split of the dataset at `url`, from its inputs array's header (the split's
+    dataset.json does not hold the count): what a projection of a run's evaluations needs."""
+    metadata = read_metadata(url, split)
+    inputs_url = join_url(url, split, f"{metadata.sets[0]}__inputs.npy")
+    fs, path = filesystem(inputs_url)
+    with access_errors(inputs_url, DatasetError):
+        return int(npy_header(fs, path)[0][0])
+
+
 def open_train_test(url: str, cache_dir: str | None = None) -> tuple[Dataset, Dataset]:
     """Open both splits and check that a model built for the train split can run the test split."""
     train = open_dataset(url, "train", cache_dir)

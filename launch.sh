@@ -7,8 +7,13 @@
 # resource and wait until it is ACTIVE; delete removes a queued resource of the TPU's name too. On the workers, each step runs worker.sh, which this script sends with every ssh call (see
 # the top of worker.sh) and which answers in lines TRM|WORKER|KEY|VALUE read here.
 #
-# How to use it, from nothing to a running v4-64 job, and what each command does: README.md,
-# section "Run on a TPU pod". `bash launch.sh COMMAND --help` lists a command's flags.
+# How to use it, from nothing to a running v4-64 job: README.md; what each command does:
+# docs/pod.md; studies: docs/studies.md. `bash launch.sh COMMAND --help` lists a command's flags.
+#
+#   bash launch.sh create --accelerator v4-64 --spot && bash launch.sh setup && bash launch.sh deploy
+#   bash launch.sh train --retry sudoku-1 sudoku-mlp --data.path gs://BUCKET/data/sudoku-extreme-1k-aug-1000
+#   bash launch.sh study --retry sudoku-scaling studies/sudoku-scaling.txt   # one run per host
+#   bash launch.sh status; bash launch.sh logs 0; bash launch.sh stop; bash launch.sh delete
 #
 # Exit status: 0 success, 1 failure (explained on stderr), 2 usage error.
 set -euo pipefail
@@ -38,6 +43,8 @@ START=0
 LINES=100
 PORT=6006
 LOG_RUN=""
+STUDY=""          # tensorboard --study
+MODE=""           # study: per-host or whole-slice
 FROM_BUCKET=0
 HELP=0
 CMD=""
@@ -46,6 +53,9 @@ POS=()
 TPU_FLAGS=()      # --zone, --project: set by require
 RUN=""            # train's run name and train.py's arguments: set by parse_train_args
 TRAIN_ARGS=()
+LAUNCH=()         # what every worker starts: worker.sh remote_launch (train) or remote_study (study)
+WHAT=train.py     # what it runs, in messages
+STUDY_FILE=""     # study's file
 WORKER_B64=""     # worker.sh as one line of base64: set by load_worker_script
 CODE_HASH=""      # this checkout's code: set by build_code
 CODE_TAR=""
@@ -54,7 +64,7 @@ TMPD=""           # scratch directory, removed on exit: set by tmpdir
 exec 3>&1   # dry-run commands go to the original stdout, even from inside $(...)
 
 # ----------------------------------------------------------------------------------------------
-# Help: usage and flags; README.md, section "Run on a TPU pod", explains the commands.
+# Help: usage and flags; docs/pod.md, "What each command does", explains the commands.
 
 usage_main() {
   cat <<'EOF'
@@ -66,10 +76,11 @@ Run TRM on a Cloud TPU slice from your laptop (gcloud). Commands, in the order o
   deploy       ship the tracked code to ~/trm on every worker and compare code hashes
   check        preflight on every worker: TPU, versions, device count, bucket, dataset
   train        train RUN_NAME PRESET [train.py flags...]: start train.py on every worker
+  study        study STUDY_NAME STUDY_FILE: a study's runs, one per worker (--whole-slice: over the slice)
   status       the TPU's state and each worker's trainer
   logs         logs [WORKER|all]: follow one worker's log (--from-bucket: the copies in the bucket)
   stop         SIGTERM the trainers (they save a checkpoint, then exit)
-  tensorboard  print (or --start) the TensorBoard command for gs://BUCKET/runs/RUN_NAME/tb
+  tensorboard  print (or --start) the TensorBoard command for a run's tb/ (--study NAME: a study's)
   delete       delete the TPU VM slice and its queued resource (the bucket stays)
 
 Settings (flags before the run name, or environment variables):
@@ -77,8 +88,8 @@ Settings (flags before the run name, or environment variables):
   --bucket NAME (TRM_BUCKET)   --data gs://... (TRM_DATA)
   --dry-run      print every gcloud command instead of running it
 
-`bash launch.sh COMMAND --help` lists a command's flags. README.md, section "Run on a TPU pod",
-walks through a first run and says what each command does.
+`bash launch.sh COMMAND --help` lists a command's flags. README.md walks through a first run,
+docs/pod.md says what each command does, docs/studies.md runs a study.
 EOF
 }
 
@@ -97,7 +108,7 @@ The bucket gs://BUCKET and the TPU VM slice TPU, each if missing (a preempted TP
                            get spot and reserved capacity); a SUSPENDED or FAILED one is replaced
 
 Needs --tpu, --zone, --project, --bucket (or TRM_TPU, TRM_ZONE, TRM_PROJECT, TRM_BUCKET).
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
 EOF
 }
 
@@ -108,7 +119,7 @@ usage: bash launch.sh delete [--queued] [--dry-run]
 Deletes the TPU VM slice, and the queued resource of its name if there is one, without a prompt;
 the bucket stays. --queued (TRM_QUEUED=1): failing to look for the queued resource is an error.
 Needs --tpu, --zone, --project.
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
 EOF
 }
 
@@ -118,7 +129,7 @@ usage: bash launch.sh setup [--dry-run]
 
 The venv ~/trm-venv with requirements.txt (torch_xla[tpu]) on every worker; pip's output goes to
 ~/trm-state/setup.log there. Needs --tpu, --zone, --project.
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
 EOF
 }
 
@@ -128,7 +139,7 @@ usage: bash launch.sh deploy [--dry-run]
 
 The files git tracks in this checkout, as in the working tree, to a fresh ~/trm on every worker;
 fails unless every worker then holds your checkout's code hash. Needs --tpu, --zone, --project.
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
 EOF
 }
 
@@ -141,7 +152,7 @@ and TCP from every worker to worker 0's port 12355, where the trainers' host gro
 MASTER_PORT; TRM_CHECK_PORT checks another, for TRM_CHECK_WAIT seconds, default 60). Skipped while
 a trainer runs.
 Needs --tpu, --zone, --project, --bucket.
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
 EOF
 }
 
@@ -172,7 +183,33 @@ would repeat (137, 143: killed, a lost trainer). Other workers' failures next to
 trainer count as its consequences.
 
 Needs --tpu, --zone, --project, --bucket.
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
+EOF
+}
+
+usage_study() {
+  cat <<'EOF'
+usage: bash launch.sh study [--per-host | --whole-slice] [--retry] [--queued] [--poll SECONDS]
+                            [--max-restarts N] [--dry-run] STUDY_NAME STUDY_FILE
+
+A study's runs (STUDY_FILE: one run per line, NAME PRESET [train.py flags...]; docs/studies.md)
+into gs://BUCKET/studies/STUDY_NAME/NAME, with `study.py run` on every worker. The study file goes
+with the command. The same STUDY_NAME again skips finished runs and resumes started ones.
+
+  --per-host           (the default on a slice of several hosts) worker I runs its share of the
+                       runs (study.py --host I --hosts N), each on its own 4 chips: its TPU runtime
+                       is started as a slice of its own (worker.sh r_single_host_env; unverified
+                       on a TPU, docs/studies.md), so the hosts train as many runs at once
+  --whole-slice        every worker runs every run, one at a time, over the whole slice
+  --retry              watch and relaunch as train --retry does (a preempted slice is created
+                       again; finished runs are skipped, started ones resume)
+  --queued, --poll, --max-restarts: as for train
+
+Each worker's study.py exits 0 when its share is done (failed runs are recorded, not retried),
+75 when a run kept exiting 75, 1 for a study file it cannot run. Progress: bash launch.sh status
+(the run each worker is on), logs WORKER; results: python study.py report gs://BUCKET/studies/STUDY_NAME.
+Needs --tpu, --zone, --project, --bucket.
+More: docs/studies.md.
 EOF
 }
 
@@ -182,7 +219,7 @@ usage: bash launch.sh status [--dry-run]
 
 The TPU's state, then one line per worker: run, trainer state, code hash, the log's last line.
 Needs --tpu, --zone, --project.
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
 EOF
 }
 
@@ -202,7 +239,7 @@ the last lines of every worker's log.
                        when the TPU is gone (deleted or preempted).
 
 Needs --tpu, --zone, --project (--bucket, not the TPU, with --from-bucket).
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
 EOF
 }
 
@@ -217,21 +254,23 @@ run name resumes.
   --kill               then end what still runs with SIGKILL
 
 Needs --tpu, --zone, --project.
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
 EOF
 }
 
 usage_tensorboard() {
   cat <<'EOF'
-usage: bash launch.sh tensorboard [RUN_NAME] [--start] [--port N]
+usage: bash launch.sh tensorboard [RUN_NAME | --study STUDY_NAME] [--start] [--port N]
 
-Prints the TensorBoard command for gs://BUCKET/runs/RUN_NAME/tb (every run without RUN_NAME).
+Prints the TensorBoard command for gs://BUCKET/runs/RUN_NAME/tb (every run without RUN_NAME),
+or with --study for the whole study gs://BUCKET/studies/STUDY_NAME (its runs, and their
+hyperparameters in the HParams dashboard once `study.py report` wrote them).
 
   --start              run it here (needs tensorboard and gcsfs, both in requirements.txt)
   --port N             its port (default 6006)
 
 Needs --bucket.
-More: README.md, "What each command does".
+More: docs/pod.md, "What each command does".
 EOF
 }
 
@@ -885,15 +924,24 @@ launch() {
       fi
     fi
   fi
-  info "train: run $RUN on every worker of $TPU: train.py $(quote_cmd "${TRAIN_ARGS[@]}")"
+  if [ "$WHAT" = train.py ]; then
+    info "train: run $RUN on every worker of $TPU: train.py $(quote_cmd "${TRAIN_ARGS[@]}")"
+  else
+    study_launch
+    info "study: $RUN on every worker of $TPU (${LAUNCH[2]}, ${LAUNCH[3]} hosts): study.py run $STUDY_FILE --out gs://$BUCKET/studies/$RUN"
+  fi
   out=$TMPD/launch.out
-  ssh_capture "$out" all remote_launch "$RUN" "${TRAIN_ARGS[@]}" || die "train.py did not start on every worker (above)"
+  ssh_capture "$out" all "${LAUNCH[@]}" || die "$WHAT did not start on every worker (above)"
   dry && return 0
   for w in $(workers_in "$out"); do
     [ -n "$(field "$out" "$w" started)" ] && started=$((started + 1))
   done
-  [ "$started" -gt 0 ] || die "train.py did not start"
-  info "run $RUN started on $started workers; run dir gs://$BUCKET/runs/$RUN"
+  [ "$started" -gt 0 ] || die "$WHAT did not start"
+  if [ "$WHAT" = train.py ]; then
+    info "run $RUN started on $started workers; run dir gs://$BUCKET/runs/$RUN"
+  else
+    info "study $RUN started on $started workers; study dir gs://$BUCKET/studies/$RUN"
+  fi
   return 0
 }
 
@@ -910,11 +958,52 @@ ensure_ready_for_launch() {
 cmd_train() {
   require tpu zone project bucket
   parse_train_args
+  LAUNCH=(remote_launch "$RUN" "${TRAIN_ARGS[@]}")
   if [ "$RETRY" = 1 ]; then retry_loop; return; fi
   ensure_ready_for_launch
   launch || true
   dry && return 0
   info "  bash $PROG status | logs 0 | stop;  $(tensorboard_cmd "$RUN")"
+}
+
+hosts_of() {  # hosts of an accelerator type: 4 chips a host (v2, v3, v4 and v5p count 2 cores a chip)
+  local n=${1##*-} chips
+  case $n in ''|*[!0-9]*) echo 1; return 0 ;; esac
+  case $1 in
+    v2-*|v3-*|v4-*|v5p-*) chips=$((n / 2)) ;;
+    *) chips=$n ;;   # v5e and v6e: a slice of up to 8 chips is one host
+  esac
+  case $1 in
+    v5litepod-*|v5e-*|v6e-*) [ "$chips" -gt 8 ] || { echo 1; return 0; } ;;
+  esac
+  if [ "$chips" -le 4 ]; then echo 1; else echo $((chips / 4)); fi
+}
+
+cmd_study() {
+  require tpu zone project bucket
+  [ ${#POS[@]} -eq 2 ] || usage_error "study needs STUDY_NAME and STUDY_FILE: study [--per-host|--whole-slice] [--retry] STUDY_NAME STUDY_FILE"
+  RUN=${POS[0]} STUDY_FILE=${POS[1]}
+  case $RUN in
+    -*|''|.*|*[!A-Za-z0-9._-]*) usage_error "study name '$RUN': use letters, digits, '.', '_' and '-' (it names gs://BUCKET/studies/STUDY_NAME)" ;;
+  esac
+  [ -f "$STUDY_FILE" ] || usage_error "no study file $STUDY_FILE (one run per line: NAME PRESET [train.py flags...])"
+  WHAT=study.py   # launch() builds the command once the slice's accelerator type is known (study_launch)
+  if [ "$RETRY" = 1 ]; then retry_loop; return; fi
+  ensure_ready_for_launch
+  launch || true
+  dry && return 0
+  info "  bash $PROG status | logs 0 | stop;  python study.py report gs://$BUCKET/studies/$RUN"
+  info "  $(tensorboard_cmd "" "studies/$RUN")"
+}
+
+# study_launch: LAUNCH for the study on the slice just described (T_ACC; --accelerator under
+# --dry-run): worker.sh writes the study file, starts each worker's runtime alone (per-host), and
+# runs study.py run FILE --out gs://BUCKET/studies/RUN [--host W --hosts N | --whole-slice] -- --run.device tpu.
+study_launch() {
+  local hosts mode=$MODE
+  hosts=$(hosts_of "${T_ACC:-$ACCELERATOR}")
+  [ -n "$mode" ] || { if [ "$hosts" -gt 1 ]; then mode=per-host; else mode=whole-slice; fi; }
+  LAUNCH=(remote_study "$RUN" "$mode" "$hosts" "$BUCKET" "$(base64 < "$STUDY_FILE" | tr -d '\n')")
 }
 
 # stop_all WAIT KILL(0/1): stop what is left of the run on every worker (SIGTERM; with KILL=1,
@@ -926,7 +1015,7 @@ stop_all() {
 
 # --retry --------------------------------------------------------------------------------------------
 #
-# train.py's exit status tells --retry what to do (README.md, "What each command does"): 0 it
+# train.py's exit status tells --retry what to do (docs/pod.md, "What each command does"): 0 it
 # finished, or saved and stopped on SIGTERM; 75 (EX_TEMPFAIL) a relaunch may help (its progress
 # watchdog saw no training step complete in --run.watchdog-minutes, a peer host vanished, storage
 # stayed unreachable beyond the retries, or a SIGTERM shutdown missed its deadline); any other
@@ -1181,6 +1270,7 @@ cmd_status() {
     code=$(field "$out" "$w" code | cut -c1-12)
     [ "$(field "$out" "$w" code)" = "$CODE_HASH" ] || code="$code*"
     printf '%-6s %-20s %-13s %-13s %s\n' "$w" "$(field "$out" "$w" run)" "$state" "$code" "$(field "$out" "$w" last)"
+    [ -z "$(field "$out" "$w" study)" ] || printf '%-6s study: %s\n' "" "$(field "$out" "$w" study)"
   done
   if awk -F'|' -v h="$CODE_HASH" '$1 == "TRM" && $3 == "code" && $4 != h { bad = 1 } END { exit !bad }' "$out"; then
     echo "(code*: not your checkout's ${CODE_HASH:0:12}: bash $PROG deploy)"
@@ -1238,9 +1328,10 @@ cmd_stop() {
   info "stopped. The same train command resumes from the checkpoint."
 }
 
-tensorboard_cmd() {
+tensorboard_cmd() {  # tensorboard_cmd RUN_NAME [a study's directory under the bucket]
   local dir="gs://$BUCKET/runs"
   [ -z "${1:-}" ] || dir="$dir/$1/tb"
+  [ -z "${2:-}" ] || dir="gs://$BUCKET/$2"
   # --load_fast=false: TensorBoard's Python reader, which reads gs:// through gcsfs with your own
   # application-default credentials.
   quote_cmd tensorboard --logdir "$dir" --port "$PORT" --load_fast=false
@@ -1252,12 +1343,16 @@ cmd_tensorboard() {
   local run=${POS[0]:-} dir
   dir="gs://$BUCKET/runs"
   [ -z "$run" ] || dir="$dir/$run/tb"
+  if [ -n "$STUDY" ]; then
+    [ -z "$run" ] || usage_error "tensorboard takes a RUN_NAME or --study STUDY_NAME, not both"
+    dir="gs://$BUCKET/studies/$STUDY"
+  fi
   if [ "$START" = 1 ] && ! dry; then
     command -v tensorboard >/dev/null 2>&1 || die "tensorboard is not installed here: pip install tensorboard gcsfs (or pip install -r requirements.txt)"
     info "TensorBoard on http://localhost:$PORT (Ctrl-C ends it)"
     exec tensorboard --logdir "$dir" --port "$PORT" --load_fast=false
   fi
-  tensorboard_cmd "$run"
+  tensorboard_cmd "$run" "${STUDY:+studies/$STUDY}"
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -1271,7 +1366,7 @@ parse_args() {
       --*=*) val=${opt#*=}; opt=${opt%%=*}; has=1 ;;
     esac
     case $opt in
-      --tpu|--zone|--project|--bucket|--accelerator|--runtime-version|--data|--poll|--max-restarts|--wait|--lines|-n|--port|--run)
+      --tpu|--zone|--project|--bucket|--accelerator|--runtime-version|--data|--poll|--max-restarts|--wait|--lines|-n|--port|--run|--study)
         if [ "$has" = 0 ]; then
           [ $# -ge 2 ] || usage_error "$opt needs a value"
           val=$2
@@ -1291,9 +1386,10 @@ parse_args() {
           --lines|-n) LINES=$val ;;
           --port) PORT=$val ;;
           --run) LOG_RUN=$val ;;
+          --study) STUDY=$val ;;
         esac
         shift ;;
-      --spot|--queued|--retry|--dry-run|--kill|--no-follow|--from-bucket|--start|-h|--help)
+      --spot|--queued|--retry|--dry-run|--kill|--no-follow|--from-bucket|--start|--per-host|--whole-slice|-h|--help)
         [ "$has" = 0 ] || usage_error "$opt takes no value"
         case $opt in
           --spot) SPOT=1 ;;
@@ -1304,6 +1400,9 @@ parse_args() {
           --no-follow) FOLLOW=0 ;;
           --from-bucket) FROM_BUCKET=1 ;;
           --start) START=1 ;;
+          --per-host|--whole-slice)
+            [ -z "$MODE" ] || [ "$MODE" = "${opt#--}" ] || usage_error "--per-host or --whole-slice, not both"
+            MODE=${opt#--} ;;
           -h|--help) HELP=1 ;;
         esac
         shift ;;
@@ -1345,12 +1444,12 @@ main() {
     exit 2
   fi
   case $CMD in
-    create|delete|setup|deploy|check|train|status|logs|stop|tensorboard)
+    create|delete|setup|deploy|check|train|study|status|logs|stop|tensorboard)
       if [ "$HELP" = 1 ]; then "usage_$CMD"; exit 0; fi
-      case $CMD in setup|deploy|check|train|status|logs|stop) load_worker_script ;; esac
+      case $CMD in setup|deploy|check|train|study|status|logs|stop) load_worker_script ;; esac
       "cmd_$CMD" ;;
     help) usage_main ;;
-    *) usage_error "unknown command '$CMD' (create, delete, setup, deploy, check, train, status, logs, stop, tensorboard)" ;;
+    *) usage_error "unknown command '$CMD' (create, delete, setup, deploy, check, train, study, status, logs, stop, tensorboard)" ;;
   esac
 }
 

@@ -13,9 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from batches import total_train_steps
 from model import model_flops
-from schedule import evaluation_steps
+from schedule import run_schedule
 
 if TYPE_CHECKING:
     from config import Config
@@ -135,8 +134,9 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
     times and its device time at `mfu` of the slice's peak; each step takes the longer of the
     two (the host dispatches a step while the device runs the one before).
 
-      train steps  batches.total_train_steps (epochs x total_groups x mean_puzzle_examples / global batch)
-      evaluations  schedule.evaluation_steps of the recipe, the final one included; each reads
+      train steps  schedule.run_schedule (epochs x total_groups x mean_puzzle_examples / global batch,
+                   or optim.max_steps if fewer)
+      evaluations  schedule.run_schedule's evaluation steps, the final one included; each reads
                    ceil(examples / global batch) batches (examples: the whole test split, or
                    eval.max_examples of it except in the final one), halt_max_steps ACT steps each
       checkpoints  every run.ckpt_every steps and the final one (checkpoint.Checkpoints), each
@@ -146,8 +146,9 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
     """
     optim, model = config.optim, config.model
     global_batch = optim.global_batch_size
-    train_steps = total_train_steps(dataset, optim.epochs, global_batch)  # reads the two size fields
-    evaluation_at = evaluation_steps(train_steps, optim.epochs, config.eval.every_epochs, train_steps)
+    # The run's steps and evaluations as train.py schedules them (optim.max_steps included): the
+    # dataset's two size fields are all the schedule reads.
+    train_steps, evaluation_at = run_schedule(dataset, optim, config.eval.every_epochs)
     capped = min(dataset.test_examples, config.eval.max_examples or dataset.test_examples)
     eval_batches = (len(evaluation_at) - 1) * math.ceil(capped / global_batch) \
         + math.ceil(dataset.test_examples / global_batch)

@@ -412,6 +412,20 @@ class RunLog:
             if dropped:
                 self.say(f"metrics records: dropped {dropped} of steps after {step} (this launch redoes them)")
 
+    def finished(self, step: int, seconds: float) -> None:
+        """The run trained its last step and evaluated: one line says so, and process 0 writes
+        {run.dir}/final.json (the step, the final evaluation's metrics, the devices and hosts it
+        ran on, the loop's seconds), the mark of a finished run (study.py skips it, its report
+        reads it)."""
+        final = self.evals[-1]
+        self.say(f"done: {step} steps in {format_duration(seconds)}; final exact accuracy "
+                 f"{100 * final['exact_accuracy']:.2f}% on held-out puzzles")
+        if self.main_host:
+            record = {"step": step, "metrics": json.loads(json_record(final)), "devices": self.devices,
+                      "hosts": self.sharding.process_count(), "seconds": seconds, "time": time.time()}
+            storage.write_bytes(storage.join_url(self.config.run.dir, "final.json"),
+                                json.dumps(record, indent=2).encode())
+
     def config_text(self, config) -> None:
         if self.tb:
             text = json.dumps(dataclasses.asdict(config), indent=2)

@@ -48,7 +48,7 @@ from checkpoint import Checkpoints
 from config import PRESETS, Config, ConfigError, parse_config, settings_lines
 from evaluate import Evaluations
 from lifecycle import EXIT_RETRYABLE, Preempted, Preemption, ShutdownDeadline, Watchdog, check_devices, start
-from report import HostLog, Profile, RunLog, format_duration
+from report import HostLog, Profile, RunLog
 from restore import resume_or_start
 from schedule import lr_at, run_schedule
 
@@ -137,8 +137,7 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
         checkpoints.save(total_steps)
         evaluations.run(total_steps, final=True)
         checkpoints.wait()
-        log.say(f"done: {total_steps} steps in {format_duration(time.time() - loop_start)}; final exact accuracy "
-                f"{100 * log.evals[-1]['exact_accuracy']:.2f}% on held-out puzzles")
+        log.finished(total_steps, time.time() - loop_start)  # and {run.dir}/final.json
     except Preempted as stop:
         checkpoints.save(stop.step, wait=True)
         log.say(f"stop requested (SIGTERM or Ctrl-C): saved checkpoint "

@@ -17,6 +17,10 @@
 #   remote_deploy CODE_HASH          ~/trm-code.tar.gz (copied by scp) unpacked into a fresh ~/trm
 #   remote_preflight                 code hash, venv, running trainer: what train asks first
 #   remote_launch RUN_NAME ARGS...   train.py ARGS in the background, logging to the run's log
+#   remote_study STUDY_NAME MODE HOSTS BUCKET STUDY_B64
+#                                    study.py run: the study file (base64) in ~/trm-state/studies/,
+#                                    into gs://BUCKET/studies/STUDY_NAME; MODE per-host (this
+#                                    worker's share, its TPU runtime alone) or whole-slice
 #   remote_status                    the run, its trainer's state, code hash, the log's last line,
 #                                    and once it ended the last line train.py printed
 #   remote_stop WAIT_SECONDS KILL    SIGTERM to train.py, wait, SIGKILL if KILL is 1
@@ -56,12 +60,25 @@ r_say_each() {  # KEY<TAB>VALUE lines on stdin, each said with r_say
   while IFS=$'\t' read -r k v; do r_say "$k" "$v"; done
 }
 
-r_active_pid() {  # the pid of our running train.py, if any
+r_active_pid() {  # the pid of our running train.py (or study.py, which runs train.py), if any
   local p
   p=$(cat "$S/pid" 2>/dev/null) || return 1
   [ -n "$p" ] && [ -r "/proc/$p/cmdline" ] || return 1
-  tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF -- "$C/train.py" || return 1
+  tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF -e "$C/train.py" -e "$C/study.py" || return 1
   echo "$p"
+}
+
+# The TPU runtime of this worker alone, as a slice of its own 4 chips (a study's run per host),
+# set before torch_xla starts: the bounds of one process on one host (torch_xla reads
+# TPU_PROCESS_BOUNDS before TPU_HOST_BOUNDS, and the VM's metadata carries its own), this host as
+# task 0 of 1 at localhost:8476 (what torch_xla sets for one process), and no other host to meet.
+# Unverified on a TPU (docs/studies.md); train.py stops at once if the runtime joined other hosts.
+r_single_host_env() {
+  export TPU_PROCESS_BOUNDS=1,1,1 TPU_HOST_BOUNDS=1,1,1
+  export TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1 TPU_CHIPS_PER_HOST_BOUNDS=2,2,1 TPU_VISIBLE_CHIPS=0,1,2,3
+  export CLOUD_TPU_TASK_ID=0 TPU_WORKER_ID=0 TPU_WORKER_HOSTNAMES=localhost
+  export TPU_PROCESS_ADDRESSES=localhost:8476 TPU_PROCESS_PORT=8476 MASTER_ADDR=localhost
+  export TRM_SINGLE_HOST_RUNTIME=1
 }
 
 r_code_hash() {  # r_code_hash DIR: the code hash if every file matches the manifest; none; modified
@@ -232,19 +249,49 @@ remote_preflight() {  # remote_preflight: what train needs to know before starti
 }
 
 remote_launch() {  # remote_launch RUN_NAME TRAIN_ARGS...
-  local run=$1 p stale i log
+  local run=$1
   shift
+  rm -f "$S/study.txt"   # not a study
+  r_start "$run" train.py "$@"
+}
+
+remote_study() {  # remote_study STUDY_NAME MODE HOSTS BUCKET STUDY_B64
+  local run=$1 mode=$2 hosts=$3 bucket=$4 file args
+  mkdir -p "$S/studies"
+  file=$S/studies/$run.txt
+  printf %s "$5" | base64 -d > "$file" || { r_say error "could not write the study file $file"; return 1; }
+  args=(run "$file" --out "gs://$bucket/studies/$run")
+  case $mode in
+    per-host) args+=(--host "$W" --hosts "$hosts") ;;
+    whole-slice) args+=(--whole-slice) ;;
+    *) r_say error "unknown study mode '$mode' (per-host or whole-slice)"; return 2 ;;
+  esac
+  case $W in
+    ''|*[!0-9]*) [ "$mode" != per-host ] || { r_say error "per-host: this worker's number is unknown ($W)"; return 1; } ;;
+  esac
+  export TRM_BUCKET=$bucket TRM_STUDY_STATE=$S/study.txt   # $TRM_BUCKET in the study file
+  rm -f "$S/study.txt"
+  [ "$mode" != per-host ] || r_single_host_env
+  r_start "$run" study.py "${args[@]}" -- --run.device tpu
+}
+
+r_start() {  # r_start RUN_NAME SCRIPT ARGS...: SCRIPT (train.py, study.py) ARGS in the background
+  local run=$1 script=$2 p stale i log what=train.py
+  shift 2
   if p=$(r_active_pid); then
     r_say error "run $(cat "$S/name") is already running (pid $p)"; return 10
   fi
   # Stale trainers of ours (left by a crash or started by hand): they would hold the TPU.
   stale=""
-  for p in $(pgrep -u "$(id -u)" -f 'train\.py' || true); do
-    if tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF -- "$C/train.py" \
-       || [ "$(readlink "/proc/$p/cwd" 2>/dev/null)" = "$C" ]; then stale="$stale $p"; fi
+  for p in $(pgrep -u "$(id -u)" -f '(train|study)\.py' || true); do
+    if tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF -e "$C/train.py" -e "$C/study.py" \
+       || [ "$(readlink "/proc/$p/cwd" 2>/dev/null)" = "$C" ]; then
+      stale="$stale $p"
+      ! tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF "study.py" || what="train.py and study.py"
+    fi
   done
   if [ -n "$stale" ]; then
-    r_say note "ending stale train.py processes:$stale"
+    r_say note "ending stale $what processes:$stale"
     # shellcheck disable=SC2086
     kill -TERM $stale 2>/dev/null || true
     for i in $(seq 50); do
@@ -264,8 +311,8 @@ remote_launch() {  # remote_launch RUN_NAME TRAIN_ARGS...
   (
     trap '' HUP
     trap 'echo TERM >> "$S/signal"' TERM
-    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: run $run: train.py $(cat "$S/args")"
-    PJRT_DEVICE=TPU PYTHONUNBUFFERED=1 TRM_RUN_NAME=$run "$PY" "$C/train.py" "$@" &
+    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: run $run: $script $(cat "$S/args")"
+    PJRT_DEVICE=TPU PYTHONUNBUFFERED=1 TRM_RUN_NAME=$run "$PY" "$C/$script" "$@" &
     child=$!
     echo "$child" > "$S/pid"
     while :; do
@@ -275,7 +322,7 @@ remote_launch() {  # remote_launch RUN_NAME TRAIN_ARGS...
     echo "$rc" > "$S/exit"
     how=""
     [ "$rc" -le 128 ] || how=" (killed by SIG$(kill -l "$((rc - 128))" 2>/dev/null || echo "NAL $((rc - 128))"))"
-    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: train.py exited with status $rc$how"
+    echo "=== $(date -u +%Y-%m-%dT%H:%M:%SZ) worker $W: $script exited with status $rc$how"
   ) < /dev/null >> "$log" 2>&1 &
   for i in $(seq 100); do [ -s "$S/pid" ] && break; sleep 0.1; done
   r_say started "$(cat "$S/pid" 2>/dev/null)"
@@ -301,11 +348,13 @@ remote_status() {
   r_say state "$state"
   last=$(grep -v '^[[:space:]]*$' "$S/logs/$run.log" 2>/dev/null | tail -n 1 | cut -c1-160)
   r_say last "$last"
+  # A study: the run it is on and how many are done (study.py keeps this line up to date).
+  [ ! -s "$S/study.txt" ] || r_say study "$(head -n 1 "$S/study.txt" | cut -c1-200)"
   # said: the last line the latest train.py printed (its reason for an exit, by the exit-code
   # contract; launch.sh train --retry quotes it): skips worker.sh's own "=== " lines.
   if [ "$state" != RUNNING ]; then
     last=$(tail -n 200 "$S/logs/$run.log" 2>/dev/null \
-      | awk '/^=== .* worker .*: run .*: train\.py/ { s = ""; next } /^=== / { next } NF { s = $0 } END { print s }' \
+      | awk '/^=== .* worker .*: run .*: (train|study)\.py/ { s = ""; next } /^=== / { next } NF { s = $0 } END { print s }' \
       | cut -c1-160)
     r_say said "$last"
   fi
@@ -381,6 +430,7 @@ main() {
     remote_deploy) remote_deploy "$@" ;;
     remote_preflight) remote_preflight "$@" ;;
     remote_launch) remote_launch "$@" ;;
+    remote_study) remote_study "$@" ;;
     remote_status) remote_status "$@" ;;
     remote_stop) remote_stop "$@" ;;
     remote_logs) remote_logs "$@" ;;

@@ -1,8 +1,8 @@
 """Every command the README and docs/ show works as written: each `python train.py`,
-`build_data.py` and `bench.py` line parses with the program's own parser and passes its checks
-that need no dataset or device, and each `bash launch.sh` line runs with --dry-run against the
-stand-in gcloud. The quick start's install and test commands are what CI runs; the demo's
-training itself is run by test_train.py's tests of the demo preset."""
+`build_data.py`, `bench.py` and `study.py` line parses with the program's own parser and passes
+its checks that need no dataset or device (a study file's every line), and each `bash launch.sh`
+line runs with --dry-run against the stand-in gcloud. The quick start's install and test commands
+are what CI runs; the demo's training itself is run by test_train.py's tests of the demo preset."""
 import os
 import re
 import shlex
@@ -14,6 +14,7 @@ import tyro
 import build_data
 import commands
 import predict
+import study
 import train
 from bench import BenchConfig
 from config import PRESETS, check_config
@@ -78,11 +79,11 @@ def pod(tmp_path_factory):
 def test_the_docs_show_commands():
     kinds = {command.split()[1] if command.startswith(("python", ".venv")) else command.split()[0]
              for _, command in COMMANDS}
-    assert {"train.py", "build_data.py", "bash"} <= kinds, kinds
+    assert {"train.py", "build_data.py", "study.py", "bash"} <= kinds, kinds
 
 
 @pytest.mark.parametrize("doc,command", COMMANDS, ids=[f"{d}: {c[:60]}" for d, c in COMMANDS])
-def test_documented_command_works_as_written(doc, command, pod, capsys):
+def test_documented_command_works_as_written(doc, command, pod, capsys, monkeypatch):
     if command.startswith(NOT_CHECKED_HERE):
         return
     words = shlex.split(command)
@@ -93,6 +94,12 @@ def test_documented_command_works_as_written(doc, command, pod, capsys):
         build_data.command_parser().parse_args(argv)
     elif program == "bench.py":
         tyro.cli(BenchConfig, args=argv)
+    elif program == "study.py":
+        args = study.parser().parse_args(argv)
+        if args.command in ("plan", "run"):  # the study file as shipped: every line checked
+            for name, value in SETTINGS.items():
+                monkeypatch.setenv(name, value)
+            study.read_study(args.study)
     elif program == "bash" and argv[0] == "launch.sh":
         pod.set_tpu(accelerator="v4-64")
         result = pod.run("--dry-run", *argv[1:], expect=None)

@@ -38,6 +38,10 @@ open(counter, "w").write(str(n + 1))
 plan = os.environ.get("STUB_PLAN", "0").split(",")
 step = plan[min(n, len(plan) - 1)]
 env = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "PYTHONUNBUFFERED", "TRM_RUN_NAME")}
+if os.environ.get("TRM_STUDY_STATE"):  # as study.py: where it is, for status; the study's environment
+    open(os.environ["TRM_STUDY_STATE"], "w").write(f"on run-{w} (1 of 2), 0 done, 0 failed, 0 finished before\n")
+    env.update({k: os.environ.get(k) for k in ("TRM_BUCKET", "TPU_HOST_BOUNDS", "TPU_PROCESS_BOUNDS",
+                                                  "TPU_VISIBLE_CHIPS", "TRM_SINGLE_HOST_RUNTIME")})
 with open(os.path.join(d, f"launch-{w}-{n}.json"), "w") as f:
     json.dump({"argv": sys.argv[1:], "env": env, "cwd": os.getcwd()}, f)
 
@@ -126,6 +130,12 @@ class Pod:
             FAKE_GCLOUD_LOG=str(self.log), FAKE_WORKERS=str(workers), FAKE_PYTHON=sys.executable,
             STUB_DIR=str(self.stub_dir), TRM_TPU=TPU, TRM_ZONE="us-central2-b", TRM_PROJECT="proj",
             TRM_BUCKET="trm-bucket", TRM_POLL_SECONDS="0.2", TRM_STOP_WAIT="10")
+
+    def add_study_stub(self):
+        """study.py in the checkout: the same stub, as a study's runner."""
+        (self.repo / "study.py").write_text(STUB_TRAIN)
+        self.git("add", "study.py")
+        self.commit()
 
     def git(self, *args):
         subprocess.run(["git", "-C", str(self.repo), *args], check=True, capture_output=True)
@@ -262,7 +272,7 @@ def test_help_lists_each_commands_flags(pod):
         text = pod.run(name, "--help").stdout
         for flag in flags.get(name, []) + (["--dry-run"] if name != "tensorboard" else []):
             assert flag in text, (name, flag)
-        assert "README.md" in text   # the help points to the README instead of repeating it
+        assert "docs/pod.md" in text   # the help points to the docs instead of repeating them
 
 
 def test_missing_settings_are_named_with_how_to_set_them(pod):
@@ -319,12 +329,14 @@ def real_gcloud_verdicts(calls, tmp_path):
 
 @pytest.mark.skipif(REAL_GCLOUD is None, reason="the real gcloud CLI is not installed")
 def test_every_dry_run_call_parses_in_the_real_gcloud(pod, tmp_path):
+    pod.add_study_stub()
     pod.ready()
     calls = []
     for args in (("create", "--spot", "--accelerator", "v4-16"), ("create", "--queued", "--accelerator", "v5e-16"),
                  ("setup",), ("deploy",), ("check",), ("train", "run-1", *TRICKY_ARGS),
                  ("train", "--retry", "r", "demo"), ("status",), ("logs", "1", "--no-follow"),
-                 ("logs", "all", "--run", "r", "--from-bucket"), ("stop",), ("delete",), ("delete", "--queued")):
+                 ("logs", "all", "--run", "r", "--from-bucket"), ("stop",), ("delete",), ("delete", "--queued"),
+                 ("study", "s", str(STUDY_FILE)), ("study", "--whole-slice", "--retry", "s", str(STUDY_FILE))):
         dry = pod.run("--dry-run", *args)
         later = "\n".join(line[len("#   "):] for line in dry.stdout.splitlines() if line.startswith("#   gcloud "))
         calls += dry_run_commands(dry.stdout) + dry_run_commands(later)
@@ -524,6 +536,62 @@ def test_logs_tensorboard_and_the_default_data_path(pod):
     assert gone.stdout == "[host 0] step 10/10\n[host 1] host 1 here\n"
     assert "TPU trm-test is NOT_FOUND" in gone.stderr
     assert "--run RUN_NAME --from-bucket" in pod.run("logs", "1", expect=1).stderr
+
+
+STUDY_FILE = PROJECT_DIR / "studies" / "tiny.txt"
+
+
+def test_study_starts_each_workers_share_with_a_runtime_of_its_own(pod):
+    pod.add_study_stub()
+    pod.ready()
+    # (--dry-run reads the slice's hosts from --accelerator; the real call from the slice, a v4-16)
+    made = assert_dry_run_matches(pod, "--accelerator", "v4-16", "study", "s1", str(STUDY_FILE))
+    assert [c[4] for c in made] == ["describe", "ssh", "ssh"]
+    deadline = time.time() + 20
+    while time.time() < deadline and not all(pod.launches(w) for w in range(pod.workers)):
+        time.sleep(0.05)
+    for w in range(pod.workers):  # v4-16: 2 hosts, each its share, its TPU runtime alone
+        record = pod.launch_record(w, 0)
+        file = str(pod.home(w) / "trm-state" / "studies" / "s1.txt")
+        assert record["argv"] == ["run", file, "--out", "gs://trm-bucket/studies/s1", "--host", str(w), "--hosts",
+                                  "2", "--", "--run.device", "tpu"]
+        assert open(file).read() == STUDY_FILE.read_text()  # the laptop's study file, sent with the command
+        assert record["env"]["TPU_HOST_BOUNDS"] == record["env"]["TPU_PROCESS_BOUNDS"] == "1,1,1"
+        assert record["env"]["TPU_VISIBLE_CHIPS"] == "0,1,2,3" and record["env"]["TRM_SINGLE_HOST_RUNTIME"] == "1"
+        assert record["env"]["TRM_BUCKET"] == "trm-bucket" and record["env"]["TRM_RUN_NAME"] == "s1"
+    status = pod.run("status").stdout
+    assert "study: on run-0 (1 of 2), 0 done, 0 failed" in status and "study: on run-1 (1 of 2)" in status
+    assert pod.run("tensorboard", "--study", "s1").stdout.strip() == \
+        "tensorboard --logdir gs://trm-bucket/studies/s1 --port 6006 --load_fast=false"
+    pod.run("study", "s1", str(STUDY_FILE), STUB_PLAN="hang")  # launch 1, still running:
+    assert "refused: a trainer is already running" in pod.run("study", "s2", str(STUDY_FILE), expect=1).stderr
+    pod.run("stop")
+
+    # --whole-slice: every worker runs every run over the whole slice, with the slice's runtime.
+    pod.run("study", "--whole-slice", "s2", str(STUDY_FILE))
+    deadline = time.time() + 20
+    while time.time() < deadline and not all(pod.launches(w)[2:] for w in range(pod.workers)):
+        time.sleep(0.05)
+    for w in range(pod.workers):
+        record = pod.launch_record(w, 2)
+        assert record["argv"][3:] == ["gs://trm-bucket/studies/s2", "--whole-slice", "--", "--run.device", "tpu"]
+        assert record["env"]["TPU_HOST_BOUNDS"] is None and record["env"]["TRM_SINGLE_HOST_RUNTIME"] is None
+    assert "no study file" in pod.run("study", "s3", "missing.txt", expect=2).stderr
+    assert "STUDY_NAME and STUDY_FILE" in pod.run("study", "s3", expect=2).stderr
+
+
+def test_study_retry_relaunches_after_a_preemption_and_the_study_completes(pod):
+    pod.add_study_stub()
+    pod.ready()
+    pod.set_tpu(states=["READY", "PREEMPTED"])
+    result = pod.run("study", "--retry", "s1", str(STUDY_FILE), STUB_PLAN="hang,0")
+    assert "preempted" in result.stderr and "run s1 finished" in result.stderr
+    verbs = [c[4] for c in pod.calls() if c[1] == "compute"]
+    assert verbs.count("delete") == 1 and verbs.count("create") == 1
+    for w in range(pod.workers):  # relaunched as it was; the study skips and resumes (study_run.py)
+        assert len(pod.launches(w)) == 2
+        assert pod.launch_record(w, 1)["argv"] == pod.launch_record(w, 0)["argv"]
+        assert pod.launch_record(w, 1)["argv"][-5:-3] == ["--hosts", "2"]
 
 
 def test_check_compares_workers(pod):

@@ -1,0 +1,177 @@
+"""A study: many TRM runs from one study file, run one per TPU host of a slice (or one at a time
+over the whole slice), resumable, compared in one report.
+
+    python study.py plan studies/tiny.txt                       # the runs, their steps and cost
+    python study.py plan studies/sudoku-scaling.txt --slice v4-64 --mfu 0.4
+    python study.py run studies/tiny.txt --out runs/tiny-study  # every run, one after another
+    python study.py run STUDY --out gs://BUCKET/studies/NAME --host 3 --hosts 8   # host 3's share
+    python study.py report runs/tiny-study                      # the table, the plots, HParams
+
+A study file has one run per line, `NAME PRESET [train.py flags...]`; `{a,b,c}` in a flag's
+value makes one run per value and `--seeds K` one per seed (study_plan.py; docs/studies.md).
+Each run trains in OUT/NAME with `python train.py` (study_run.py). On a pod,
+`bash launch.sh study STUDY_NAME STUDY_FILE` runs each worker's share on that worker alone.
+
+Exit status of `run`: 0 every run of the share done or recorded as failed (or stopped on SIGTERM:
+run it again to go on), 1 a study or flags that cannot run, 75 a run kept exiting 75 (storage
+down, a hang: relaunching resumes it), as train.py's.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import storage
+from projection import SliceSpec, slice_spec
+from study_plan import StudyError, changed_flags, dataset_sizes, parse_study, projected_hours, split_over_hosts
+
+
+def read_study(url: str) -> tuple[list, str]:
+    """(the runs, the text) of a study file (local or gs://); exits with every problem."""
+    try:
+        text = storage.read_bytes(url).decode()
+    except (storage.StorageError, OSError) as e:
+        raise SystemExit(f"error: cannot read the study file {url}: {e}")
+    try:
+        return parse_study(text, url), text
+    except StudyError as e:
+        raise SystemExit("error: " + str(e).replace("\n", "\nerror: "))
+
+
+def one_host(spec: SliceSpec) -> SliceSpec:
+    """One host of a slice, as a slice of its own (the unit of a study's one-run-per-host mode)."""
+    chips = spec.chips // spec.hosts
+    return SliceSpec(f"one host of {spec.name}", spec.generation, chips, 1, spec.peak_tflops_per_chip)
+
+
+def _hours(hours: float) -> str:
+    return f"{hours:,.1f}" if hours >= 10 else f"{hours:.2f}" if hours >= 0.1 else f"{hours:.2g}"
+
+
+def plan(args) -> int:
+    runs, _ = read_study(args.study)
+    try:
+        spec = slice_spec(args.slice)
+    except ValueError as e:
+        raise SystemExit(f"error: --slice: {e}")
+    host, whole_mfu = one_host(spec), args.whole_slice_mfu or args.mfu
+    sizes, rows, unknown = {}, [], []
+    for run in runs:
+        path = run.config().data.path
+        if path not in sizes:
+            try:
+                sizes[path] = dataset_sizes(path)
+            except Exception as e:  # noqa: BLE001 - said once per dataset below
+                sizes[path] = e
+        if isinstance(sizes[path], Exception):
+            unknown.append(run.name)
+            rows.append((run, None, None))
+            continue
+        rows.append((run, projected_hours(run, host, args.mfu, sizes[path]),
+                     projected_hours(run, spec, whole_mfu, sizes[path])))
+    width = max(len(r.name) for r in runs)
+    print(f"study {args.study}: {len(runs)} runs of {len({r.configuration for r in runs})} configurations; "
+          f"projected on {spec.name} ({spec.hosts} host(s) of {host.chips} chips, {spec.peak_tflops_per_chip:g} "
+          f"TFLOP/s bf16 each) at {100 * args.mfu:g}% MFU")
+    print(f"{'run'.ljust(width)}  {'preset':<10}  {'steps':>9}  {'host h':>7}  {'device-h':>8}  "
+          "flags beyond the preset")
+    for run, on_host, _ in rows:
+        steps = "?" if on_host is None else f"{on_host['steps']:,}"
+        hours = "?" if on_host is None else _hours(on_host["hours"])
+        device = "?" if on_host is None else _hours(on_host["device_hours"])
+        print(f"{run.name.ljust(width)}  {run.preset:<10}  {steps:>9}  {hours:>7}  {device:>8}  "
+              f"{' '.join(changed_flags(run)) or '(the preset)'}")
+    known = [(run, h, w) for run, h, w in rows if h is not None]
+    startup = args.startup_minutes / 60
+    per_host = split_over_hosts({run.name: h["hours"] + startup for run, h, _ in known}, spec.hosts)
+    loads = {run.name: h["hours"] + startup for run, h, _ in known}
+    per_host_h = max((sum(loads[n] for n in share) for share in per_host), default=0.0)
+    whole_h = sum(w["hours"] + startup for _, _, w in known)
+    print(f"total: {sum(h['device_hours'] for _, h, _ in known):,.1f} device-hours (chip-hours of training and "
+          f"evaluation at {100 * args.mfu:g}% MFU; checkpoints and restarts not counted)")
+    print(f"makespan on {spec.name}, one run per host ({spec.hosts} at once, longest first): {per_host_h:.1f} h")
+    print(f"makespan on {spec.name}, one run at a time on the whole slice at {100 * whole_mfu:g}% MFU: {whole_h:.1f} h"
+          f" (a small batch per device usually runs at a lower MFU: --whole-slice-mfu)")
+    print(f"each run counts {args.startup_minutes:g} min of start-up (runtime, compiles, the dataset's copy); "
+          "projections assume every step device-bound (bench.py measures the host's part)")
+    for path, error in sizes.items():
+        if isinstance(error, Exception):
+            names = [r.name for r, h, _ in rows if h is None and r.config().data.path == path]
+            print(f"not projected: {len(names)} run(s) of {path}: its size cannot be read ({error}); build it first")
+    return 0
+
+
+def run(args) -> int:
+    from study_run import StudyRunner
+
+    runs, text = read_study(args.study)
+    if (args.host is None) != (args.hosts is None):
+        raise SystemExit("error: --host and --hosts go together (host I of N: --host 0 --hosts 8)")
+    if args.hosts is not None and not 0 <= args.host < args.hosts:
+        raise SystemExit(f"error: --host {args.host} must be in 0..{args.hosts - 1} (--hosts {args.hosts})")
+    try:
+        storage.check_url(args.out, "--out")
+    except storage.StorageError as e:
+        raise SystemExit(f"error: {e}")
+    runner = StudyRunner(runs, args.out, text, args.host, args.hosts, tuple(args.train_flags), args.retries,
+                         whole_slice=args.whole_slice)
+    try:
+        return runner.run()
+    except StudyError as e:
+        raise SystemExit(f"error: {e}")
+    except storage.StorageError as e:
+        print(f"error: {e}\nStorage failed beyond its retries; relaunching the study may help (exit status 75).",
+              file=sys.stderr, flush=True)
+        return 75
+
+
+def report(args) -> int:
+    import study_report
+
+    return study_report.main(args)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="study.py", description=__doc__.split("\n\n")[0],
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = commands.add_parser("plan", help="the expanded runs, their steps and projected cost, the makespans")
+    p.add_argument("study", help="the study file (local or gs://)")
+    p.add_argument("--slice", default="v4-64", help="the TPU slice of the projection (default v4-64)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of a run on one host (default 0.4)")
+    p.add_argument("--whole-slice-mfu", type=float, default=None,
+                   help="MFU of a run on the whole slice (default: --mfu)")
+    p.add_argument("--startup-minutes", type=float, default=3.0,
+                   help="start-up of each run: runtime, compiles, the dataset's copy (default 3)")
+    p.set_defaults(handler=plan)
+    p = commands.add_parser("run", help="run the study's runs (this host's share with --host/--hosts)")
+    p.add_argument("study", help="the study file (local or gs://)")
+    p.add_argument("--out", required=True, help="the study's directory: OUT/NAME per run (local or gs://)")
+    p.add_argument("--host", type=int, default=None, help="this host's index I (with --hosts N): its share only")
+    p.add_argument("--hosts", type=int, default=None, help="the number of hosts the study is split over")
+    p.add_argument("--whole-slice", action="store_true",
+                   help="every host of a slice runs this command: each run spans the slice (launch.sh study "
+                        "--whole-slice); a run exiting other than 0 or 1 stops the study with 75")
+    p.add_argument("--retries", type=int, default=2, help="launches again of a run that exits 75 (default 2)")
+    p.epilog = "Flags after -- go to every run's train.py, e.g. -- --run.device tpu."
+    p.set_defaults(handler=run)
+    p = commands.add_parser("report", help="compare the runs of a study directory: a table, plots, HParams")
+    p.add_argument("out", help="the study's directory (local or gs://)")
+    p.set_defaults(handler=report)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    train_flags = argv[argv.index("--") + 1:] if "--" in argv else []  # every run's extra train.py flags
+    args = parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.train_flags = train_flags
+    if train_flags and args.command != "run":
+        raise SystemExit(f"error: train.py flags after -- go with `run`, not `{args.command}`")
+    if args.command == "plan" and not (0 < args.mfu <= 1 and 0 < (args.whole_slice_mfu or args.mfu) <= 1):
+        raise SystemExit("error: --mfu and --whole-slice-mfu must be in (0, 1]")
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

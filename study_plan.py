@@ -1,0 +1,227 @@
+"""A study file and its plan: the runs it expands to, their checks, their projected cost on a TPU
+slice, and the split of the runs over the slice's hosts.
+
+A study file is plain text, one run per line (a line ending in a backslash goes on):
+
+    # NAME        PRESET       train.py flags...
+    baseline      sudoku-mlp   --seeds 3
+    hidden        sudoku-mlp   --model.hidden-size {256,384,768} --seeds 3
+    lr            sudoku-mlp   --optim.lr={3e-5,1e-3} --optim.lr-schedule {cosine,linear}
+
+A flag value with {a,b,c} in it expands the line into one run per value, the value appended to
+the name (hidden-256, hidden-384, ...); several on one line give every combination. `--seeds K`
+expands it into K runs with --run.seed 0..K-1, named NAME-s0 ... NAME-s{K-1}. $VARIABLES in
+flags come from the environment (gs://$TRM_BUCKET/data/...). Any flag of
+`python train.py PRESET --help` works, except --run.dir (the study gives each run its own).
+`parse_study` refuses the whole file, every problem with its line number, before anything runs:
+unknown presets or flags, values out of range, names used twice.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import itertools
+import os
+import re
+import shlex
+from dataclasses import dataclass
+
+import tyro
+
+import data
+from config import PRESETS, Config, ConfigError, check_config, flag_with_value, flat_config
+from projection import PaperDataset, SliceSpec, flop_record, project_paper_run
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+GRID = re.compile(r"^(.*?)\{([^{}]*)\}(.*)$")
+VARIABLE = re.compile(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?")
+
+
+class StudyError(ValueError):
+    """A study file that cannot run: every problem, one per line, each with its line number."""
+
+
+@dataclass(frozen=True)
+class StudyRun:
+    """One run of a study: its name (its directory under the study's), preset and train.py flags."""
+
+    name: str
+    preset: str
+    flags: tuple[str, ...]
+    line: int
+    """The study file's line it comes from."""
+
+    @property
+    def configuration(self) -> str:
+        """The run's name without its seed suffix: the runs of one configuration differ only by seed."""
+        return re.sub(r"-s\d+$", "", self.name) if "--run.seed" in self.flags else self.name
+
+    def config(self) -> Config:
+        """The training configuration of this run (its preset with its flags)."""
+        with contextlib.redirect_stderr(io.StringIO()):
+            return tyro.extras.overridable_config_cli(PRESETS, args=[self.preset, *self.flags])
+
+
+def _name_part(value: str) -> str:
+    """A grid value as it goes into a run's name: a path by its last part, other characters as '_'."""
+    value = value.rstrip("/").rsplit("/", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9._-]", "_", value) or "_"
+
+
+def _lines(text: str):
+    """(line number, text) of each logical line: continuations joined, blank and comment lines left out."""
+    pending, first = "", 0
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not pending:
+            first = number
+        if raw.rstrip().endswith("\\"):
+            pending += raw.rstrip()[:-1] + " "
+            continue
+        line, pending = pending + raw, ""
+        if line.strip() and not line.lstrip().startswith("#"):
+            yield first, line
+    if pending.strip():
+        yield first, pending
+
+
+def expand_line(number: int, line: str) -> list[StudyRun]:
+    """The runs of one study line (grids and --seeds expanded); StudyError for its problems."""
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError as e:
+        raise StudyError(f"line {number}: {e}") from None
+    if len(words) < 2:
+        raise StudyError(f"line {number}: expected NAME PRESET [train.py flags...], got {line.strip()!r}")
+    name, preset, flags = words[0], words[1], words[2:]
+    if not NAME.fullmatch(name):
+        raise StudyError(f"line {number}: run name {name!r}: use letters, digits, '.', '_' and '-'")
+    seeds = None
+    if "--seeds" in flags or any(f.startswith("--seeds=") for f in flags):
+        i = next(i for i, f in enumerate(flags) if f == "--seeds" or f.startswith("--seeds="))
+        value = flags[i].split("=", 1)[1] if "=" in flags[i] else (flags[i + 1] if i + 1 < len(flags) else "")
+        flags = flags[:i] + flags[i + (1 if "=" in flags[i] else 2):]
+        if not value.isdigit() or int(value) < 1:
+            raise StudyError(f"line {number}: --seeds takes a number of seeds >= 1, got {value!r}")
+        seeds = int(value)
+    for f in flags:
+        if f.split("=", 1)[0] in ("--run.dir", "--run-dir"):
+            raise StudyError(f"line {number}: {f}: the study gives each run its directory (OUT/NAME); "
+                             "leave --run.dir out")
+        if seeds and f.split("=", 1)[0] == "--run.seed":
+            raise StudyError(f"line {number}: --run.seed and --seeds: give one of them")
+    for i, f in enumerate(flags):
+        flags[i] = os.path.expandvars(f)
+        unset = VARIABLE.search(flags[i])
+        if unset:
+            raise StudyError(f"line {number}: {f}: ${unset[1]} is not set in the environment (export it)")
+    grids = [(i, GRID.match(f)) for i, f in enumerate(flags) if GRID.match(f)]
+    choices = []
+    for i, match in grids:
+        values = [v.strip() for v in match[2].split(",")]
+        if not all(values):
+            raise StudyError(f"line {number}: {flags[i]}: a grid lists values between braces, e.g. {{1,2,3}}")
+        choices.append([(i, match[1] + v + match[3], v) for v in values])
+    runs = []
+    for combination in itertools.product(*choices):
+        run_flags, run_name = list(flags), name
+        for i, flag, value in combination:
+            run_flags[i] = flag
+            run_name += "-" + _name_part(value)
+        for seed in range(seeds) if seeds else [None]:
+            extra = [] if seed is None else ["--run.seed", str(seed)]
+            runs.append(StudyRun(run_name + ("" if seed is None else f"-s{seed}"), preset,
+                                 tuple(run_flags + extra), number))
+    return runs
+
+
+def parse_study(text: str, source: str = "study") -> list[StudyRun]:
+    """Every run of a study file, checked: StudyError lists each problem as SOURCE:LINE: ..."""
+    runs, problems = [], []
+    for number, line in _lines(text):
+        try:
+            runs += expand_line(number, line)
+        except StudyError as e:
+            problems.append(f"{source}:{e}")
+    seen = {}
+    for run in runs:
+        if run.name in seen:
+            problems.append(f"{source}:line {run.line}: run name {run.name} is used twice (first on line "
+                            f"{seen[run.name]}); names must be unique")
+        seen.setdefault(run.name, run.line)
+        problems += [f"{source}:line {run.line}: {run.name}: {p}" for p in run_problems(run)]
+    if not runs and not problems:
+        problems.append(f"{source}: no runs (each line: NAME PRESET [train.py flags...])")
+    if problems:
+        raise StudyError("\n".join(problems))
+    return runs
+
+
+def run_problems(run: StudyRun) -> list[str]:
+    """What train.py would refuse in this run's preset and flags (nothing needs the dataset)."""
+    if run.preset not in PRESETS:
+        return [f"unknown preset {run.preset!r} (presets: {', '.join(PRESETS)})"]
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            config = tyro.extras.overridable_config_cli(PRESETS, args=[run.preset, *run.flags])
+    except SystemExit:
+        return [_tyro_error(captured.getvalue()) or f"train.py refuses the flags {' '.join(run.flags)}"]
+    try:
+        check_config(config)
+    except ConfigError as e:
+        return str(e).split("\nerror: ")
+    return []
+
+
+def _tyro_error(text: str) -> str:
+    """tyro's error message for bad flags, as one line (its box drawing left out)."""
+    lines = [re.sub(r"[│╭╮╰╯─]+", " ", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.lower().startswith(("usage:", "for full helptext",
+                                                                           "python", "train.py", "study.py"))]
+    return " ".join(lines).replace("  ", " ").strip()
+
+
+def changed_flags(run: StudyRun) -> list[str]:
+    """The run's settings that differ from its preset, as flags (--model.hidden-size 256 ...)."""
+    mine, base = flat_config(run.config()), flat_config(PRESETS[run.preset][1])
+    return [flag_with_value(k, v) for k, v in mine.items() if base[k] != v]
+
+
+# ----------------------------------------------------------------------------------------------
+# Projected cost and the split over hosts
+
+
+def dataset_sizes(url: str) -> PaperDataset:
+    """The sizes a projection needs, read from a dataset's dataset.json files and test inputs'
+    header (data.DatasetError when they cannot be read)."""
+    train = data.read_metadata(url, "train")
+    return PaperDataset(url, train.total_groups, train.mean_puzzle_examples, data.split_examples(url, "test"),
+                        train.num_puzzle_identifiers, f"read from {url}")
+
+
+def projected_hours(run: StudyRun, spec: SliceSpec, mfu: float, sizes: PaperDataset) -> dict:
+    """The run's training steps and wall hours on `spec` (its devices at `mfu` of their bf16 peak;
+    training and evaluation steps, checkpoints not counted) and device-hours."""
+    config = run.config()
+    config = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, num_puzzle_identifiers=sizes.puzzle_identifiers))
+    projected = project_paper_run(flop_record(run.preset, config, spec), config, sizes, mfu)
+    if config.optim.max_steps is not None:  # a run cut short trains fewer steps
+        share = min(1.0, config.optim.max_steps / max(1, projected["train_steps"]))
+        projected["train_steps"] = min(projected["train_steps"], config.optim.max_steps)
+        projected["train_hours"] *= share
+    hours = projected["train_hours"] + projected["eval_hours"]
+    return {"steps": projected["train_steps"], "hours": hours, "device_hours": hours * spec.chips}
+
+
+def split_over_hosts(costs: dict[str, float], hosts: int) -> list[list[str]]:
+    """The runs of each host: longest first, each onto the host with the least work so far (ties:
+    the lower host, names in order). A pure function of the costs and the number of hosts, so
+    every host, and every relaunch, computes the same split without talking to the others."""
+    loads, shares = [0.0] * hosts, [[] for _ in range(hosts)]
+    for name in sorted(costs, key=lambda n: (-costs[n], n)):
+        host = min(range(hosts), key=lambda h: (loads[h], h))
+        shares[host].append(name)
+        loads[host] += costs[name]
+    return shares

@@ -1,0 +1,190 @@
+"""The pictures of a study's report: PNG plots (matplotlib) and the hyperparameters of every run
+for TensorBoard's HParams dashboard (the tensorboard package's own hparams summaries).
+
+Plots, one point per configuration (the mean over its finished seeds, with its 95% interval):
+held-out exact accuracy against parameters and against training compute (log scales, the Pareto
+front marked), against each flag the study varies, and the learning curves (each
+configuration's mean exact accuracy over seeds at every evaluation).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+
+import storage
+
+HPARAMS_FILE = "events.out.tfevents.study-hparams"
+"""The event file of a run's hyperparameters in its TensorBoard directory (one name: a report
+made again replaces it)."""
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no screen
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _title(results, what: str) -> str:
+    presets = sorted({r.run.preset for r in results})
+    datasets = sorted({os.path.basename(r.data_path.rstrip("/")) for r in results if r.data_path})
+    return f"{what}\npreset {', '.join(presets)}; data {', '.join(datasets[:3])}{' ...' if len(datasets) > 3 else ''}"
+
+
+def _points(configs, x_of):
+    """(x, mean, low, high, label, each seed's value) of the configurations with a finished seed and an x."""
+    out = []
+    for c in configs:
+        x = x_of(c)
+        if c["mean"] is not None and x is not None:
+            out.append((x, 100 * c["mean"], None if c["low"] is None else 100 * c["low"],
+                        None if c["high"] is None else 100 * c["high"], c["configuration"],
+                        [100 * v for v in c["values"]]))
+    return out
+
+
+def _scatter(plt, points, xlabel: str, title: str, path: str, log_x: bool, pareto: bool) -> str | None:
+    if not points:
+        return None
+    figure, axes = plt.subplots(figsize=(7.5, 5))
+    for i, (x, mean, low, high, label, seeds) in enumerate(points):
+        error = None if low is None else [[mean - low], [high - mean]]
+        axes.errorbar([x], [mean], yerr=error, fmt="o", capsize=4, color="tab:blue",
+                      label="mean over seeds, 95% interval" if i == 0 else None)
+        axes.plot([x] * len(seeds), seeds, ".", color="grey", alpha=0.6, label="each seed" if i == 0 else None)
+        axes.annotate(label, (x, mean), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    if pareto:  # no other point has at most this cost and more accuracy
+        front = sorted((p for p in points if not any(q[0] <= p[0] and q[1] > p[1] for q in points)),
+                       key=lambda p: p[0])
+        axes.plot([p[0] for p in front], [p[1] for p in front], "--", color="tab:red", label="Pareto front")
+    axes.legend(loc="lower right", fontsize=8)
+    axes.set_ylim(-2, 102)
+    if log_x:
+        axes.set_xscale("log")
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel("held-out exact accuracy (%)")
+    axes.set_title(title, fontsize=10)
+    axes.grid(True, alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _number(value):
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def write_plots(results, configs, varied: list[str], directory: str) -> list[str]:
+    """The report's PNG files in `directory`; their paths."""
+    plt = _pyplot()
+    written = [
+        _scatter(plt, _points(configs, lambda c: c["parameters"]), "trainable parameters (log scale)",
+                 _title(results, "Held-out exact accuracy vs model size"),
+                 os.path.join(directory, "accuracy_vs_parameters.png"), True, True),
+        _scatter(plt, _points(configs, lambda c: c["train_flops"]), "training compute, FLOPs (log scale)",
+                 _title(results, "Held-out exact accuracy vs training compute"),
+                 os.path.join(directory, "accuracy_vs_compute.png"), True, True),
+    ]
+    for name in varied:
+        numeric = all(_number(c["varied"].get(name)) is not None for c in configs)
+        values = sorted({repr(c["varied"].get(name)) for c in configs})
+        x_of = (lambda c, n=name: c["varied"].get(n)) if numeric else \
+            (lambda c, n=name, v=values: v.index(repr(c["varied"].get(n))))
+        path = os.path.join(directory, f"accuracy_vs_{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.png")
+        written.append(_scatter(plt, _points(configs, x_of), f"--{name.replace('_', '-')}"
+                                + ("" if numeric else f" ({', '.join(values)})"),
+                                _title(results, f"Held-out exact accuracy vs {name}"), path,
+                                numeric and _log_spread([c["varied"].get(name) for c in configs]), False))
+    written.append(_curves(plt, results, configs, os.path.join(directory, "learning_curves.png")))
+    return [p for p in written if p]
+
+
+def _log_spread(values) -> bool:
+    positive = [v for v in values if isinstance(v, (int, float)) and v > 0]
+    return len(positive) == len(values) and max(positive) / min(positive) >= 20
+
+
+def _curves(plt, results, configs, path: str) -> str | None:
+    figure, axes = plt.subplots(figsize=(7.5, 5))
+    drawn = 0
+    for c in configs:
+        by_step = {}
+        for r in c["results"]:
+            for step, accuracy in r.curve:
+                by_step.setdefault(step, []).append(accuracy)
+        if not by_step:
+            continue
+        steps = sorted(by_step)
+        axes.plot(steps, [100 * sum(by_step[s]) / len(by_step[s]) for s in steps], marker="o", markersize=3,
+                  label=f"{c['configuration']} ({len(c['results'])} seeds)")
+        drawn += 1
+    if not drawn:
+        plt.close(figure)
+        return None
+    axes.set_xlabel("training step")
+    axes.set_ylabel("held-out exact accuracy (%), mean over seeds")
+    axes.set_title(_title(results, "Learning curves"), fontsize=10)
+    axes.grid(True, alpha=0.3)
+    axes.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def write_hparams(out: str, results, varied: list[str]) -> int:
+    """Each run's hyperparameters (the flags the study varies, preset, configuration, seed) and
+    final metrics into its TensorBoard directory, and the experiment's list of them at the study's
+    root, as TensorBoard's HParams dashboard reads them; the number of runs written."""
+    from tensorboard.plugins.hparams import summary_v2 as hp
+    from torch.utils.tensorboard import SummaryWriter
+
+    def value(v):
+        return v if isinstance(v, (bool, int, float, str)) else str(v)
+
+    hparam_names = [*varied, "preset", "configuration", "run.seed"]
+    metrics = [("study/final_exact_accuracy", "final exact accuracy"),
+               ("study/best_exact_accuracy", "best exact accuracy"),
+               ("study/token_accuracy", "token accuracy"), ("study/mean_act_steps", "mean ACT steps")]
+    written = 0
+    with tempfile.TemporaryDirectory(prefix="trm-hparams-") as local:
+        for r in results:
+            if r.final is None and r.best is None:
+                continue  # nothing measured yet
+            run_dir = os.path.join(local, r.run.name)
+            with SummaryWriter(run_dir) as writer:
+                hparams = {**{k: value(r.varied.get(k)) for k in varied}, "preset": r.run.preset,
+                           "configuration": r.run.configuration, "run.seed": _seed(r.run)}
+                writer.file_writer.add_summary(hp.hparams_pb(hparams, trial_id=r.run.name))
+                step = r.steps_done
+                for tag, number in (("study/final_exact_accuracy", r.final and r.final.get("exact_accuracy")),
+                                    ("study/best_exact_accuracy", r.best and r.best[0]),
+                                    ("study/token_accuracy", r.final and r.final.get("accuracy")),
+                                    ("study/mean_act_steps", r.final and r.final.get("steps"))):
+                    if isinstance(number, (int, float)) and not math.isnan(number):
+                        writer.add_scalar(tag, number, step)
+            _upload_events(run_dir, storage.join_url(out, r.run.name, "tb"))
+            written += 1
+        root = os.path.join(local, "_experiment")
+        with SummaryWriter(root) as writer:
+            writer.file_writer.add_summary(hp.hparams_config_pb(
+                [hp.HParam(name) for name in hparam_names], [hp.Metric(tag, display_name=d) for tag, d in metrics]))
+        _upload_events(root, out)
+    return written
+
+
+def _seed(run) -> int:
+    flags = list(run.flags)
+    return int(flags[flags.index("--run.seed") + 1]) if "--run.seed" in flags else 0
+
+
+def _upload_events(local_dir: str, url: str) -> None:
+    """The one event file of `local_dir`, as HPARAMS_FILE under `url` (replacing an older one)."""
+    [name] = [n for n in os.listdir(local_dir) if "tfevents" in n]
+    with open(os.path.join(local_dir, name), "rb") as f:
+        storage.write_bytes(storage.join_url(url, HPARAMS_FILE), f.read())

@@ -1,0 +1,307 @@
+"""Studies (study.py): the study file's expansion and checks, the split over hosts, a study run as
+two simulated hosts (each a real study.py process running real train.py runs) with one host
+killed and restarted, and the report of a finished and of an unfinished study."""
+import csv
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import storage
+from study_plan import StudyError, parse_study, split_over_hosts
+from study_report import seed_interval, t95, wilson
+
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def study(*args, env=None, **popen):
+    return subprocess.Popen([sys.executable, os.path.join(PROJECT_DIR, "study.py"), *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=PROJECT_DIR,
+                            env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", PYTHONUNBUFFERED="1",
+                                     **(env or {})), **popen)
+
+
+def test_grids_and_seeds_expand_into_named_runs(monkeypatch):
+    monkeypatch.setenv("TRM_TEST_ROOT", "gs://b/data")
+    runs = parse_study("""
+        # a comment, then a blank line
+
+        base   demo --optim.lr 1e-3
+        grid   demo --model.hidden-size {32,64} --optim.lr={1e-3,3e-3} \\
+                    --model.puzzle-emb-ndim 32   # a continued line
+        data   demo --data.path $TRM_TEST_ROOT/sudoku-{100,500}-aug-10 --seeds 2
+    """)
+    assert [r.name for r in runs] == [
+        "base", "grid-32-1e-3", "grid-32-3e-3", "grid-64-1e-3", "grid-64-3e-3",
+        "data-100-s0", "data-100-s1", "data-500-s0", "data-500-s1"]
+    assert runs[2].flags == ("--model.hidden-size", "32", "--optim.lr=3e-3", "--model.puzzle-emb-ndim", "32")
+    assert runs[2].line == 5 and runs[0].line == 4
+    assert runs[6].flags == ("--data.path", "gs://b/data/sudoku-100-aug-10", "--run.seed", "1")
+    assert runs[6].configuration == "data-100" and runs[1].configuration == "grid-32-1e-3"
+    assert runs[6].config().run.seed == 1 and runs[4].config().model.hidden_size == 64
+
+
+def test_bad_lines_are_all_refused_with_their_line_numbers(tmp_path):
+    path = tmp_path / "bad.txt"
+    path.write_text("\n".join([
+        "good      demo",
+        "preset    sudoku --optim.lr 1e-3",
+        "flag      demo --optim.lrr 1e-3",
+        "range     demo --optim.global-batch-size 0",
+        "good      demo --seeds 2",
+        "good-s1   demo",
+        "dir       demo --run.dir runs/x",
+        "unset     demo --data.path $TRM_NOT_SET/x",
+        "lonely",
+    ]))
+    done = study("plan", str(path))
+    out = done.communicate(timeout=120)[0]
+    assert done.returncode == 1, out
+    assert "Traceback" not in out and "good-s0" not in out  # a valid expanded run raises nothing
+    expected = [
+        r"line 2: preset: unknown preset 'sudoku' \(presets: sudoku-mlp, sudoku-att, maze, arc1, arc2, demo\)",
+        r"line 3: flag: .*--optim.lrr",
+        r"line 4: range: optim.global_batch_size=0 must be >= 1 \(set it with --optim.global-batch-size\)",
+        r"line 6: run name good-s1 is used twice \(first on line 5\)",
+        r"line 7: --run.dir: the study gives each run its directory \(OUT/NAME\); leave --run.dir out",
+        r"line 8: \$TRM_NOT_SET/x: \$TRM_NOT_SET is not set in the environment",
+        r"line 9: expected NAME PRESET",
+    ]
+    for pattern in expected:
+        assert re.search(r"error: \S*bad.txt:" + pattern, out), (pattern, out)
+    with pytest.raises(StudyError, match="no runs"):
+        parse_study("# only a comment\n")
+
+
+def test_the_split_balances_projected_cost_longest_first_the_same_every_time():
+    costs = {"a": 9.0, "b": 7.0, "c": 6.0, "d": 5.0, "e": 4.0, "f": 4.0, "g": 1.0}
+    shares = split_over_hosts(costs, 3)
+    # a, b, c to the three hosts; d (5) to c's (6); e (4) to b's (7); f (4) to a's (9); g to b's
+    # (11, tied with c's: the lower host). Loads 13, 12, 11.
+    assert shares == [["a", "f"], ["b", "e", "g"], ["c", "d"]]
+    assert shares == split_over_hosts(dict(reversed(costs.items())), 3)  # a function of the costs alone
+    assert sorted(sum(shares, [])) == sorted(costs)
+    assert split_over_hosts(costs, 1) == [sorted(costs, key=lambda n: (-costs[n], n))]
+
+
+def test_plan_prints_steps_cost_and_makespans(demo_path, tmp_path):
+    path = tmp_path / "plan.txt"
+    path.write_text(f"w demo --data.path {demo_path} --model.hidden-size {{32,64}} --model.puzzle-emb-ndim 32 "
+                    "--seeds 2\n")
+    done = study("plan", str(path), "--slice", "v4-16", "--mfu", "0.5")
+    out = done.communicate(timeout=120)[0]
+    assert done.returncode == 0, out
+    assert "4 runs of 2 configurations; projected on v4-16 (2 host(s) of 4 chips" in out and "50% MFU" in out
+    # The demo's 200 epochs of the test data's 100 groups (one 1-example puzzle drawn from each) in
+    # batches of 128: 156 steps.
+    rows = [line.split() for line in out.splitlines() if line.startswith("w-")]
+    assert [r[0] for r in rows] == ["w-32-s0", "w-32-s1", "w-64-s0", "w-64-s1"] and {r[2] for r in rows} == {"156"}
+    assert "--model.hidden-size 32 --model.puzzle-emb-ndim 32" in out and "--run.seed 1" in out
+    assert "makespan on v4-16, one run per host" in out and "one run at a time on the whole slice" in out
+
+
+def test_a_failed_run_is_recorded_with_its_last_line_and_the_study_goes_on(demo_path, tmp_path):
+    path = tmp_path / "failing.txt"
+    path.write_text(f"missing demo --data.path {tmp_path}/no-such-dataset\n"
+                    f"fine demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
+                    "--optim.global-batch-size 32 --optim.max-steps 2\n")
+    out = tmp_path / "out"
+    done = study("run", str(path), "--out", str(out), "--", "--run.log-every", "7")
+    said = done.communicate(timeout=600)[0]
+    assert done.returncode == 0, said
+    assert "study: [1/2] missing: starting (attempt 1): train.py demo --data.path" in said
+    assert "--run.log-every 7" in said  # the flags after -- go to every run
+    status = json.loads((out / "study" / "status" / "missing.json").read_text())
+    assert status["state"] == "failed" and status["exit"] == 1
+    assert status["last_line"].startswith("error: Dataset root") and "does not exist" in status["last_line"]
+    assert "study: [1/2] missing: failed (exit 1), going on with the next run; its last line: error: Dataset" in said
+    assert json.loads((out / "study" / "status" / "fine.json").read_text())["state"] == "done"
+    assert "done in" in said and "1 done, 1 failed, 0 skipped" in said
+    # Run again: the finished run is skipped, the failed one tried again.
+    again = study("run", str(path), "--out", str(out)).communicate(timeout=600)[0]
+    assert "fine: finished before, skipped" in again and "missing: resuming or starting (attempt 2)" in again
+
+
+# -- a study on two simulated hosts ----------------------------------------------------------------
+
+STUDY_LINE = ("cycles demo --data.path {data} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
+              "--optim.global-batch-size 32 --optim.max-steps 40 --run.ckpt-every 4 --run.log-every 1 "
+              "--eval.every-epochs 10 --model.L-cycles {{1,2}} --seeds 2\n")
+
+
+def wait_for(proc, pattern, lines, timeout=300):
+    deadline = time.time() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(pattern, line) or time.time() > deadline:
+            return line
+    return None
+
+
+@pytest.fixture(scope="module")
+def finished_study(demo_path, tmp_path_factory):
+    """A study of 2 configurations x 2 seeds run as hosts 0 and 1 of 2, host 1 killed (with its
+    run) in the middle of its second run and started again; (its directory, the outputs)."""
+    root = tmp_path_factory.mktemp("study")
+    study_file, out = root / "study.txt", root / "out"
+    study_file.write_text(STUDY_LINE.format(data=demo_path))
+    host0 = study("run", str(study_file), "--out", str(out), "--host", "0", "--hosts", "2")
+    host1 = study("run", str(study_file), "--out", str(out), "--host", "1", "--hosts", "2", start_new_session=True)
+    killed = []
+    second = wait_for(host1, r"study: \[2/2\] ", killed)  # its second run starts
+    assert second and wait_for(host1, r"^step 5/40", killed)
+    committed = out / second.split()[2].rstrip(":") / "checkpoints" / "step_00000004" / "COMMITTED"
+    deadline = time.time() + 60
+    while not committed.exists() and time.time() < deadline:  # its checkpoint of step 4 is saved
+        time.sleep(0.05)
+    os.killpg(host1.pid, signal.SIGKILL)  # the host goes away, its run with it
+    host1.wait()
+    again = study("run", str(study_file), "--out", str(out), "--host", "1", "--hosts", "2")
+    outputs = {"host 0": host0.communicate(timeout=900)[0], "host 1 killed": "".join(killed),
+               "host 1 again": again.communicate(timeout=900)[0]}
+    assert host0.returncode == 0 and again.returncode == 0, outputs
+    return out, outputs, study_file
+
+
+def test_two_hosts_run_every_run_once_and_a_killed_host_resumes_its_run(finished_study, demo_path, tmp_path):
+    out, outputs, _ = finished_study
+    runs = ["cycles-1-s0", "cycles-1-s1", "cycles-2-s0", "cycles-2-s1"]
+    assert all((out / name / "final.json").exists() for name in runs)
+    shares = {h: json.loads((out / "study" / "hosts" / f"host_{h}.json").read_text())["share"] for h in (0, 1)}
+    assert sorted(shares[0] + shares[1]) == runs and len(shares[0]) == len(shares[1]) == 2
+    first, resumed = shares[1]
+    again = outputs["host 1 again"]
+    assert f"study: [1/2] {first}: finished before, skipped" in again
+    assert f"study: [2/2] {resumed}: resuming or starting (attempt 2)" in again
+    assert re.search(rf"resuming from \S*{resumed}/checkpoints/step_000000\d\d \(step \d+\)", again)
+    assert "study: host 1 of 2: done in" in again and "1 done, 0 failed, 1 skipped" in again
+    for name in runs:  # each run trained once; the killed one launched twice
+        launches = {p.name.split(".launch-")[1] for p in (out / name / "logs").glob("host_0.launch-*.log")}
+        assert len(launches) == (2 if name == resumed else 1), name
+        status = json.loads((out / "study" / "status" / f"{name}.json").read_text())
+        assert status["state"] == "done" and status["attempts"] == (2 if name == resumed else 1)
+    # The resumed run ends as the same run trained without interruption.
+    flags = next(r for r in parse_study((out / "study.txt").read_text()) if r.name == resumed).flags
+    straight = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), "demo", *flags, "--run.dir",
+                               str(tmp_path / "straight")], capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8"))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    final = json.loads((out / resumed / "final.json").read_text())
+    assert final["metrics"] == json.loads((tmp_path / "straight" / "final.json").read_text())["metrics"]
+    assert final["step"] == 40 and final["devices"] == 8
+
+
+# -- the report ---------------------------------------------------------------------------------------
+
+
+def test_wilson_and_seed_intervals_are_the_closed_forms():
+    p, n, z = 0.25, 400, 1.959963984540054
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    assert wilson(p, n) == pytest.approx((center - half, center + half), rel=1e-12)
+    # Published values (Newcombe 1998, z = 1.96): 0 of 10 -> [0, 0.2775], 5 of 10 -> [0.2366, 0.7634].
+    assert wilson(0.0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson(0.5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert t95(1) == pytest.approx(12.7062047) and t95(4) == pytest.approx(2.7764451) and t95(1000) < 1.97
+    assert seed_interval([0.4]) == (0.4, None, None)  # one seed: no interval
+    mean, low, high = seed_interval([0.2, 0.4, 0.6])
+    assert mean == pytest.approx(0.4) and high - mean == pytest.approx(4.302652730 * 0.2 / math.sqrt(3))
+
+
+def report_of(out):
+    done = study("report", str(out))
+    text = done.communicate(timeout=300)[0]
+    assert done.returncode == 0, text
+    with open(out / "results.csv") as f:
+        return text, list(csv.DictReader(f))
+
+
+def test_report_of_a_finished_study(finished_study):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata as hparams_metadata
+
+    out, _, _ = finished_study
+    text, rows = report_of(out)
+    runs = [r for r in rows if r["kind"] == "run"]
+    configs = {r["name"]: r for r in rows if r["kind"] == "configuration"}
+    assert len(runs) == 4 and sorted(configs) == ["cycles-1", "cycles-2"]
+    for name, row in configs.items():  # the mean and interval over seeds, by hand from the runs' own records
+        finals = []
+        for seed in (0, 1):
+            records = [json.loads(line) for part in sorted((out / f"{name}-s{seed}" / "metrics").glob("*.jsonl"))
+                       for line in part.read_text().splitlines()]
+            finals.append([r for r in records if r["kind"] == "eval"][-1]["exact_accuracy"])
+        mean = sum(finals) / 2
+        sd = abs(finals[0] - finals[1]) / math.sqrt(2)  # the sample standard deviation of two values
+        half = 12.706204736 * sd / math.sqrt(2)  # t(0.975, 1 degree of freedom) x the standard error
+        assert float(row["mean_exact_%"]) == pytest.approx(100 * mean, abs=0.005)
+        low, high = row["mean_exact_95%"].split("-")
+        assert float(low) == pytest.approx(100 * max(0.0, mean - half), abs=0.005)
+        assert float(high) == pytest.approx(100 * min(1.0, mean + half), abs=0.005)
+        assert row["seeds"] == "2" and row["model.L_cycles"] == name[-1]
+    for row in runs:
+        final = json.loads((out / row["name"] / "final.json").read_text())["metrics"]
+        low, high = wilson(final["exact_accuracy"], int(final["num_examples"]))
+        assert row["status"] == "done" and row["steps"] == "40/40"
+        assert row["final_exact_95%"] == f"{100 * low:.2f}-{100 * high:.2f}"
+        assert int(row["parameters"]) > 0 and float(row["train_flops"]) > 1e9 and float(row["device_hours"]) > 0
+    assert "cycles-1-s0" in text and "2 of 2 seeds done" in text and (out / "results.md").exists()
+    plots = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert plots == ["accuracy_vs_compute.png", "accuracy_vs_model.L_cycles.png", "accuracy_vs_parameters.png",
+                     "learning_curves.png"]
+    for name in plots:
+        png = (out / "plots" / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
+    for row in runs:  # TensorBoard's own reader finds each run's hyperparameters
+        events = EventAccumulator(str(out / row["name"] / "tb"))
+        events.Reload()
+        content = events.PluginTagToContent(hparams_metadata.PLUGIN_NAME)
+        start = hparams_metadata.parse_session_start_info_plugin_data(content[hparams_metadata.SESSION_START_INFO_TAG])
+        assert start.hparams["model.L_cycles"].number_value == int(row["model.L_cycles"])
+        assert start.hparams["configuration"].string_value == row["configuration"]
+        assert events.Scalars("study/final_exact_accuracy")[-1].value == pytest.approx(
+            float(row["final_exact_%"]) / 100, abs=5e-5)
+    experiment = EventAccumulator(str(out))
+    experiment.Reload()
+    assert hparams_metadata.EXPERIMENT_TAG in experiment.PluginTagToContent(hparams_metadata.PLUGIN_NAME)
+
+
+def test_report_marks_a_run_still_training_and_a_failed_one(finished_study, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(finished_study[0], out)
+    for name, state, line in (("cycles-1-s1", "running", ""), ("cycles-2-s0", "failed", "error: something broke")):
+        (out / name / "final.json").unlink()
+        status = out / "study" / "status" / f"{name}.json"
+        status.write_text(json.dumps(dict(json.loads(status.read_text()), state=state, last_line=line)))
+    shutil.rmtree(out / "cycles-2-s1")  # never started
+    (out / "study" / "status" / "cycles-2-s1.json").unlink()
+    text, rows = report_of(out)
+    runs = {r["name"]: r for r in rows if r["kind"] == "run"}
+    assert runs["cycles-1-s1"]["status"] == "running" and runs["cycles-1-s1"]["final_exact_%"] == ""
+    assert runs["cycles-1-s1"]["steps"] == "40/40" and runs["cycles-1-s1"]["best_exact_%"] != ""
+    assert runs["cycles-2-s0"]["status"] == "failed: error: something broke"
+    assert runs["cycles-2-s1"]["status"] == "not started" and runs["cycles-2-s1"]["steps"] == "0/40"
+    configs = {r["name"]: r for r in rows if r["kind"] == "configuration"}
+    assert configs["cycles-1"]["seeds"] == "1" and configs["cycles-1"]["mean_exact_95%"] == ""  # no fake interval
+    assert configs["cycles-1"]["mean_exact_%"] == runs["cycles-1-s0"]["final_exact_%"]
+    assert configs["cycles-2"]["seeds"] == "0" and configs["cycles-2"]["mean_exact_%"] == ""
+    assert "1 done" in text and "1 failed" in text and "1 running" in text and "1 not started" in text
+    assert storage.exists(str(out / "plots" / "learning_curves.png"))
+
+
+def test_the_shipped_studies_parse(monkeypatch):
+    monkeypatch.setenv("TRM_BUCKET", "my-bucket")
+    counts = {}
+    for path in sorted(os.listdir(os.path.join(PROJECT_DIR, "studies"))):
+        with open(os.path.join(PROJECT_DIR, "studies", path)) as f:
+            runs = parse_study(f.read(), path)
+        counts[path] = (len(runs), len({r.configuration for r in runs}))
+    # The tiny one: 2 widths x 2 seeds; the Sudoku plan: experiments 1-5 and 8, 35 configurations x 3 seeds.
+    assert counts == {"sudoku-scaling.txt": (105, 35), "tiny.txt": (4, 2)}
