@@ -114,8 +114,8 @@ class Pod:
             d.mkdir()
         (bin_dir / "gcloud").write_text(f'#!/bin/sh\nexec {sys.executable} -S {FAKE_GCLOUD} "$@"\n')
         (bin_dir / "gcloud").chmod(0o755)
-        shutil.copy(LAUNCH, self.repo / "launch.sh")
-        shutil.copy(WORKER, self.repo / "worker.sh")
+        for part in ("launch.sh", "launch_help.sh", "launch_run.sh", "worker.sh"):
+            shutil.copy(PROJECT_DIR / part, self.repo / part)
         shutil.copy(PROJECT_DIR / "requirements.txt", self.repo / "requirements.txt")
         (self.repo / "train.py").write_text(STUB_TRAIN)
         (self.repo / "docs").mkdir()
@@ -224,13 +224,15 @@ def assert_dry_run_matches(pod: Pod, *args):
 def test_shellcheck():
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck; .ci/run installs it)")
-    for script in (LAUNCH, WORKER):   # each on its own: worker.sh runs alone on the workers
-        result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
+    # launch.sh with the parts it sources (-x); worker.sh on its own: it runs alone on the workers.
+    for command in (["shellcheck", "-x", str(LAUNCH)], ["shellcheck", str(WORKER)]):
+        result = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_DIR)
         assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_worker_side_lives_in_worker_sh_once():
-    launch, worker = LAUNCH.read_text(), WORKER.read_text()
+    launch = "".join((PROJECT_DIR / part).read_text() for part in ("launch.sh", "launch_help.sh", "launch_run.sh"))
+    worker = WORKER.read_text()
     assert "declare -f" not in launch and "<<'PY'" not in launch   # no shipped functions, no Python
     assert not re.search(r"^(remote|r)_\w+\(\)", launch, re.M)
     # The version report (python, torch, torch_xla, libtpu) is one piece of Python, for setup and check.
@@ -397,8 +399,8 @@ def test_deploy_ships_tracked_code_only_and_compares_hashes(pod):
     for w in range(pod.workers):
         code = pod.home(w) / "trm"
         shipped = sorted(str(p.relative_to(code)) for p in code.rglob("*") if p.is_file())
-        assert shipped == [".trm-code-sha256sums", "docs/a file with spaces.txt", "launch.sh",
-                           "requirements.txt", "train.py", "worker.sh"]
+        assert shipped == [".trm-code-sha256sums", "docs/a file with spaces.txt", "launch.sh", "launch_help.sh",
+                           "launch_run.sh", "requirements.txt", "train.py", "worker.sh"]
         assert (code / "docs" / "a file with spaces.txt").read_text() == "uncommitted edit\n"
     assert pod.run("deploy").stderr.count("code ") >= pod.workers   # again: same code, no error
 
