@@ -305,3 +305,28 @@ def test_the_shipped_studies_parse(monkeypatch):
         counts[path] = (len(runs), len({r.configuration for r in runs}))
     # The tiny one: 2 widths x 2 seeds; the Sudoku plan: experiments 1-5 and 8, 35 configurations x 3 seeds.
     assert counts == {"sudoku-scaling.txt": (105, 35), "tiny.txt": (4, 2)}
+
+
+def test_sigterm_stops_the_study_after_its_run_saved_whether_or_not_the_run_got_it(demo_path, tmp_path):
+    path = tmp_path / "long.txt"
+    path.write_text(f"long demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
+                    "--optim.global-batch-size 32 --run.log-every 1\n")  # 625 steps
+    out = tmp_path / "out"
+    for launch, to_the_group in ((1, True), (2, False)):
+        # A VM that shuts down signals every process (the group); launch.sh stop signals study.py alone.
+        proc = study("run", str(path), "--out", str(out), start_new_session=True)
+        lines = []
+        assert wait_for(proc, r"^step \d+/625", lines)  # the launch's first step
+        if to_the_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        said = "".join(lines) + proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, said
+        assert said.count("SIGTERM: stopping (saving a checkpoint first") == 1  # the run got one signal
+        assert "second SIGTERM" not in said and "stop requested (SIGTERM or Ctrl-C): saved checkpoint" in said
+        assert "study: [1/1] long: stopped (exit 0); it resumes from its checkpoint" in said
+        assert "study: stopped (SIGTERM): 0 done, 0 failed, 0 skipped; run the same command again" in said
+        status = json.loads((out / "study" / "status" / "long.json").read_text())
+        assert status["state"] == "stopped" and status["attempts"] == launch
+        assert (launch == 1) or re.search(r"resuming from \S*long/checkpoints/step_\d+", said)
