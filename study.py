@@ -22,6 +22,7 @@ import argparse
 import sys
 
 import storage
+from lifecycle import EXIT_RETRYABLE
 from projection import SliceSpec, slice_spec
 from study_plan import StudyError, changed_flags, dataset_sizes, parse_study, projected_hours, split_over_hosts
 
@@ -120,9 +121,9 @@ def run(args) -> int:
     except StudyError as e:
         raise SystemExit(f"error: {e}")
     except storage.StorageError as e:
-        print(f"error: {e}\nStorage failed beyond its retries; relaunching the study may help (exit status 75).",
-              file=sys.stderr, flush=True)
-        return 75
+        print(f"error: {e}\nStorage failed beyond its retries; relaunching the study may help (exit status "
+              f"{EXIT_RETRYABLE}).", file=sys.stderr, flush=True)
+        return EXIT_RETRYABLE
 
 
 def report(args) -> int:

@@ -28,12 +28,12 @@ import time
 
 import storage
 from config import ensure_demo_data
+from lifecycle import EXIT_RETRYABLE  # train.py's: a relaunch may help
 from projection import slice_spec
 from report import format_duration
 from study_plan import StudyError, StudyRun, dataset_sizes, projected_hours, split_over_hosts
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
-EXIT_RETRYABLE = 75  # as train.py's (lifecycle.EXIT_RETRYABLE), without importing its runtime
 FORWARD_AFTER_S = 2.0
 """A signal the study gets is passed to the run under way unless it says within this long that
 it got one itself (on a VM that shuts down, every process gets SIGTERM: a second one would make
