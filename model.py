@@ -435,7 +435,13 @@ def stablemax_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
     """Per-token loss [..., seq]; 0 where labels == IGNORE_LABEL_ID."""
     valid = labels != IGNORE_LABEL_ID
     safe_labels = torch.where(valid, labels, 0).to(torch.int64)
-    picked = stablemax_log_probs(logits).gather(-1, safe_labels.unsqueeze(-1)).squeeze(-1)
+    # The label's log-probability picked by a mask rather than `gather`: the same value (one
+    # term, the rest exact zeros), but its backward is elementwise; gather's is a scatter, which
+    # XLA's SPMD partitioner does not see as row-local and all-gathers across every device
+    # (indices and gradients of the whole global batch, compiled for a TPU: tpu_compile.py).
+    log_probs = stablemax_log_probs(logits)
+    vocab = torch.arange(log_probs.shape[-1], device=log_probs.device)
+    picked = torch.where(vocab == safe_labels.unsqueeze(-1), log_probs, 0.0).sum(-1)
     return torch.where(valid, -picked, 0.0)
 
 
