@@ -192,3 +192,16 @@ class CapturedEvalStep(_CapturedStep):
         outs = self._run(self.trainer.eval_carry, batch, sums)
         self.trainer.eval_carry = self._carry(outs[3:])
         return outs[0], outs[1], outs[2]
+
+
+def program_hlo(outputs: list, donated: list) -> tuple[bytes, list[int]]:
+    """The HLO module (serialized HloModuleProto) that a sync of `outputs` would compile, without
+    compiling or running it: the pending graph over its device-data inputs, each parameter
+    carrying its tensor's sharding (as torch_xla's SPMD executor hands it to XLA), and the
+    parameter numbers of the `donated` input tensors (the buffers the executor lets XLA reuse:
+    the state a captured training step replaces). tpu_compile.py compiles it for a TPU."""
+    ctx = torch_xla._XLAC.lowering.LoweringContext("program")
+    ctx.set_name_string("program")
+    ctx.build(outputs)
+    donors = sorted(pid for pid in (ctx.tensor_parameter_id(t) for t in donated) if pid != -1)
+    return ctx.hlo(), donors

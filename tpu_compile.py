@@ -1,0 +1,484 @@
+"""Compile a run's training step and evaluation ACT step for a real TPU slice, on a machine
+without a TPU, and print what the TPU compiler says of them: does each program compile and fit in
+HBM, its FLOPs and HBM bytes per device, its collectives, where its bytes go, and the step time
+those imply.
+
+    python tpu_compile.py sudoku-mlp --slice v4-8                 # one v4-8 host, global batch 768
+    python tpu_compile.py sudoku-mlp --slice v4-64 --json sudoku-v4-64.json
+    python tpu_compile.py arc1 --slice v4-64 --optim.global-batch-size 1536   # any train.py flag
+    python tpu_compile.py maze --slice v5e-8 --programs train_step
+
+How (DESIGN.md section 9): the run's real training step and evaluation ACT step (config.py,
+trainer.py, capture.py, the host-ordered mesh, the split puzzle table) are traced, not run, on
+a virtual CPU mesh of the slice's device count with the run's global batch; the pending program
+(capture.program_hlo: every input's sharding, the donated state) goes to libtpu's compile-only
+client (jax's `tpu` extra: `jax.experimental.topologies`), which compiles it for abstract
+devices of the slice's topology. Nothing runs on the CPU but the state's set-up.
+
+Sources of the figures: HBM (arguments, outputs, aliased, temporaries, code), FLOPs and bytes
+accessed per device, the collectives and XLA's per-operation cycle estimates are read from the
+compiled TPU program. The chips' HBM capacity, bandwidth, peak and clock are Google's published
+figures (TOPOLOGIES): assumed, not measured. The step-time estimates are the compiler's figures
+over those assumptions; only a TPU measures a step (the step line's MFU, `launch.sh smoke`).
+Compiled results are cached (~/.cache/trm-tpu-compile, by program and topology), so a second
+run of the same program is instant.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+import tyro
+
+import hlo_stats
+from config import PRESETS, Config, ConfigError, check_batch_layout, check_config
+from model import TRMConfig, model_flops
+from projection import PAPER_DATASETS, slice_spec
+
+PROGRAMS = ("train_step", "eval_step")
+CACHE_DIR = os.path.expanduser(os.environ.get("TRM_TPU_COMPILE_CACHE", "~/.cache/trm-tpu-compile"))
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One TPU generation as the compiler sees it, with Google's published figures per device
+    (a v4 or v5p chip is one megacore device)."""
+
+    hbm_bytes: int
+    hbm_gb_per_s: float
+    peak_tflops: float  # bf16 dense
+    clock_ghz: float  # TensorCore clock: turns XLA's cycle estimates into time
+    chip_config: str  # libtpu's chip configuration: "megacore" gives one device per chip
+
+
+CHIPS = {  # cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}; the clocks from the v4 paper and Google's specs pages
+    "v4": Chip(32 << 30, 1228.0, 275.0, 1.05, "megacore"),
+    "v5e": Chip(16 << 30, 819.0, 197.0, 1.5, "default"),
+    "v5p": Chip(95 << 30, 2765.0, 459.0, 1.75, "megacore"),
+    "v6e": Chip(32 << 30, 1640.0, 918.0, 1.75, "default"),
+}
+# Chips of a slice -> libtpu's topology name (3-D torus for v4/v5p, 2-D for v5e/v6e).
+_TORUS_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
+_TORUS_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+
+
+@dataclass(frozen=True)
+class Topology:
+    slice: str
+    generation: str
+    name: str  # e.g. v4:2x4x4
+    devices: int
+    chips_per_host: tuple[int, int, int]
+    chip: Chip
+
+
+def topology(slice_name: str) -> Topology:
+    """The compile-only topology of a slice (v4-8, v4-64, v5e-8, v6e-64, v5p-8, ...)."""
+    spec = slice_spec(slice_name)
+    shapes = _TORUS_3D if spec.generation in ("v4", "v5p") else _TORUS_2D
+    if spec.chips not in shapes:
+        raise ValueError(f"{spec.name}: no known {spec.generation} topology of {spec.chips} chips; "
+                         f"use one of {', '.join(str(c) for c in shapes)} chips")
+    per_host = {1: (1, 1, 1), 8: (2, 4, 1)}.get(spec.chips, (2, 2, 1)) if spec.generation in ("v5e", "v6e") \
+        else (2, 2, 1)
+    return Topology(spec.name, spec.generation, f"{spec.generation}:{shapes[spec.chips]}", spec.chips, per_host,
+                    CHIPS[spec.generation])
+
+
+@dataclass
+class CompileCommand:
+    """tpu_compile.py's own flags; every other flag is a train.py setting of the preset."""
+
+    slice: str = "v4-8"
+    """The TPU slice to compile for: v4-N (N TensorCores), v5p-N, v5e-N or v6e-N (N chips)."""
+    programs: tuple[Literal["train_step", "eval_step"], ...] = PROGRAMS
+    """Which programs to compile."""
+    json: str | None = None
+    """Also write the results to this JSON file."""
+    table_rows: int | None = None
+    """Rows of the puzzle-embedding table (default: the preset's paper dataset's, PAPER_DATASETS)."""
+    top: int = 10
+    """Largest operations (by bytes) to list per program."""
+    cache: bool = True
+    """Reuse a cached result of the same program and topology (--no-cache compiles again)."""
+    config: Annotated[Config, tyro.conf.arg(name="")] = field(default_factory=Config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tracing (torch_xla's CPU runtime, the slice's device count)
+
+
+def narrow(model: TRMConfig, width: int = 64) -> TRMConfig:
+    """The preset's model at a narrow width (tests): hidden size, heads and puzzle embedding
+    narrowed; sequence, cycles, layers, halting, positions, mixer and dtype kept."""
+    return dataclasses.replace(model, hidden_size=width, num_heads=max(1, width // 32),
+                               puzzle_emb_ndim=width if model.puzzle_emb_ndim else 0)
+
+
+def resolved_config(config: Config, preset: str, table_rows: int | None) -> Config:
+    """The config as a run on the preset's dataset resolves it: the puzzle-embedding table's rows."""
+    rows = table_rows or (PAPER_DATASETS[preset].puzzle_identifiers if preset in PAPER_DATASETS
+                          else config.model.num_puzzle_identifiers)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, num_puzzle_identifiers=rows))
+
+
+def program_settings(config: Config) -> str:
+    """The settings that shape a run's programs (runs equal in these compile the same programs)."""
+    return json.dumps({"model": dataclasses.asdict(config.model), "batch": config.optim.global_batch_size,
+                       "optim": [config.optim.optimizer, config.optim.ema_rate],
+                       "table_split": config.run.shard_puzzle_table}, sort_keys=True)
+
+
+def program_key(config: Config, program: str, topo: Topology) -> str:
+    """What names a compiled program before it is traced: the settings that shape it, the
+    topology, the code that builds it and the compiler's versions."""
+    from importlib.metadata import version
+
+    here = Path(__file__).resolve().parent
+    code = b"".join((here / f).read_bytes() for f in ("model.py", "optim.py", "trainer.py", "capture.py",
+                                                      "sharding.py", "tpu_compile.py"))
+    where = {"program": program, "topology": [topo.name, topo.chip.chip_config, topo.chips_per_host],
+             "versions": [version(p) for p in ("torch_xla", "jax", "libtpu")]}
+    return hashlib.sha256((program_settings(config) + json.dumps(where)).encode() + code).hexdigest()[:24]
+
+
+def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, tuple[bytes, list[int]]]:
+    """{program: (HLO module, donated parameter numbers)} of the run's steps, traced on a CPU mesh
+    of `devices` devices (this process's runtime: start it with that many)."""
+    os.environ.setdefault("XLA_HLO_DEBUG", "1")  # source lines in the ops' metadata
+    os.environ["CPU_NUM_DEVICES"] = str(devices)  # the slice's count, whatever the caller's environment says
+    import sharding
+
+    sharding.start_runtime("cpu", devices)
+    if sharding.device_counts()[0] != devices:
+        raise RuntimeError(f"this process's CPU runtime has {sharding.device_counts()[0]} devices, not {devices}: "
+                           "trace in a new process (python tpu_compile.py)")
+    import torch
+
+    from capture import program_hlo
+    from trainer import EVAL_METRICS, Trainer
+
+    mesh = sharding.data_mesh()
+    trainer = Trainer(config, sharding, mesh)
+    batch_size, seq_len = config.optim.global_batch_size, config.model.seq_len
+    rng = np.random.default_rng(0)
+    host_batch = {"inputs": rng.integers(1, config.model.vocab_size, (batch_size, seq_len), dtype=np.int32),
+                  "labels": rng.integers(0, config.model.vocab_size, (batch_size, seq_len), dtype=np.int32),
+                  "puzzle_identifiers": rng.integers(0, config.model.num_puzzle_identifiers, batch_size,
+                                                     dtype=np.int32)}
+    batch = sharding.host_batch_to_global(host_batch, mesh)
+    trainer.init_carries(batch)
+    sharding.sync()  # the state and carries become device data: the programs' inputs
+    traced = {}
+    if "eval_step" in programs:  # first: the training step below leaves the state pending
+        with trainer.ema.swapped_into(trainer.model):
+            trainer.model.eval()
+            sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
+            outputs = list(trainer.eval_act_step(batch, sums)) + list(trainer.eval_carry.tensors().values())
+            traced["eval_step"] = program_hlo(outputs, donated=[])
+            trainer.model.train()
+        del outputs
+    if "train_step" in programs:
+        donated = [s.get() for s in trainer.state_tensors() if s.written_by_step]
+        metrics = trainer.step(batch, config.optim.lr, config.optim.puzzle_emb_lr)
+        written = [s.get() for s in trainer.state_tensors() if s.written_by_step]
+        traced["train_step"] = program_hlo([metrics] + written + list(trainer.carry.tensors().values()), donated)
+    return traced
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiling (libtpu's compile-only client)
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+def _quiet_libtpu(topo: Topology) -> None:
+    """libtpu would otherwise look for a TPU VM's metadata and warn (DESIGN.md section 9), and
+    refuse to load in a second process at once (its lockfile guards chips; here there are none)."""
+    for key, value in {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": topo.slice,
+                       "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}.items():
+        os.environ.setdefault(key, value)
+
+
+def compile_hlo(hlo: bytes, donors: list[int], topo: Topology) -> tuple[object, float]:
+    """(compiled executable, seconds) of an HLO module for the topology's abstract devices, as
+    torch_xla's SPMD executor compiles it: partitioned over every device, outputs' shardings
+    propagated, donated inputs marked. CompileError with the compiler's message if it refuses."""
+    _quiet_libtpu(topo)
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        raise CompileError("the TPU compiler needs jax with libtpu: pip install 'jax[tpu]==0.10.2' (Python 3.11+; "
+                           "requirements-test.txt has it)") from None
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+    from jax.experimental import topologies
+
+    devices = topologies.get_topology_desc(platform="tpu", topology_name=topo.name,
+                                           chip_config_name=topo.chip.chip_config,
+                                           chips_per_host_bounds=topo.chips_per_host, num_slices=1).devices
+    if len(devices) != topo.devices:
+        raise CompileError(f"libtpu's {topo.name} has {len(devices)} devices, expected {topo.devices}")
+    client = devices[0].client
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=len(devices),
+                                           device_assignment=np.array([d.id for d in devices]).reshape(1, -1),
+                                           backend=client)
+    options.executable_build_options.use_spmd_partitioning = True
+    options.executable_build_options.allow_spmd_sharding_propagation_to_output = [True]
+    with mlir.make_ir_context():
+        module = ir.Module.parse(xla_client._xla.mlir.hlo_to_stablehlo(hlo))
+        main = module.body.operations[0] if len(module.body.operations) == 1 else \
+            next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
+        arguments = list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else None
+        if donors and arguments is not None:  # the conversion drops torch_xla's buffer donors
+            marked = []
+            for i, attrs in enumerate(arguments):
+                entries = {a.name: a.attr for a in ir.DictAttr(attrs)}
+                if i in donors:
+                    entries["jax.buffer_donor"] = ir.BoolAttr.get(True)
+                marked.append(ir.DictAttr.get(entries))
+            main.attributes["arg_attrs"] = ir.ArrayAttr.get(marked)
+        started = time.perf_counter()
+        try:
+            executable = client.compile(module, xla_client.DeviceList(tuple(devices)), options)
+        except Exception as e:  # noqa: BLE001 - jax's XlaRuntimeError: the compiler's own words
+            raise CompileError(str(e)) from None
+    return executable, time.perf_counter() - started
+
+
+def analyse(executable, topo: Topology, model_flops_per_device: float, top: int) -> dict:
+    """What the compiled program says: memory, FLOPs, bytes, collectives, estimates."""
+    memory = executable.get_compiled_memory_stats()
+    cost = executable.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = executable.hlo_modules()[0].to_string()
+    stats = hlo_stats.summary(text, top)
+    hbm = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
+           "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
+           "code": memory.generated_code_size_in_bytes}
+    hbm["total"] = hbm["arguments"] + hbm["outputs"] - hbm["aliased"] + hbm["temporaries"] + hbm["code"]
+    flops, accessed = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+    chip = topo.chip
+    compute_ms = flops / (chip.peak_tflops * 1e12) * 1e3
+    memory_ms = accessed / (chip.hbm_gb_per_s * 1e9) * 1e3
+    xla_ms = stats["estimated_cycles"] / (chip.clock_ghz * 1e9) * 1e3
+    estimates = {"compute_bound_ms": compute_ms, "memory_bound_ms": memory_ms,
+                 "roofline_ms": max(compute_ms, memory_ms), "xla_estimate_ms": xla_ms or None}
+    # XLA's sum over operations of its own per-operation estimates when the program carries them
+    # (each operation bound by its own compute or memory, nothing overlapped); else the
+    # whole-program roofline, which assumes perfect overlap and is a lower bound.
+    chosen = xla_ms if xla_ms else max(compute_ms, memory_ms)
+    return {
+        "compiled": True, "hbm_bytes": hbm, "hbm_capacity_bytes": chip.hbm_bytes,
+        "flops": flops, "model_flops": model_flops_per_device, "bytes_accessed": accessed,
+        "collectives": stats["collectives"], "bytes_by_kind": stats["bytes_by_kind"],
+        "largest_operations": stats["largest_operations"], "estimates": estimates,
+        "estimate_ms": chosen,
+        "estimate_source": ("XLA's per-operation cycle estimates in the compiled program, at the chip's "
+                            f"{chip.clock_ghz:g} GHz clock (assumed)") if xla_ms else
+                           (f"roofline: the longer of FLOPs at {chip.peak_tflops:g} TFLOP/s and bytes at "
+                            f"{chip.hbm_gb_per_s:g} GB/s (assumed)"),
+        "mfu_ceiling": model_flops_per_device / (chip.peak_tflops * 1e12) / (chosen / 1e3) if chosen else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+
+
+def compile_programs(config: Config, preset: str, slice_name: str, programs=PROGRAMS, top: int = 10,
+                     use_cache: bool = True, say=print) -> list[dict]:
+    """Trace and compile each program of the run for the slice (or read its cached result);
+    one result dict per program (see `analyse`; `compiled` False with the compiler's `error`)."""
+    topo = topology(slice_name)
+    check_config(config)
+    check_batch_layout(config.optim.global_batch_size, topo.devices, max(1, slice_spec(slice_name).hosts))
+    flops = model_flops(config.model)
+    per_device = {"train_step": flops["train"], "eval_step": flops["eval"]}
+    keys = {p: program_key(config, p, topo) for p in programs}
+    results, missing = {}, []
+    for program in programs:
+        cached = Path(CACHE_DIR) / f"{keys[program]}.json"
+        if use_cache and cached.exists():
+            results[program] = dict(json.loads(cached.read_text()), cached=True)
+        else:
+            missing.append(program)
+    if missing:
+        say(f"tracing {', '.join(missing)} of {preset} (global batch {config.optim.global_batch_size}) on a "
+            f"{topo.devices}-device CPU mesh", flush=True)
+        started = time.perf_counter()
+        traced = trace(config, tuple(missing), topo.devices)
+        say(f"  traced in {time.perf_counter() - started:.0f}s", flush=True)
+    for program in missing:
+        hlo, donors = traced[program]
+        say(f"compiling {program} for {topo.slice} ({topo.name}, {topo.devices} devices) with libtpu's compile-only "
+            "client", flush=True)
+        try:
+            executable, seconds = compile_hlo(hlo, donors, topo)
+        except CompileError as e:
+            results[program] = {"compiled": False, "error": str(e), "advice": _advice(str(e), config, slice_name)}
+            say(f"  refused: {str(e).splitlines()[0][:300]}", flush=True)
+            continue
+        say(f"  compiled in {seconds:.0f}s", flush=True)
+        model_per_device = per_device[program] * config.optim.global_batch_size / topo.devices
+        results[program] = dict(analyse(executable, topo, model_per_device, top), compile_s=seconds,
+                                compiler=_versions())
+        del executable
+        Path(CACHE_DIR).mkdir(parents=True, exist_ok=True)
+        (Path(CACHE_DIR) / f"{keys[program]}.json").write_text(json.dumps(results[program]))
+    common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
+              "global_batch": config.optim.global_batch_size,
+              "batch_per_device": config.optim.global_batch_size // topo.devices}
+    return [dict(common, program=p, **results[p]) for p in programs]
+
+
+def cached_results(config: Config, slice_name: str, programs=PROGRAMS) -> list[dict] | None:
+    """The cached results of each program for the slice, or None if one is not cached."""
+    topo = topology(slice_name)
+    found = []
+    for program in programs:
+        path = Path(CACHE_DIR) / f"{program_key(config, program, topo)}.json"
+        if not path.exists():
+            return None
+        found.append(dict(json.loads(path.read_text()), program=program, cached=True))
+    return found
+
+
+def compile_in_subprocess(jobs: list[tuple[str, Config]], slice_name: str, programs=PROGRAMS) -> list[list[dict]]:
+    """compile_programs for each (preset, config) of `jobs`, in one new process whose CPU
+    runtime has the slice's device count (a process's runtime cannot change its count): the
+    cached ones without starting it. Its progress lines go to this process's output."""
+    results: list[list[dict] | None] = [cached_results(config, slice_name, programs) for _, config in jobs]
+    todo = [i for i, r in enumerate(results) if r is None]
+    if todo:
+        import subprocess
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="trm-tpu-compile-") as tmp:
+            request = Path(tmp) / "jobs.json"
+            request.write_text(json.dumps({"slice": slice_name, "programs": list(programs),
+                                           "jobs": [[jobs[i][0], dataclasses.asdict(jobs[i][1])] for i in todo]}))
+            done = subprocess.run([sys.executable, __file__, "--jobs", str(request)], cwd=Path(__file__).parent)
+            if done.returncode != 0:
+                raise CompileError(f"compiling for {slice_name} failed (exit {done.returncode}): see the lines above")
+            for i, result in zip(todo, json.loads((Path(tmp) / "results.json").read_text())):
+                results[i] = result
+    return results
+
+
+def _run_jobs(request_path: str) -> None:
+    from config import config_from_dict
+
+    request = json.loads(Path(request_path).read_text())
+    results = [compile_programs(config_from_dict(saved), preset, request["slice"], tuple(request["programs"]))
+               for preset, saved in request["jobs"]]
+    Path(request_path).with_name("results.json").write_text(json.dumps(results))
+
+
+def device_time_fields(results: list[dict]) -> dict:
+    """A projection record's device time of each step from compiled results
+    (projection.project_paper_run reads these keys; a refused program leaves its key out)."""
+    fields = {f"compiled_ms_per_{r['program'].removesuffix('_step')}_step": r["estimate_ms"]
+              for r in results if r["compiled"]}
+    compiled = next((r for r in results if r["compiled"]), None)
+    fields["compiled_source"] = ("compiled TPU program: " + compiled["estimate_source"]) if compiled else \
+        "not compiled: " + results[0].get("error", "")[:200]
+    return fields
+
+
+def _versions() -> dict:
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("jax", "libtpu", "torch_xla")}
+
+
+def _advice(error: str, config: Config, slice_name: str) -> str:
+    if "RESOURCE_EXHAUSTED" in error or "Ran out of memory" in error:
+        batch = config.optim.global_batch_size
+        return (f"the program does not fit in HBM: use a smaller global batch (--optim.global-batch-size "
+                f"{batch // 2}, with a proportionally smaller --optim.lr if you want the same recipe) or a "
+                f"larger slice than {slice_name} (more devices, fewer examples each)")
+    return "the TPU compiler refused the program: the message above names the operation"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def format_results(results: list[dict]) -> str:
+    lines = []
+    for r in results:
+        head = (f"{r['preset']} {r['program']} on {r['slice']} ({r['topology']}, {r['devices']} devices, "
+                f"{r['batch_per_device']} examples per device)")
+        if not r["compiled"]:
+            lines += [head, f"  NOT COMPILED: {r['error'].strip()[:2000]}", f"  what to do: {r['advice']}", ""]
+            continue
+        hbm, est = r["hbm_bytes"], r["estimates"]
+        fits = "fits" if hbm["total"] <= r["hbm_capacity_bytes"] else "DOES NOT FIT"
+        lines += [
+            head + (" [cached]" if r.get("cached") else f" [compiled in {r['compile_s']:.0f}s]"),
+            f"  HBM per device (GB): {_gb(hbm['total'])} of {_gb(r['hbm_capacity_bytes'])} ({fits}): arguments "
+            f"{_gb(hbm['arguments'])}, outputs {_gb(hbm['outputs'])}, aliased {_gb(hbm['aliased'])}, temporaries "
+            f"{_gb(hbm['temporaries'])}, code {_gb(hbm['code'])}",
+            f"  FLOPs per device: {r['flops']:.3g} (model.model_flops: {r['model_flops']:.3g}, "
+            f"ratio {r['flops'] / r['model_flops']:.3f})",
+            f"  bytes accessed per device: {_gb(r['bytes_accessed'])} GB",
+            "  collectives: " + ("; ".join(f"{c['count']} {c['kind']} ({c['bytes'] / 1e6:.2f} MB: "
+                                           f"{', '.join(c['shapes'][:4])})" for c in r["collectives"]) or "none"),
+            f"  step time (ms): compute-bound {est['compute_bound_ms']:.2f}, memory-bound "
+            f"{est['memory_bound_ms']:.2f}, "
+            + (f"XLA's estimate {est['xla_estimate_ms']:.2f}" if est.get("xla_estimate_ms") else "no XLA estimate")
+            + f" -> {r['estimate_ms']:.2f} ms ({r['estimate_source']}); MFU ceiling {r['mfu_ceiling']:.0%}",
+            "  bytes by kind of operation: " + ", ".join(f"{k['kind']} {k['count']}x {_gb(k['bytes'])} GB"
+                                                        for k in r["bytes_by_kind"][:8]),
+            "  largest operations:",
+        ]
+        lines += [f"    {op['bytes'] / 1e9:7.3f} GB  {op['kind']:<28} {op['shape'][:70]:<70}  {op['source']}"
+                  for op in r["largest_operations"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> tuple[str, CompileCommand]:
+    if not argv or argv[0] not in PRESETS:
+        raise SystemExit(f"usage: python tpu_compile.py PRESET [--slice SLICE] [train.py flags]; PRESET is one of "
+                         f"{', '.join(PRESETS)}" + (" (--help after a preset lists every flag)" if argv else ""))
+    preset = argv[0]
+    return preset, tyro.cli(CompileCommand, args=argv[1:], default=CompileCommand(config=PRESETS[preset][1]),
+                            prog=f"tpu_compile.py {preset}", description=__doc__.split("\n\n")[0])
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    preset, args = parse_args(sys.argv[1:] if argv is None else argv)
+    config = resolved_config(args.config, preset, args.table_rows)
+    try:
+        results = compile_programs(config, preset, args.slice, args.programs, args.top, args.cache)
+    except (ConfigError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    print()
+    print(format_results(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"programs": results}, indent=2))
+        print(f"wrote {args.json}")
+    if not all(r["compiled"] for r in results):
+        raise SystemExit(1)
+    return results
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--jobs"]:  # compile_in_subprocess's worker
+        _run_jobs(sys.argv[2])
+    else:
+        main()
