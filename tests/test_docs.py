@@ -1,8 +1,9 @@
 """Every command the README and docs/ show works as written: each `python train.py`,
 `build_data.py`, `bench.py` and `study.py` line parses with the program's own parser and passes
 its checks that need no dataset or device (a study file's every line), and each `bash launch.sh`
-line runs with --dry-run against the stand-in gcloud. The quick start's install and test commands
-are what CI runs; the demo's training itself is run by test_train.py's tests of the demo preset."""
+line runs with --dry-run against the stand-in gcloud. The quick start is `bash demo.sh` and
+`bash test.sh`, each run here with a stand-in Python (test_quickstart.py), and CI runs test.sh; the
+demo's training itself is run by test_train.py's tests of the demo preset."""
 import os
 import re
 import shlex
@@ -19,13 +20,15 @@ import train
 from bench import BenchConfig
 from config import PRESETS, check_config
 from tests.test_launch import Pod
+from tests.test_quickstart import INSTALL, StandInClone
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 DOCS = [PROJECT_DIR / "README.md", *sorted((PROJECT_DIR / "docs").glob("*.md"))]
 # The walkthrough's settings (README step 0), for the commands that use them.
 SETTINGS = {"TRM_TPU": "trm-v4-64", "TRM_ZONE": "us-central2-b", "TRM_PROJECT": "my-project",
             "TRM_BUCKET": "my-trm-bucket", "TRM_DATA": "gs://my-trm-bucket/data/sudoku-extreme-1k-aug-1000"}
-# Commands CI itself runs (the install and the checks) or that need a cloud account.
+QUICK_START = ["bash demo.sh", "bash test.sh"]
+# The manual form of what test.sh does (CI runs test.sh), and commands that need a cloud account.
 NOT_CHECKED_HERE = ("python3 -m venv", ".venv/bin/pip install", ".venv/bin/ruff", ".venv/bin/python -m pytest",
                     "gcloud ", "export ")
 
@@ -82,8 +85,20 @@ def test_the_docs_show_commands():
     assert {"train.py", "build_data.py", "study.py", "bash"} <= kinds, kinds
 
 
+def test_the_quick_start_is_demo_sh_and_test_sh_and_ci_runs_test_sh(tmp_path):
+    quick_start = (PROJECT_DIR / "README.md").read_text().split("\n## Quick start")[1].split("\n## ")[0]
+    first_block = re.search(r"```bash\n(.*?)```", quick_start, re.S)[1]
+    assert [" ".join(shlex.split(line, comments=True)) for line in first_block.splitlines()] == QUICK_START
+    clone = StandInClone(tmp_path)
+    ok = [clone.run(script) for script in ("test.sh", ".ci/run")]
+    assert all(result.returncode == 0 for result in ok), [result.stdout + result.stderr for result in ok]
+    assert clone.calls() == ["-m venv .venv", INSTALL, "-m ruff check .", "-m pytest -q tests",
+                             "-m ruff check .", "-m pytest -q tests"]   # CI: test.sh, the whole suite
+    assert "test.sh: reusing .venv" in ok[1].stdout
+
+
 @pytest.mark.parametrize("doc,command", COMMANDS, ids=[f"{d}: {c[:60]}" for d, c in COMMANDS])
-def test_documented_command_works_as_written(doc, command, pod, capsys, monkeypatch):
+def test_documented_command_works_as_written(doc, command, pod, capsys, monkeypatch, tmp_path):
     if command.startswith(NOT_CHECKED_HERE):
         return
     words = shlex.split(command)
@@ -100,6 +115,9 @@ def test_documented_command_works_as_written(doc, command, pod, capsys, monkeypa
             for name, value in SETTINGS.items():
                 monkeypatch.setenv(name, value)
             study.read_study(args.study)
+    elif command in QUICK_START:   # setup and all run, with a Python that only records its calls
+        result = StandInClone(tmp_path).run(*argv)
+        assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
     elif program == "bash" and argv[0] == "launch.sh":
         pod.set_tpu(accelerator="v4-64")
         result = pod.run("--dry-run", *argv[1:], expect=None)
