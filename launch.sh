@@ -7,7 +7,8 @@
 # slice as a queued resource and wait until it is ACTIVE; delete removes a queued resource of the
 # TPU's name too. On the workers, each step runs worker.sh, which this script sends with every ssh
 # call (see the top of worker.sh) and which answers in lines TRM|WORKER|KEY|VALUE read here. Its
-# parts: launch_help.sh (each command's usage) and launch_run.sh (train, study, --retry).
+# parts: launch_help.sh (each command's usage), launch_run.sh (train, study, --retry) and
+# launch_smoke.sh (the per-host probe, smoke).
 #
 # How to use it, from nothing to a running v4-64 job: README.md; what each command does:
 # docs/pod.md; studies: docs/studies.md. `bash launch.sh COMMAND --help` lists a command's flags.
@@ -73,6 +74,8 @@ exec 3>&1   # dry-run commands go to the original stdout, even from inside $(...
 source "$REPO/launch_help.sh"
 # shellcheck source=launch_run.sh
 source "$REPO/launch_run.sh"
+# shellcheck source=launch_smoke.sh
+source "$REPO/launch_smoke.sh"
 
 # ----------------------------------------------------------------------------------------------
 # Small helpers (laptop)
@@ -577,6 +580,10 @@ do_deploy() {
 cmd_deploy() { require tpu zone project; do_deploy; }
 
 cmd_check() {
+  case $MODE in
+    per-host) cmd_check_per_host; return ;;
+    whole-slice) usage_error "check takes --per-host (the per-host probe alone), not --whole-slice" ;;
+  esac
   require tpu zone project bucket
   local out problems=() w ws n v first expected want_torch want_xla procs ips host0 port=${TRM_CHECK_PORT:-12355}
   describe_tpu READY || die "could not read TPU $TPU"

@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     try:
         import sharding
 
+        if args.device == "cpu":  # the stand-in pod: one host's chips as CPU devices, whatever the caller had
+            os.environ["CPU_NUM_DEVICES"] = str(args.chips)
         kind = sharding.start_runtime(args.device, cpu_devices=args.chips)
         say("kind", sharding.accelerator_kind() if kind == "TPU" else kind)
         devices, local = sharding.device_counts()
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
         else:
             total, expected = sharding.host_all_reduce()
             ok = total == expected
-            say("all_reduce", f"{'ok' if ok else 'ERROR'} sum {total:g} over {local} devices (expected {expected:g})")
+            say("all_reduce", f"{'ok' if ok else 'ERROR'} {total:g} (expected {expected:g})")
             if not ok:
                 problems.append(f"the all-reduce over the host's devices gave {total:g}, expected {expected:g}")
     except Exception as e:  # noqa: BLE001 - any failure to start is the answer

@@ -3,11 +3,22 @@ TPU functions, and the probe that decides whether a study runs per-host (launch.
 --per-host) on the stand-in pod of tests/launch_fake_gcloud."""
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
-from test_launch import PROJECT_DIR
+from test_launch import (
+    PROJECT_DIR,
+    REAL_GCLOUD,
+    STUDY_FILE,
+    Pod,
+    dry_run_commands,
+    real_gcloud_verdicts,
+    worker_pids,
+)
 
 WORKER = PROJECT_DIR / "worker.sh"
 
@@ -74,3 +85,83 @@ def test_per_host_env_refuses_an_unknown_generation(tmp_path):
     done = subprocess.run(["bash", str(WORKER), "remote_single_host_env", "v3-32", "true"], capture_output=True,
                           text=True, env=dict(os.environ, HOME=str(tmp_path)))
     assert done.returncode == 1 and "no single-host runtime known for accelerator type 'v3-32'" in done.stdout
+
+
+@pytest.fixture
+def probed_pod(tmp_path):
+    """A stand-in pod of 2 workers (a v4-16) whose checkout holds the real probe.py and sharding.py
+    (the stub study.py of test_launch): each worker's probe starts torch_xla's CPU runtime with 4
+    devices (TRM_PROBE_DEVICE=cpu, test-only) under worker.sh's single-host environment."""
+    pod = Pod(tmp_path, workers=2)
+    pod.add_study_stub()
+    for name in ("probe.py", "sharding.py"):
+        shutil.copy(PROJECT_DIR / name, pod.repo / name)
+    pod.git("add", ".")
+    pod.commit()
+    pod.env.update(TRM_PROBE_DEVICE="cpu", TRM_PROBE_WAIT="40")
+    pod.ready()
+    yield pod
+    for pid in worker_pids(pod.root):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_per_host_check_probes_every_worker_and_shows_a_column_each(probed_pod):
+    started = time.time()
+    result = probed_pod.run("check", "--per-host")
+    seconds = time.time() - started
+    assert "all 2 workers of v4-16 start their TPU runtime alone" in result.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()[1:]}
+    assert result.stdout.splitlines()[0].split() == ["worker", "0", "worker", "1"]
+    assert rows["probe"] == ["ok", "ok"] and rows["kind"] == ["CPU", "CPU"]
+    assert rows["devices"] == ["4", "4"] and rows["processes"] == ["1", "1"] and rows["ids"] == ["0,1,2,3"] * 2
+    assert rows["all-reduce"] == ["ok", "10", "(expected", "10)"] * 2
+    for w in range(2):  # the environment the probe ran in: the single-host one
+        assert not (probed_pod.home(w) / "trm-state" / "probe.err").read_text().count("Traceback")
+    print(f"check --per-host on the stand-in (2 workers, real probe.py on CPU): {seconds:.1f} s")
+
+
+def test_per_host_probe_failure_falls_back_to_whole_slice_or_stops_an_explicit_per_host(probed_pod):
+    pod = probed_pod
+    # Worker 1's runtime joins the slice: the default mode falls back to --whole-slice, said.
+    result = pod.run("study", "s1", str(STUDY_FILE), TRM_TEST_PROBE_FAULT="join:1")
+    assert "the per-host probe failed on trm-test (v4-16):" in result.stderr
+    assert "worker 1: the runtime joined a slice of 2 processes and 8 devices" in result.stderr
+    assert "worker 0:" not in result.stderr.split("probe failed")[1].split("the study runs")[0]
+    assert "the study runs --whole-slice instead" in result.stderr
+    deadline = time.time() + 20
+    while time.time() < deadline and not all(pod.launches(w) for w in range(pod.workers)):
+        time.sleep(0.05)
+    for w in range(pod.workers):
+        record = pod.launch_record(w, 0)
+        assert record["argv"][3:] == ["gs://trm-bucket/studies/s1", "--whole-slice", "--", "--run.device", "tpu"]
+        assert record["env"]["TRM_SINGLE_HOST_RUNTIME"] is None
+    pod.run("stop")
+    # An explicit --per-host whose probe hangs on worker 0: the study stops, nothing starts.
+    result = pod.run("study", "--per-host", "s2", str(STUDY_FILE), TRM_TEST_PROBE_FAULT="hang:0", TRM_PROBE_WAIT="6",
+                     expect=1)
+    assert "worker 0: hang: no answer in 6 s" in result.stderr
+    assert f"Run it over the whole slice instead: bash launch.sh study --whole-slice s2 {STUDY_FILE}" in result.stderr
+    assert [len(pod.launches(w)) for w in range(pod.workers)] == [1, 1]
+    # With the probe passing, the default runs per-host.
+    result = pod.run("study", "s3", str(STUDY_FILE))
+    assert "all 2 workers start their TPU runtime alone: the study runs per-host" in result.stderr
+    deadline = time.time() + 20
+    while time.time() < deadline and not all(pod.launches(w)[1:] for w in range(pod.workers)):
+        time.sleep(0.05)
+    assert pod.launch_record(1, 1)["argv"][-6:] == ["--host", "1", "--hosts", "2", "--", "--run.device", "tpu"][-6:]
+    assert pod.launch_record(1, 1)["env"]["TRM_SINGLE_HOST_RUNTIME"] == "1"
+
+
+@pytest.mark.skipif(REAL_GCLOUD is None, reason="the real gcloud CLI is not installed")
+def test_per_host_probe_calls_parse_in_the_real_gcloud(probed_pod, tmp_path):
+    pod = probed_pod
+    calls = []
+    for args in (("check", "--per-host"), ("study", "--per-host", "s", str(STUDY_FILE)),
+                 ("study", "--per-host", "--retry", "s", str(STUDY_FILE))):
+        calls += dry_run_commands(pod.run("--dry-run", *args).stdout)
+    probes = [c for c in calls if any("remote_probe" in a for a in c)]
+    assert len(probes) == 3
+    assert real_gcloud_verdicts(calls, tmp_path) == {}
