@@ -23,6 +23,9 @@
 #                                    worker's share, its TPU runtime alone) or whole-slice
 #   remote_probe ACCELERATOR WAIT    probe.py under r_single_host_env: does this worker's runtime
 #                                    start alone (devices, 1 process, an all-reduce) within WAIT s
+#   remote_smoke_rates URL MEGABYTES smoke.py rates: the bucket's write and read rates from here
+#   remote_smoke_report BUCKET OUT ACCELERATOR WORKERS PRESET STEPS RUN_A RUN_B FACTS_B64
+#                                    smoke.py report (worker 0): the smoke table from both runs
 #   remote_single_host_env ACCELERATOR COMMAND...
 #                                    COMMAND under r_single_host_env (what per-host sets; tests)
 #   remote_status                    the run, its trainer's state, code hash, the log's last line,
@@ -329,6 +332,21 @@ remote_probe() {
   return 0
 }
 
+remote_smoke_rates() {  # remote_smoke_rates URL MEGABYTES
+  [ -x "$PY" ] && [ -f "$C/smoke.py" ] || { r_say rates "ERROR no venv or no smoke.py in ~/trm: run setup and deploy"; return 0; }
+  (cd "$C" && "$PY" "$C/smoke.py" rates "$1" --worker "$W" --megabytes "$2") | r_say_each
+}
+
+# remote_smoke_report BUCKET OUT ACCELERATOR WORKERS PRESET STEPS RUN_A RUN_B FACTS_B64: smoke.py
+# report over runs A and B (their records in the bucket, their logs here) and the laptop's facts.
+remote_smoke_report() {
+  local bucket=$1 facts=$S/smoke-facts.txt
+  printf %s "$9" | base64 -d > "$facts" || { r_say error "could not write $facts"; return 1; }
+  cd "$C" && "$PY" "$C/smoke.py" report --out "$2" --accelerator "$3" --workers "$4" --preset "$5" --steps "$6" \
+    --run-a "gs://$bucket/runs/$7" --log-a "$S/logs/$7.log" --run-b "gs://$bucket/runs/$8" --log-b "$S/logs/$8.log" \
+    --facts "$facts"
+}
+
 r_start() {  # r_start RUN_NAME SCRIPT ARGS...: SCRIPT (train.py, study.py) ARGS in the background
   local run=$1 script=$2 p stale i log what=train.py
   shift 2
@@ -490,6 +508,8 @@ main() {
     remote_logs) remote_logs "$@" ;;
     remote_check) remote_check "$@" ;;
     remote_probe) remote_probe "$@" ;;
+    remote_smoke_rates) remote_smoke_rates "$@" ;;
+    remote_smoke_report) remote_smoke_report "$@" ;;
     remote_single_host_env) remote_single_host_env "$@" ;;
     *) echo "worker.sh: unknown command '$cmd' (see the top of worker.sh)" >&2; return 2 ;;
   esac
