@@ -133,8 +133,10 @@ smoke_launch() {
 }
 
 # smoke_wait: until RUN's trainers ended on every worker (POLL seconds apart); 0 when all exited 0.
+# An end other than exit 0 is taken after 3 looks in a row (a trainer that just exited is LOST
+# for the moment before its watcher writes its exit status).
 smoke_wait() {
-  local out=$TMPD/smoke-status.out classes=$TMPD/smoke-classes
+  local out=$TMPD/smoke-status.out classes=$TMPD/smoke-classes looks=0
   if dry; then dry_later ssh_run all remote_status; printf '# (every %ss until the run ends)\n' "$POLL" >&3; return 0; fi
   while :; do
     sleep "$POLL"
@@ -142,6 +144,8 @@ smoke_wait() {
     worker_classes "$out" > "$classes"
     [ -z "$(in_class "$classes" running)" ] || continue
     [ -z "$(awk '$2 != "finished"' "$classes")" ] && return 0
+    looks=$((looks + 1))
+    [ "$looks" -ge 3 ] || continue
     info "smoke: run $RUN ended badly:"
     explain "$classes" "$out" failed retry lost stopped
     return 1

@@ -106,8 +106,9 @@ def build_rows(args, a: dict[int, dict], b: dict[int, dict], log_a: str, log_b: 
         kind, devices, hosts = started.group(1), int(started.group(2)), int(started.group(3))
         rows.append(row("runtime", f"{args.accelerator}: {args.workers} hosts of 4 chips, device ids from the "
                         "runtime (not host-contiguous on every slice)",
-                        f"{kind}, {devices} devices on {hosts} hosts; ids by host: "
-                        f"{layout.group(1) if layout else '?'}",
+                        f"{kind}, {devices} devices on {hosts} hosts; device ids "
+                        + ("; ".join(f"host {i}: {ids}" for i, ids in enumerate(layout.group(1).split(" | ")))
+                           if layout else "unknown"),
                         "ok" if hosts == args.workers else "FAIL"))
         rows.append(row("host group", "gloo over the VMs' network (TCP to worker 0's port 12355)",
                         f"{hosts} hosts met and agreed on one configuration",
@@ -186,7 +187,10 @@ def resume_row(args, a: dict[int, dict], b: dict[int, dict], log_b: str) -> dict
 
 def markdown(rows: list[dict], header: str) -> str:
     lines = [header, "", "| check | assumed | this slice shows | verdict |", "|---|---|---|---|"]
-    lines += [f"| {r['check']} | {r['assumed']} | {r['shows']} | {r['verdict']} |" for r in rows]
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")  # a literal | inside a markdown table cell
+
+    lines += [f"| {cell(r['check'])} | {cell(r['assumed'])} | {cell(r['shows'])} | {r['verdict']} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

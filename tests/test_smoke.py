@@ -30,7 +30,7 @@ def smoke_pod(tmp_path, demo_path, gcs_server):
     python.write_text(f'#!/bin/sh\ncase "$1" in */probe.py) ;; *) export {sharding.SIMULATED_SLICE_ENV}='
                       f'"$FAKE_WORKER_ID/2@tcp://127.0.0.1:{free_port()}";; esac\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
-    pod.env.update(FAKE_PYTHON=str(python), CPU_NUM_DEVICES="8", TRM_POLL_SECONDS="0.3", TRM_BUCKET=gcs_server,
+    pod.env.update(FAKE_PYTHON=str(python), CPU_NUM_DEVICES="2", TRM_POLL_SECONDS="0.3", TRM_BUCKET=gcs_server,
                    TRM_PROBE_DEVICE="cpu", TRM_PROBE_WAIT="60", TRM_SMOKE_MB="1", TRM_DATA=demo_path)
     pod.ready()
     yield pod
@@ -50,7 +50,7 @@ def test_smoke_runs_every_check_on_the_stand_in_and_fails_when_resumed_losses_di
     import storage
 
     pod = smoke_pod
-    result = smoke(pod, "--steps", "60", "demo", *TINY)
+    result = smoke(pod, "--steps", "24", "demo", *TINY)
     print(result.stdout, result.stderr[-3000:], sep="\n")
     assert result.returncode == 0, result.stderr[-4000:]
     assert "every check passed" in result.stderr
@@ -59,7 +59,7 @@ def test_smoke_runs_every_check_on_the_stand_in_and_fails_when_resumed_losses_di
     assert set(table) == {"runtime", "host group", "mesh self-check", "step time", "MFU", "compile",
                           "stop and resume", "per-host probe", "bucket"}
     assert all(verdict == "ok" for _, _, verdict in table.values()), table
-    assert table["runtime"][1].startswith("CPU, 8 devices on 2 hosts; ids by host: ")
+    assert table["runtime"][1] == "CPU, 2 devices on 2 hosts; device ids host 0: 0; host 1: 1"
     assert "device ms/step: no TPU" in table["step time"][1] and table["MFU"][1] == "no TPU"
     assert "no compiler estimate (tpu_compile.py not available)" in table["step time"][0] or \
         (PROJECT_DIR / "tpu_compile.py").exists()
@@ -76,7 +76,7 @@ def test_smoke_runs_every_check_on_the_stand_in_and_fails_when_resumed_losses_di
     state = pod.home(0) / "trm-state"
     report = subprocess.run(
         [str(pod.env["FAKE_PYTHON"]), str(pod.home(0) / "trm" / "smoke.py"), "report", "--out", out + "-shifted",
-         "--accelerator", "v4-16", "--workers", "2", "--preset", "demo", "--steps", "60",
+         "--accelerator", "v4-16", "--workers", "2", "--preset", "demo", "--steps", "24",
          "--run-a", saved["run_a"], "--log-a", str(state / "logs" / f"{saved['run_a'].rsplit('/', 1)[1]}.log"),
          "--run-b", saved["run_b"], "--log-b", str(state / "logs" / f"{saved['run_b'].rsplit('/', 1)[1]}.log"),
          "--facts", str(state / "smoke-facts.txt")],
