@@ -156,7 +156,7 @@ def build_rows(args, a: dict[int, dict], b: dict[int, dict], log_a: str, log_b: 
     if rate_rows and not failed:
         write = [float(k["write_mb_s"]) for k in rate_rows.values()]
         read = [float(k["read_mb_s"]) for k in rate_rows.values()]
-        shows = (f"write {min(write):.0f}-{max(write):.0f} MB/s, read {min(read):.0f}-{max(read):.0f} MB/s "
+        shows = (f"write {min(write):.1f}-{max(write):.1f} MB/s, read {min(read):.1f}-{max(read):.1f} MB/s "
                  f"per worker ({len(write)} workers at once)")
     else:
         shows = "; ".join(f"worker {w}: {v}" for w, v in failed.items()) or "no worker answered"

@@ -26,7 +26,8 @@ PROJECT_DIR = Path(__file__).resolve().parent.parent
 LAUNCH = PROJECT_DIR / "launch.sh"
 WORKER = PROJECT_DIR / "worker.sh"
 FAKE_GCLOUD = PROJECT_DIR / "tests" / "launch_fake_gcloud"
-SUBCOMMANDS = ["create", "delete", "setup", "deploy", "check", "train", "status", "logs", "stop", "tensorboard"]
+SUBCOMMANDS = ["create", "delete", "setup", "deploy", "check", "smoke", "train", "status", "logs", "stop",
+               "tensorboard"]
 TPU = "trm-test"
 LAUNCH_PARTS = ("launch.sh", "launch_help.sh", "launch_run.sh", "launch_smoke.sh")   # launch.sh sources the others
 
@@ -274,7 +275,8 @@ def test_help(pod):
 
 
 def test_help_lists_each_commands_flags(pod):
-    flags = {"create": ["--accelerator", "--runtime-version", "--spot", "--queued"], "check": ["--data"],
+    flags = {"create": ["--accelerator", "--runtime-version", "--spot", "--queued"], "check": ["--data", "--per-host"],
+             "smoke": ["--steps"],
              "delete": ["--queued"], "train": ["--retry", "--queued", "--poll", "--max-restarts"],
              "logs": ["--lines", "--no-follow", "--run"],
              "stop": ["--wait", "--kill"], "tensorboard": ["--start", "--port"]}
