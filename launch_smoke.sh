@@ -110,12 +110,7 @@ smoke_estimate() {
   if [ -f "$REPO/tpu_compile.py" ] && ! dry; then
     info "smoke: the TPU compiler's estimate of $1 on $2 (python tpu_compile.py, a few minutes)"
     if "${TRM_PYTHON:-python3}" "$REPO/tpu_compile.py" "$1" --slice "$2" --json "$json" >"$TMPD/compile.log" 2>&1; then
-      text=$("${TRM_PYTHON:-python3}" - "$json" <<'PY' 2>/dev/null || echo "no compiler estimate (tpu_compile.py wrote no train_step estimate)"
-import json, sys
-step = next(p for p in json.load(open(sys.argv[1]))["programs"] if p["program"] == "train_step" and p.get("compiled"))
-print(f"{float(step['estimate_ms']):.1f} ms/step ({step.get('estimate_source', 'the TPU compiler')})")
-PY
-)
+      text=$("${TRM_PYTHON:-python3}" "$REPO/smoke.py" estimate "$json")
     else
       text="no compiler estimate (tpu_compile.py failed: $(tail -n 1 "$TMPD/compile.log" | cut -c1-120))"
     fi
@@ -168,7 +163,8 @@ smoke_wait_step() {
 # smoke [PRESET [train.py flags...]]: every check of the first hour on this slice, one table.
 cmd_smoke() {
   require tpu zone project bucket
-  local preset=${POS[0]:-sudoku-mlp} extra=("${POS[@]:1}") acc when out facts base rc=0
+  local preset=${POS[0]:-sudoku-mlp} extra=() acc when out facts base rc=0
+  [ ${#POS[@]} -le 1 ] || extra=("${POS[@]:1}")
   case $SMOKE_STEPS in ''|*[!0-9]*) usage_error "--steps takes a whole number of steps (at least 4), not '$SMOKE_STEPS'" ;; esac
   [ "$SMOKE_STEPS" -ge 4 ] || usage_error "--steps takes at least 4 steps (run B stops half way and resumes), not $SMOKE_STEPS"
   ensure_ready_for_launch
@@ -186,13 +182,13 @@ cmd_smoke() {
   ssh_capture "$TMPD/rates.out" all remote_smoke_rates "$out" "${TRM_SMOKE_MB:-64}" || true
   dry || cat "$TMPD/rates.out" >> "$facts"
   info "smoke: run A, $SMOKE_STEPS steps uninterrupted"
-  smoke_launch "$base-a" "$preset" "${extra[@]}"
+  smoke_launch "$base-a" "$preset" ${extra[@]+"${extra[@]}"}
   smoke_wait || rc=1
   info "smoke: run B, stopped by SIGTERM at step $((SMOKE_STEPS / 2)) or soon after, then resumed"
-  smoke_launch "$base-b" "$preset" "${extra[@]}"
+  smoke_launch "$base-b" "$preset" ${extra[@]+"${extra[@]}"}
   smoke_wait_step $((SMOKE_STEPS / 2)) || rc=1
   stop_all "$STOP_WAIT" 1 || rc=1
-  smoke_launch "$base-b" "$preset" "${extra[@]}"
+  smoke_launch "$base-b" "$preset" ${extra[@]+"${extra[@]}"}
   smoke_wait || rc=1
   info "smoke: the report, on worker 0"
   ssh_run 0 remote_smoke_report "$BUCKET" "$out" "$acc" "$(hosts_of "$acc")" "$preset" "$SMOKE_STEPS" "$base-a" \

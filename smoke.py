@@ -6,6 +6,7 @@ way and resumed (B), then this file's `report` on worker 0, which reads both run
 worker 0's logs and sets *what was assumed* beside *what this slice shows*, one row per check:
 
     python smoke.py rates gs://BUCKET/smoke/TIME --worker W [--megabytes 64]
+    python smoke.py estimate COMPILE.json   (on the laptop: tpu_compile.py's estimate, one line)
     python smoke.py report --out gs://BUCKET/smoke/TIME --accelerator v4-64 --workers 8 --preset P
         --steps N --run-a RUN_DIR --log-a FILE --run-b RUN_DIR --log-b FILE --facts FILE
 
@@ -27,8 +28,6 @@ import statistics
 import sys
 import time
 
-import storage
-
 SHIFT_ENV = "TRM_TEST_SMOKE_SHIFT_RESUMED"
 COMPARED_STEPS = 5  # losses compared after the resume
 NO_TPU = "no TPU"
@@ -40,6 +39,8 @@ def say(key: str, value) -> None:
 
 def rates(url: str, worker: str, megabytes: int) -> int:
     """Write, read back and remove `megabytes` MB under url/rates/ (one object), timed."""
+    import storage
+
     target = storage.join_url(url, "rates", f"worker-{worker}.bin")
     payload = os.urandom(megabytes << 20)
     try:
@@ -65,6 +66,8 @@ def rates(url: str, worker: str, megabytes: int) -> int:
 
 def records(run_dir: str) -> dict[int, dict]:
     """The run's train records by step (metrics/part-*.jsonl; a resumed launch rewrote the rest)."""
+    import storage
+
     fs, path = storage.filesystem(storage.join_url(run_dir, "metrics"))
     try:
         parts = sorted(fs.glob(path + "/part-*.jsonl"))
@@ -195,6 +198,8 @@ def markdown(rows: list[dict], header: str) -> str:
 
 
 def report(args) -> int:
+    import storage
+
     known = facts(args.facts)
     with open(args.log_a, errors="replace") as f:
         log_a = f.read()
@@ -215,6 +220,17 @@ def report(args) -> int:
     return 1 if failed else 0
 
 
+def estimate(path: str) -> str:
+    """The compiler's estimate of the training step, from tpu_compile.py's --json file."""
+    try:
+        with open(path) as f:
+            programs = json.load(f)["programs"]
+        step = next(p for p in programs if p["program"] == "train_step" and p.get("compiled"))
+        return f"{float(step['estimate_ms']):.1f} ms/step ({step.get('estimate_source', 'the TPU compiler')})"
+    except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
+        return f"no compiler estimate (tpu_compile.py's {path} holds no compiled train_step estimate: {e})"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,7 +243,13 @@ def main(argv=None) -> int:
         p.add_argument(f"--{name}", required=True)
     p.add_argument("--workers", type=int, required=True)
     p.add_argument("--steps", type=int, required=True)
+    e = sub.add_parser("estimate", help="(on the laptop, no dependencies) the train_step estimate of a "
+                       "tpu_compile.py --json file, as one line")
+    e.add_argument("json")
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        print(estimate(args.json))
+        return 0
     if args.command == "rates":
         return rates(args.url, args.worker, args.megabytes)
     return report(args)

@@ -333,7 +333,9 @@ remote_probe() {
 }
 
 remote_smoke_rates() {  # remote_smoke_rates URL MEGABYTES
-  [ -x "$PY" ] && [ -f "$C/smoke.py" ] || { r_say rates "ERROR no venv or no smoke.py in ~/trm: run setup and deploy"; return 0; }
+  if [ ! -x "$PY" ] || [ ! -f "$C/smoke.py" ]; then
+    r_say rates "ERROR no venv or no smoke.py in ~/trm: run setup and deploy"; return 0
+  fi
   (cd "$C" && "$PY" "$C/smoke.py" rates "$1" --worker "$W" --megabytes "$2") | r_say_each
 }
 

@@ -196,15 +196,28 @@ class Pod:
         return json.loads((self.stub_dir / f"launch-{worker}-{n}.json").read_text())
 
 
+    def use_real_code(self, names=("*.py",)):
+        """The project's files matching `names` in the checkout, in place of the stubs."""
+        for pattern in names:
+            for source in PROJECT_DIR.glob(pattern):
+                shutil.copy(source, self.repo / source.name)
+        self.git("add", ".")
+        self.commit()
+
+    def end(self):
+        """SIGKILL every process still running on the simulated workers."""
+        for pid in worker_pids(self.root):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.fixture
 def pod(tmp_path):
     p = Pod(tmp_path, workers=2)
     yield p
-    for pid in worker_pids(p.root):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    p.end()
 
 
 def dry_run_commands(stdout: str):
@@ -891,10 +904,7 @@ def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, d
 
     pod = Pod(tmp_path, workers=2)
     try:
-        for source in PROJECT_DIR.glob("*.py"):
-            shutil.copy(source, pod.repo / source.name)  # the real trainer in place of the stub
-        pod.git("add", ".")
-        pod.commit()
+        pod.use_real_code()  # the real trainer in place of the stub
         python = tmp_path / "python-of-a-simulated-host"
         python.write_text(f'#!/bin/sh\nexport {sharding.SIMULATED_SLICE_ENV}="$FAKE_WORKER_ID/2@tcp://127.0.0.1:{free_port()}"\n'
                           f'exec {sys.executable} "$@"\n')
@@ -930,11 +940,7 @@ def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, d
         assert "resuming from" in first and "done: 40 steps" in first
         assert checkpoint.list_checkpoints(run_dir)[0][0] == 40
     finally:
-        for pid in worker_pids(pod.root):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        pod.end()
 
 
 def free_port():

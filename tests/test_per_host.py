@@ -3,8 +3,6 @@ TPU functions, and the probe that decides whether a study runs per-host (launch.
 --per-host) on the stand-in pod of tests/launch_fake_gcloud."""
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +15,6 @@ from test_launch import (
     Pod,
     dry_run_commands,
     real_gcloud_verdicts,
-    worker_pids,
 )
 
 WORKER = PROJECT_DIR / "worker.sh"
@@ -94,18 +91,11 @@ def probed_pod(tmp_path):
     devices (TRM_PROBE_DEVICE=cpu, test-only) under worker.sh's single-host environment."""
     pod = Pod(tmp_path, workers=2)
     pod.add_study_stub()
-    for name in ("probe.py", "sharding.py"):
-        shutil.copy(PROJECT_DIR / name, pod.repo / name)
-    pod.git("add", ".")
-    pod.commit()
+    pod.use_real_code(("probe.py", "sharding.py"))
     pod.env.update(TRM_PROBE_DEVICE="cpu", TRM_PROBE_WAIT="40")
     pod.ready()
     yield pod
-    for pid in worker_pids(pod.root):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    pod.end()
 
 
 def test_per_host_check_probes_every_worker_and_shows_a_column_each(probed_pod):

@@ -2,14 +2,11 @@
 workers run the real probe.py, smoke.py and train.py on their CPUs (sharding.SIMULATED_SLICE_ENV),
 the bucket is the local GCS server; TPU-only numbers read "no TPU"."""
 import json
-import os
-import shutil
-import signal
 import subprocess
 import sys
 
 import pytest
-from test_launch import PROJECT_DIR, REAL_GCLOUD, Pod, dry_run_commands, free_port, real_gcloud_verdicts, worker_pids
+from test_launch import PROJECT_DIR, REAL_GCLOUD, Pod, dry_run_commands, free_port, real_gcloud_verdicts
 
 TINY = ["--run.device", "cpu", "--model.hidden-size", "32", "--model.puzzle-emb-ndim", "32",
         "--optim.global-batch-size", "32", "--eval.every-epochs", "1000", "--run.preempt-check-every", "1"]
@@ -18,10 +15,7 @@ TINY = ["--run.device", "cpu", "--model.hidden-size", "32", "--model.puzzle-emb-
 @pytest.fixture
 def smoke_pod(tmp_path, demo_path, gcs_server):
     pod = Pod(tmp_path, workers=2)
-    for source in PROJECT_DIR.glob("*.py"):
-        shutil.copy(source, pod.repo / source.name)  # the real trainer, probe and report
-    pod.git("add", ".")
-    pod.commit()
+    pod.use_real_code()  # the real trainer, probe and report
     import sharding
 
     # Each simulated worker's python: host W of a 2-host slice, except the probe, whose runtime
@@ -34,11 +28,7 @@ def smoke_pod(tmp_path, demo_path, gcs_server):
                    TRM_PROBE_DEVICE="cpu", TRM_PROBE_WAIT="60", TRM_SMOKE_MB="1", TRM_DATA=demo_path)
     pod.ready()
     yield pod
-    for pid in worker_pids(pod.root):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    pod.end()
 
 
 def smoke(pod, *args, **env):
