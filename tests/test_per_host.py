@@ -19,26 +19,32 @@ from test_launch import (
 
 WORKER = PROJECT_DIR / "worker.sh"
 
-# torch_xla's TPU functions in a process of their own, under the environment worker.sh produced.
-# The metadata server is made to fail loudly: any read raises (and is recorded), and requests
-# would go through a proxy on a closed port.
+# torch_xla's TPU functions in a process of their own, once under each environment given on stdin
+# ({name: environment}, each exactly as worker.sh produced it), os.environ replaced by it before
+# each round (the functions read os.environ at every call). The metadata server is made to fail
+# loudly: any read raises (and is recorded), and requests would go through a proxy on a closed port.
 READ_TPU_ENV = r'''
-import json, sys
+import json, os, sys
 from torch_xla._internal import tpu
 reads = []
 def no_metadata(key):
     reads.append(key)
     raise AssertionError(f"metadata server read: {key}")
 tpu._get_metadata = no_metadata
-out = {}
-for name in ("get_tpu_env", "version", "get_tpu_type", "num_tpu_workers", "get_worker_ips", "process_bounds_size",
-             "worker_id", "task_id"):
-    try:
-        out[name] = getattr(tpu, name)()
-    except Exception as e:
-        out[name] = f"{type(e).__name__}: {e}"
-out["metadata_reads"] = reads
-print(json.dumps(out))
+results = {}
+for name, env in json.load(sys.stdin).items():
+    os.environ.clear()
+    os.environ.update(env)
+    reads.clear()
+    out = results[name] = {}
+    for fn in ("get_tpu_env", "version", "get_tpu_type", "num_tpu_workers", "get_worker_ips", "process_bounds_size",
+               "worker_id", "task_id"):
+        try:
+            out[fn] = getattr(tpu, fn)()
+        except Exception as e:
+            out[fn] = f"{type(e).__name__}: {e}"
+    out["metadata_reads"] = list(reads)
+print(json.dumps(results))
 '''
 
 # One host of each generation launch.sh create supports: (slice, one host's type, version, type).
@@ -46,36 +52,40 @@ GENERATIONS = [("v4-64", "v4-8", 4, "v4"), ("v5p-32", "v5p-8", 5, "v5p"),
                ("v5litepod-16", "v5litepod-4", 5, "v5litepod"), ("v6e-16", "v6e-4", 6, "v6e")]
 
 
-def tpu_functions_under(accelerator, tmp_path, single_host=True):
-    """What torch_xla's functions answer in a process started by worker.sh's remote_single_host_env
-    (single_host=False: the same process without it, as a whole-slice run starts)."""
+def base_env(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TPU_", "CLOUD_TPU", "TRM_"))}
     env.update(HOME=str(tmp_path), http_proxy="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9", NO_PROXY="",
                no_proxy="")
-    command = [sys.executable, "-c", READ_TPU_ENV]
-    if single_host:
-        command = ["bash", str(WORKER), "remote_single_host_env", accelerator, *command]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    return env
+
+
+def worker_env(accelerator, tmp_path):
+    """The environment a process started by worker.sh's remote_single_host_env runs in."""
+    done = subprocess.run(["bash", str(WORKER), "remote_single_host_env", accelerator, "env", "-0"],
+                          capture_output=True, env=base_env(tmp_path), timeout=60, check=True)
+    return dict(item.split("=", 1) for item in done.stdout.decode().split("\0") if "=" in item)
+
+
+def test_per_host_env_is_one_host_of_the_slices_generation_for_torch_xla(tmp_path):
+    envs = {accelerator: worker_env(accelerator, tmp_path) for accelerator, *_ in GENERATIONS}
+    envs["whole slice"] = base_env(tmp_path)  # without it: what a whole-slice run starts with
+    done = subprocess.run([sys.executable, "-c", READ_TPU_ENV], input=json.dumps(envs), capture_output=True,
+                          text=True, env=base_env(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
-
-
-@pytest.mark.parametrize("accelerator,one_host,version,generation", GENERATIONS)
-def test_per_host_env_is_one_host_of_the_slices_generation_for_torch_xla(tmp_path, accelerator, one_host, version,
-                                                                         generation):
-    got = tpu_functions_under(accelerator, tmp_path)
-    assert got["metadata_reads"] == []
-    assert got["get_tpu_env"] == {"ACCELERATOR_TYPE": one_host, "TPU_PROCESS_BOUNDS": "1,1,1",
-                                  "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "WORKER_ID": "0"}
-    assert got["version"] == version and got["get_tpu_type"] == generation
-    assert got["num_tpu_workers"] == 1 and got["get_worker_ips"] == ["localhost"]
-    assert got["process_bounds_size"] == 1 and got["worker_id"] == 0 and got["task_id"] == 0
-
-
-def test_per_host_env_is_needed_torch_xla_reads_the_metadata_server_without_it(tmp_path):
-    got = tpu_functions_under("v4-64", tmp_path, single_host=False)
-    assert "tpu-env" in got["metadata_reads"] and got["get_tpu_env"].startswith("AssertionError")
-    assert got["process_bounds_size"] is None
+    results = json.loads(done.stdout.splitlines()[-1])
+    for accelerator, one_host, version, generation in GENERATIONS:
+        got = results[accelerator]
+        assert envs[accelerator]["TPU_SKIP_MDS_QUERY"] == "1"
+        assert got["metadata_reads"] == [], accelerator
+        assert got["get_tpu_env"] == {"ACCELERATOR_TYPE": one_host, "TPU_PROCESS_BOUNDS": "1,1,1",
+                                      "TPU_CHIPS_PER_PROCESS_BOUNDS": "2,2,1", "WORKER_ID": "0"}
+        assert got["version"] == version and got["get_tpu_type"] == generation
+        assert got["num_tpu_workers"] == 1 and got["get_worker_ips"] == ["localhost"]
+        assert got["process_bounds_size"] == 1 and got["worker_id"] == 0 and got["task_id"] == 0
+    # Without worker.sh's environment torch_xla asks the metadata server for the slice's tpu-env.
+    whole = results["whole slice"]
+    assert "tpu-env" in whole["metadata_reads"] and whole["get_tpu_env"].startswith("AssertionError")
+    assert whole["process_bounds_size"] is None
 
 
 def test_per_host_env_refuses_an_unknown_generation(tmp_path):
