@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # launch.sh: train TRM on a Cloud TPU slice (a v4-8 up to a v4-64 pod) from your laptop, with gcloud.
 #
-# The laptop's side: one command per stage (create, setup, deploy, check, train, study, status,
+# The laptop's side: one command per stage (create, setup, deploy, check, smoke, train, study, status,
 # logs, stop, tensorboard, delete), each safe to run twice; --dry-run prints the gcloud calls
 # instead of making them. With --queued (TRM_QUEUED=1), create and train/study --retry request the
 # slice as a queued resource and wait until it is ACTIVE; delete removes a queued resource of the
 # TPU's name too. On the workers, each step runs worker.sh, which this script sends with every ssh
 # call (see the top of worker.sh) and which answers in lines TRM|WORKER|KEY|VALUE read here. Its
-# parts: launch_help.sh (each command's usage) and launch_run.sh (train, study, --retry).
+# parts: launch_help.sh (each command's usage), launch_run.sh (train, study, --retry) and
+# launch_smoke.sh (the per-host probe, smoke).
 #
 # How to use it, from nothing to a running v4-64 job: README.md; what each command does:
 # docs/pod.md; studies: docs/studies.md. `bash launch.sh COMMAND --help` lists a command's flags.
@@ -73,6 +74,8 @@ exec 3>&1   # dry-run commands go to the original stdout, even from inside $(...
 source "$REPO/launch_help.sh"
 # shellcheck source=launch_run.sh
 source "$REPO/launch_run.sh"
+# shellcheck source=launch_smoke.sh
+source "$REPO/launch_smoke.sh"
 
 # ----------------------------------------------------------------------------------------------
 # Small helpers (laptop)
@@ -577,6 +580,10 @@ do_deploy() {
 cmd_deploy() { require tpu zone project; do_deploy; }
 
 cmd_check() {
+  case $MODE in
+    per-host) cmd_check_per_host; return ;;
+    whole-slice) usage_error "check takes --per-host (the per-host probe alone), not --whole-slice" ;;
+  esac
   require tpu zone project bucket
   local out problems=() w ws n v first expected want_torch want_xla procs ips host0 port=${TRM_CHECK_PORT:-12355}
   describe_tpu READY || die "could not read TPU $TPU"
@@ -775,7 +782,7 @@ parse_args() {
       --*=*) val=${opt#*=}; opt=${opt%%=*}; has=1 ;;
     esac
     case $opt in
-      --tpu|--zone|--project|--bucket|--accelerator|--runtime-version|--data|--poll|--max-restarts|--wait|--lines|-n|--port|--run|--study)
+      --tpu|--zone|--project|--bucket|--accelerator|--runtime-version|--data|--poll|--max-restarts|--wait|--lines|-n|--port|--run|--study|--steps)
         if [ "$has" = 0 ]; then
           [ $# -ge 2 ] || usage_error "$opt needs a value"
           val=$2
@@ -796,6 +803,7 @@ parse_args() {
           --port) PORT=$val ;;
           --run) LOG_RUN=$val ;;
           --study) STUDY=$val ;;
+          --steps) SMOKE_STEPS=$val ;;
         esac
         shift ;;
       --spot|--queued|--retry|--dry-run|--kill|--no-follow|--from-bucket|--start|--per-host|--whole-slice|-h|--help)
@@ -824,8 +832,8 @@ parse_args() {
         if [ -z "$CMD" ]; then
           CMD=$1
           shift
-        elif [ "$CMD" = train ]; then
-          POS+=("$@")   # RUN_NAME, then train.py's arguments, untouched
+        elif [ "$CMD" = train ] || [ "$CMD" = smoke ]; then
+          POS+=("$@")   # RUN_NAME (train) or PRESET (smoke), then train.py's arguments, untouched
           break
         else
           POS+=("$1")
@@ -853,12 +861,12 @@ main() {
     exit 2
   fi
   case $CMD in
-    create|delete|setup|deploy|check|train|study|status|logs|stop|tensorboard)
+    create|delete|setup|deploy|check|smoke|train|study|status|logs|stop|tensorboard)
       if [ "$HELP" = 1 ]; then "usage_$CMD"; exit 0; fi
-      case $CMD in setup|deploy|check|train|study|status|logs|stop) load_worker_script ;; esac
+      case $CMD in setup|deploy|check|smoke|train|study|status|logs|stop) load_worker_script ;; esac
       "cmd_$CMD" ;;
     help) usage_main ;;
-    *) usage_error "unknown command '$CMD' (create, delete, setup, deploy, check, train, study, status, logs, stop, tensorboard)" ;;
+    *) usage_error "unknown command '$CMD' (create, delete, setup, deploy, check, smoke, train, study, status, logs, stop, tensorboard)" ;;
   esac
 }
 

@@ -11,6 +11,8 @@ Run TRM on a Cloud TPU slice from your laptop (gcloud). Commands, in the order o
   setup        install the pinned requirements (torch_xla[tpu]) in ~/trm-venv on every worker
   deploy       ship the tracked code to ~/trm on every worker and compare code hashes
   check        preflight on every worker: TPU, versions, device count, bucket, dataset
+               (--per-host: the per-host probe alone)
+  smoke        smoke [PRESET]: minutes on the slice that check what a CPU could not, one table
   train        train RUN_NAME PRESET [train.py flags...]: start train.py on every worker
   study        study STUDY_NAME STUDY_FILE: a study's runs, one per worker (--whole-slice: over the slice)
   status       the TPU's state and each worker's trainer
@@ -81,14 +83,51 @@ EOF
 
 usage_check() {
   cat <<'EOF'
-usage: bash launch.sh check [--data gs://...] [--dry-run]
+usage: bash launch.sh check [--per-host] [--data gs://...] [--dry-run]
 
 Preflight on every worker: TPU, versions, device count, bucket, dataset (--data or TRM_DATA), code,
 and TCP from every worker to worker 0's port 12355, where the trainers' host group meets (torch's
 MASTER_PORT; TRM_CHECK_PORT checks another, for TRM_CHECK_WAIT seconds, default 60). Skipped while
 a trainer runs.
-Needs --tpu, --zone, --project, --bucket.
+
+  --per-host   only the per-host probe, a column per worker: on every worker at once, probe.py
+               starts the TPU runtime as a slice of its own (worker.sh r_single_host_env), checks
+               it shows the host's 4 chips and 1 process, runs one all-reduce over them, within
+               TRM_PROBE_WAIT seconds (default 240). Exit 1 when a worker fails: a study then runs
+               --whole-slice. Needs deployed code.
+Needs --tpu, --zone, --project, --bucket (--per-host: no bucket).
 More: docs/pod.md, "What each command does".
+EOF
+}
+
+usage_smoke() {
+  cat <<'EOF'
+usage: bash launch.sh smoke [--steps N] [--dry-run] [PRESET [train.py flags...]]
+
+Minutes on your slice that check what a CPU could not, once after check and before the first
+real run: one table of what was assumed beside what this slice shows, written with the raw
+answers to gs://BUCKET/smoke/TIME/smoke.md and smoke.json (attach them to a bug report). PRESET
+(default sudoku-mlp) and the flags go to train.py (--data.path defaults to --data / TRM_DATA);
+--steps N (TRM_SMOKE_STEPS, default 300) is each run's length. Exit 1 when a check fails. Lines:
+
+  runtime          device kind, device count and each host's device ids (run A's log): FAIL when
+                   fewer hosts joined than the slice has
+  host group       the hosts met over gloo and agreed on one configuration: FAIL means no TCP
+                   between the VMs on port 12355 (check shows it) or differing code or flags
+  mesh self-check  each host's rows land on its own devices: FAIL = the host-ordered mesh does not
+                   hold on this slice (please report it); nothing can train correctly
+  step time        run A's host ms/step (wall time, median) beside the compiler's estimate
+                   (tpu_compile.py, when this checkout has it); device ms/step: not measured
+                   (a profile shows it); "no TPU" on a CPU. FAIL: run A did not finish
+  MFU              measured on a TPU of a known kind; else "no TPU" or unknown
+  compile          what the compile cache did and the compile time (train.py's lines)
+  stop and resume  run B gets SIGTERM half way (launch.sh stop), saves, resumes: FAIL when no
+                   save, no resume, or its next 5 losses differ from run A's (not deterministic)
+  per-host probe   as check --per-host: "note" when a worker fails (studies run --whole-slice)
+  bucket           each worker writes, reads and removes TRM_SMOKE_MB MB (default 64) in the
+                   bucket at once: MB/s, or FAIL with the error
+Needs --tpu, --zone, --project, --bucket, deployed code, no run on the slice.
+More: docs/pod.md, "smoke".
 EOF
 }
 
@@ -132,10 +171,13 @@ A study's runs (STUDY_FILE: one run per line, NAME PRESET [train.py flags...]; d
 into gs://BUCKET/studies/STUDY_NAME/NAME, with `study.py run` on every worker. The study file goes
 with the command. The same STUDY_NAME again skips finished runs and resumes started ones.
 
-  --per-host           (the default on a slice of several hosts) worker I runs its share of the
-                       runs (study.py --host I --hosts N), each on its own 4 chips: its TPU runtime
-                       is started as a slice of its own (worker.sh r_single_host_env; unverified
-                       on a TPU, docs/studies.md), so the hosts train as many runs at once
+  --per-host           worker I runs its share of the runs (study.py --host I --hosts N), each on
+                       its own 4 chips: its TPU runtime is started as a slice of its own
+                       (worker.sh r_single_host_env), so the hosts train as many runs at once.
+                       The per-host probe (check --per-host) runs first on every worker; if any
+                       fails, the study stops, naming them, with the --whole-slice command
+  (neither)            on a slice of several hosts: the probe first; per-host when every worker
+                       passes it, else --whole-slice, saying which workers failed and how
   --whole-slice        every worker runs every run, one at a time, over the whole slice
   --retry              watch and relaunch as train --retry does (a preempted slice is created
                        again; finished runs are skipped, started ones resume)

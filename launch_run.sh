@@ -148,13 +148,13 @@ cmd_study() {
 }
 
 # study_launch: LAUNCH for the study on the slice just described (T_ACC; --accelerator under
-# --dry-run): worker.sh writes the study file, starts each worker's runtime alone (per-host), and
+# --dry-run), its mode decided by study_mode (the per-host probe): worker.sh writes the study
+# file, starts each worker's runtime alone (per-host), and
 # runs study.py run FILE --out gs://BUCKET/studies/RUN [--host W --hosts N | --whole-slice] -- --run.device tpu.
 study_launch() {
-  local hosts mode=$MODE
-  hosts=$(hosts_of "${T_ACC:-$ACCELERATOR}")
-  [ -n "$mode" ] || { if [ "$hosts" -gt 1 ]; then mode=per-host; else mode=whole-slice; fi; }
-  LAUNCH=(remote_study "$RUN" "$mode" "$hosts" "$BUCKET" "$(base64 < "$STUDY_FILE" | tr -d '\n')")
+  local acc=${T_ACC:-$ACCELERATOR}
+  study_mode   # launch_smoke.sh: the probe decides per-host
+  LAUNCH=(remote_study "$RUN" "$STUDY_MODE" "$(hosts_of "$acc")" "$BUCKET" "$(base64 < "$STUDY_FILE" | tr -d '\n')" "$acc")
 }
 
 # stop_all WAIT KILL(0/1): stop what is left of the run on every worker (SIGTERM; with KILL=1,

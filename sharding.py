@@ -212,6 +212,11 @@ class DeviceLayout:
 _layout: DeviceLayout | None = None
 
 
+def local_device_ids() -> list[int]:
+    """This host's device ids, in its runtime's order (see _own_device_ids)."""
+    return _own_device_ids()
+
+
 def _own_device_ids() -> list[int]:
     """This host's device ids as its runtime lists its addressable devices ("TPU:4" -> 4): the
     order in which a minibatch upload fills them (torch_xla's GetLocalDevices)."""
@@ -437,6 +442,20 @@ def check_row_placement(mesh: xs.Mesh) -> float:
             + "\nTraining would mix rows across hosts and checkpoints would lose rows; nothing was trained. "
             "Please report these lines (torch_xla's placement differs from the host-ordered mesh).")
     return time.perf_counter() - started
+
+
+def host_all_reduce() -> tuple[float, float]:
+    """One all-reduce over this host's own devices (the per-host probe): a vector with one
+    element per device, element i = i + 1, split over a mesh of the devices this host's runtime
+    lists, summed on the devices. Returns (the sum read back, n(n+1)/2, what it must be)."""
+    ids = _own_device_ids()
+    n = len(ids)
+    mesh = xs.Mesh(np.array(ids), (n,), ("data",))
+    values = torch.arange(1, n + 1, dtype=torch.float32).to(device())
+    xs.mark_sharding(values, mesh, ("data",))
+    total = values.sum()
+    sync()
+    return float(total.cpu()), n * (n + 1) / 2
 
 
 def bytes_per_device(tensor: torch.Tensor) -> int:

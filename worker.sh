@@ -17,10 +17,17 @@
 #   remote_deploy CODE_HASH          ~/trm-code.tar.gz (copied by scp) unpacked into a fresh ~/trm
 #   remote_preflight                 code hash, venv, running trainer: what train asks first
 #   remote_launch RUN_NAME ARGS...   train.py ARGS in the background, logging to the run's log
-#   remote_study STUDY_NAME MODE HOSTS BUCKET STUDY_B64
+#   remote_study STUDY_NAME MODE HOSTS BUCKET STUDY_B64 ACCELERATOR
 #                                    study.py run: the study file (base64) in ~/trm-state/studies/,
 #                                    into gs://BUCKET/studies/STUDY_NAME; MODE per-host (this
 #                                    worker's share, its TPU runtime alone) or whole-slice
+#   remote_probe ACCELERATOR WAIT    probe.py under r_single_host_env: does this worker's runtime
+#                                    start alone (devices, 1 process, an all-reduce) within WAIT s
+#   remote_smoke_rates URL MEGABYTES smoke.py rates: the bucket's write and read rates from here
+#   remote_smoke_report BUCKET OUT ACCELERATOR WORKERS PRESET STEPS RUN_A RUN_B FACTS_B64
+#                                    smoke.py report (worker 0): the smoke table from both runs
+#   remote_single_host_env ACCELERATOR COMMAND...
+#                                    COMMAND under r_single_host_env (what per-host sets; tests)
 #   remote_status                    the run, its trainer's state, code hash, the log's last line,
 #                                    and once it ended the last line train.py printed
 #   remote_stop WAIT_SECONDS KILL    SIGTERM to train.py, wait, SIGKILL if KILL is 1
@@ -69,11 +76,27 @@ r_active_pid() {  # the pid of our running train.py (or study.py, which runs tra
 }
 
 # The TPU runtime of this worker alone, as a slice of its own 4 chips (a study's run per host),
-# set before torch_xla starts: the bounds of one process on one host (torch_xla reads
-# TPU_PROCESS_BOUNDS before TPU_HOST_BOUNDS, and the VM's metadata carries its own), this host as
-# task 0 of 1 at localhost:8476 (what torch_xla sets for one process), and no other host to meet.
-# Unverified on a TPU (docs/studies.md); train.py stops at once if the runtime joined other hosts.
+# set before torch_xla starts: r_single_host_env ACCELERATOR (the slice's type, e.g. v4-64). As
+# torch_xla's maintainers describe it (pytorch/xla#7714: "set all of the topology environment
+# variables as if you were running on one host"): TPU_SKIP_MDS_QUERY=1 first, or torch_xla 2.9
+# (_internal/tpu.py) reads the whole slice's tpu-env from the VM's metadata server; then the
+# accelerator type and topology of one host of this generation (the values GKE's TPU device
+# plugin gives a one-host node: v4-8 2x2x1, v5p-8 2x2x1, v5litepod-4 2x2, v6e-4 2x2), the bounds of
+# one process on one host with the host's 4 chips, this host as task 0 of 1 at localhost:8476
+# (what torch_xla sets for one process), and no other host to meet. What libtpu reads beyond
+# these, and what is unverified: docs/studies.md. The probe (remote_probe, launch.sh check
+# --per-host) decides on the slice; train.py stops at once if the runtime joined other hosts.
 r_single_host_env() {
+  local acc=${1:-} one topology
+  case $acc in
+    v4-*) one=v4-8 topology=2x2x1 ;;
+    v5p-*) one=v5p-8 topology=2x2x1 ;;
+    v5litepod-*|v5e-*) one=v5litepod-4 topology=2x2 ;;
+    v6e-*) one=v6e-4 topology=2x2 ;;
+    *) r_say error "per-host: no single-host runtime known for accelerator type '$acc' (v4, v5p, v5litepod/v5e, v6e)"; return 1 ;;
+  esac
+  export TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=$one TPU_TOPOLOGY=$topology
+  export TPU_TOPOLOGY_WRAP=false,false,false TPU_TOPOLOGY_ALT=false
   export TPU_PROCESS_BOUNDS=1,1,1 TPU_HOST_BOUNDS=1,1,1
   export TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1 TPU_CHIPS_PER_HOST_BOUNDS=2,2,1 TPU_VISIBLE_CHIPS=0,1,2,3
   export CLOUD_TPU_TASK_ID=0 TPU_WORKER_ID=0 TPU_WORKER_HOSTNAMES=localhost
@@ -255,8 +278,8 @@ remote_launch() {  # remote_launch RUN_NAME TRAIN_ARGS...
   r_start "$run" train.py "$@"
 }
 
-remote_study() {  # remote_study STUDY_NAME MODE HOSTS BUCKET STUDY_B64
-  local run=$1 mode=$2 hosts=$3 bucket=$4 file args
+remote_study() {  # remote_study STUDY_NAME MODE HOSTS BUCKET STUDY_B64 ACCELERATOR
+  local run=$1 mode=$2 hosts=$3 bucket=$4 acc=${6:-} file args
   mkdir -p "$S/studies"
   file=$S/studies/$run.txt
   printf %s "$5" | base64 -d > "$file" || { r_say error "could not write the study file $file"; return 1; }
@@ -271,8 +294,59 @@ remote_study() {  # remote_study STUDY_NAME MODE HOSTS BUCKET STUDY_B64
   esac
   export TRM_BUCKET=$bucket TRM_STUDY_STATE=$S/study.txt   # $TRM_BUCKET in the study file
   rm -f "$S/study.txt"
-  [ "$mode" != per-host ] || r_single_host_env
+  if [ "$mode" = per-host ]; then r_single_host_env "$acc" || return 1; fi
   r_start "$run" study.py "${args[@]}" -- --run.device tpu
+}
+
+remote_single_host_env() {  # remote_single_host_env ACCELERATOR COMMAND...
+  r_single_host_env "$1" || return 1
+  shift
+  exec "$@"
+}
+
+# remote_probe ACCELERATOR WAIT: probe.py (deployed in ~/trm) under the single-host runtime,
+# ended after WAIT seconds (SIGKILL 5 s later: a runtime stuck in its start may not heed SIGTERM).
+# Says probe ok, or probe ERROR and what failed; the probe's own lines as it prints them.
+# TRM_PROBE_DEVICE=cpu: test-only (the stand-in pod has no TPU), see probe.py.
+remote_probe() {
+  local acc=$1 wait=$2 p rc err=$S/probe.err
+  if p=$(r_active_pid); then
+    r_say probe "ERROR busy: run $(cat "$S/name" 2>/dev/null) is running here (pid $p) and holds the TPU"; return 0
+  fi
+  if [ ! -x "$PY" ] || [ ! -f "$C/probe.py" ]; then
+    r_say probe "ERROR no venv or no probe.py in ~/trm: run setup and deploy"; return 0
+  fi
+  (r_single_host_env "$acc") || { r_say probe "ERROR unknown accelerator type '$acc'"; return 0; }
+  [ ! -e /tmp/libtpu_lockfile ] || sudo -n rm -f /tmp/libtpu_lockfile || r_say note "could not remove /tmp/libtpu_lockfile"
+  (
+    r_single_host_env "$acc"
+    cd "$C" && PJRT_DEVICE=TPU PYTHONUNBUFFERED=1 exec timeout -k 5 "$wait" "$PY" "$C/probe.py" --worker "$W" --chips 4 \
+      --device "${TRM_PROBE_DEVICE:-tpu}" 2>"$err"
+  ) | r_say_each
+  rc=${PIPESTATUS[0]}
+  case $rc in
+    0|1) ;;
+    124|137) r_say probe "ERROR hang: no answer in $wait s (the runtime did not start alone; it may wait for the other hosts)" ;;
+    *) r_say probe "ERROR probe.py exited with status $rc: $(grep -v '^[[:space:]]*$' "$err" | tail -n 1 | cut -c1-200)" ;;
+  esac
+  return 0
+}
+
+remote_smoke_rates() {  # remote_smoke_rates URL MEGABYTES
+  if [ ! -x "$PY" ] || [ ! -f "$C/smoke.py" ]; then
+    r_say rates "ERROR no venv or no smoke.py in ~/trm: run setup and deploy"; return 0
+  fi
+  (cd "$C" && "$PY" "$C/smoke.py" rates "$1" --worker "$W" --megabytes "$2") | r_say_each
+}
+
+# remote_smoke_report BUCKET OUT ACCELERATOR WORKERS PRESET STEPS RUN_A RUN_B FACTS_B64: smoke.py
+# report over runs A and B (their records in the bucket, their logs here) and the laptop's facts.
+remote_smoke_report() {
+  local bucket=$1 facts=$S/smoke-facts.txt
+  printf %s "$9" | base64 -d > "$facts" || { r_say error "could not write $facts"; return 1; }
+  cd "$C" && "$PY" "$C/smoke.py" report --out "$2" --accelerator "$3" --workers "$4" --preset "$5" --steps "$6" \
+    --run-a "gs://$bucket/runs/$7" --log-a "$S/logs/$7.log" --run-b "gs://$bucket/runs/$8" --log-b "$S/logs/$8.log" \
+    --facts "$facts"
 }
 
 r_start() {  # r_start RUN_NAME SCRIPT ARGS...: SCRIPT (train.py, study.py) ARGS in the background
@@ -435,6 +509,10 @@ main() {
     remote_stop) remote_stop "$@" ;;
     remote_logs) remote_logs "$@" ;;
     remote_check) remote_check "$@" ;;
+    remote_probe) remote_probe "$@" ;;
+    remote_smoke_rates) remote_smoke_rates "$@" ;;
+    remote_smoke_report) remote_smoke_report "$@" ;;
+    remote_single_host_env) remote_single_host_env "$@" ;;
     *) echo "worker.sh: unknown command '$cmd' (see the top of worker.sh)" >&2; return 2 ;;
   esac
 }

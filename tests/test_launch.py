@@ -26,8 +26,10 @@ PROJECT_DIR = Path(__file__).resolve().parent.parent
 LAUNCH = PROJECT_DIR / "launch.sh"
 WORKER = PROJECT_DIR / "worker.sh"
 FAKE_GCLOUD = PROJECT_DIR / "tests" / "launch_fake_gcloud"
-SUBCOMMANDS = ["create", "delete", "setup", "deploy", "check", "train", "status", "logs", "stop", "tensorboard"]
+SUBCOMMANDS = ["create", "delete", "setup", "deploy", "check", "smoke", "train", "status", "logs", "stop",
+               "tensorboard"]
 TPU = "trm-test"
+LAUNCH_PARTS = ("launch.sh", "launch_help.sh", "launch_run.sh", "launch_smoke.sh")   # launch.sh sources the others
 
 STUB_TRAIN = r'''
 import json, os, re, signal, sys, time
@@ -84,6 +86,11 @@ print(f"RuntimeError: gloo: connection to worker {who} closed by peer", flush=Tr
 sys.exit(int(then))
 '''
 
+STUB_PROBE = r'''
+for line in ("kind\tTPU v4", "devices\t4", "local_devices\t4", "processes\t1", "probe\tok"):
+    print(line)
+'''
+
 # Arguments that break naive quoting on the way laptop shell -> gcloud -> remote shell -> bash.
 TRICKY_ARGS = ["demo", "--data.path", "gs://b/data with  spaces", "--note",
                "it's \"quoted\" $HOME `id` $(id) ; echo pwned > /tmp/x | &", "--glob", "*", "--empty", "",
@@ -114,7 +121,7 @@ class Pod:
             d.mkdir()
         (bin_dir / "gcloud").write_text(f'#!/bin/sh\nexec {sys.executable} -S {FAKE_GCLOUD} "$@"\n')
         (bin_dir / "gcloud").chmod(0o755)
-        for part in ("launch.sh", "launch_help.sh", "launch_run.sh", "worker.sh"):
+        for part in LAUNCH_PARTS + ("worker.sh",):
             shutil.copy(PROJECT_DIR / part, self.repo / part)
         shutil.copy(PROJECT_DIR / "requirements.txt", self.repo / "requirements.txt")
         (self.repo / "train.py").write_text(STUB_TRAIN)
@@ -132,9 +139,11 @@ class Pod:
             TRM_BUCKET="trm-bucket", TRM_POLL_SECONDS="0.2", TRM_STOP_WAIT="10")
 
     def add_study_stub(self):
-        """study.py in the checkout: the same stub, as a study's runner."""
+        """study.py in the checkout: the same stub, as a study's runner; probe.py: a stub whose
+        every worker passes the per-host probe (tests/test_per_host.py runs the real one)."""
         (self.repo / "study.py").write_text(STUB_TRAIN)
-        self.git("add", "study.py")
+        (self.repo / "probe.py").write_text(STUB_PROBE)
+        self.git("add", "study.py", "probe.py")
         self.commit()
 
     def git(self, *args):
@@ -187,15 +196,28 @@ class Pod:
         return json.loads((self.stub_dir / f"launch-{worker}-{n}.json").read_text())
 
 
+    def use_real_code(self, names=("*.py",)):
+        """The project's files matching `names` in the checkout, in place of the stubs."""
+        for pattern in names:
+            for source in PROJECT_DIR.glob(pattern):
+                shutil.copy(source, self.repo / source.name)
+        self.git("add", ".")
+        self.commit()
+
+    def end(self):
+        """SIGKILL every process still running on the simulated workers."""
+        for pid in worker_pids(self.root):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 @pytest.fixture
 def pod(tmp_path):
     p = Pod(tmp_path, workers=2)
     yield p
-    for pid in worker_pids(p.root):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    p.end()
 
 
 def dry_run_commands(stdout: str):
@@ -231,7 +253,7 @@ def test_shellcheck():
 
 
 def test_worker_side_lives_in_worker_sh_once():
-    launch = "".join((PROJECT_DIR / part).read_text() for part in ("launch.sh", "launch_help.sh", "launch_run.sh"))
+    launch = "".join((PROJECT_DIR / part).read_text() for part in LAUNCH_PARTS)
     worker = WORKER.read_text()
     assert "declare -f" not in launch and "<<'PY'" not in launch   # no shipped functions, no Python
     assert not re.search(r"^(remote|r)_\w+\(\)", launch, re.M)
@@ -266,7 +288,8 @@ def test_help(pod):
 
 
 def test_help_lists_each_commands_flags(pod):
-    flags = {"create": ["--accelerator", "--runtime-version", "--spot", "--queued"], "check": ["--data"],
+    flags = {"create": ["--accelerator", "--runtime-version", "--spot", "--queued"], "check": ["--data", "--per-host"],
+             "smoke": ["--steps"],
              "delete": ["--queued"], "train": ["--retry", "--queued", "--poll", "--max-restarts"],
              "logs": ["--lines", "--no-follow", "--run"],
              "stop": ["--wait", "--kill"], "tensorboard": ["--start", "--port"]}
@@ -400,7 +423,7 @@ def test_deploy_ships_tracked_code_only_and_compares_hashes(pod):
         code = pod.home(w) / "trm"
         shipped = sorted(str(p.relative_to(code)) for p in code.rglob("*") if p.is_file())
         assert shipped == [".trm-code-sha256sums", "docs/a file with spaces.txt", "launch.sh", "launch_help.sh",
-                           "launch_run.sh", "requirements.txt", "train.py", "worker.sh"]
+                           "launch_run.sh", "launch_smoke.sh", "requirements.txt", "train.py", "worker.sh"]
         assert (code / "docs" / "a file with spaces.txt").read_text() == "uncommitted edit\n"
     assert pod.run("deploy").stderr.count("code ") >= pod.workers   # again: same code, no error
 
@@ -548,7 +571,7 @@ def test_study_starts_each_workers_share_with_a_runtime_of_its_own(pod):
     pod.ready()
     # (--dry-run reads the slice's hosts from --accelerator; the real call from the slice, a v4-16)
     made = assert_dry_run_matches(pod, "--accelerator", "v4-16", "study", "s1", str(STUDY_FILE))
-    assert [c[4] for c in made] == ["describe", "ssh", "ssh"]
+    assert [c[4] for c in made] == ["describe", "ssh", "ssh", "ssh"]  # preflight, probe, launch
     deadline = time.time() + 20
     while time.time() < deadline and not all(pod.launches(w) for w in range(pod.workers)):
         time.sleep(0.05)
@@ -881,10 +904,7 @@ def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, d
 
     pod = Pod(tmp_path, workers=2)
     try:
-        for source in PROJECT_DIR.glob("*.py"):
-            shutil.copy(source, pod.repo / source.name)  # the real trainer in place of the stub
-        pod.git("add", ".")
-        pod.commit()
+        pod.use_real_code()  # the real trainer in place of the stub
         python = tmp_path / "python-of-a-simulated-host"
         python.write_text(f'#!/bin/sh\nexport {sharding.SIMULATED_SLICE_ENV}="$FAKE_WORKER_ID/2@tcp://127.0.0.1:{free_port()}"\n'
                           f'exec {sys.executable} "$@"\n')
@@ -920,11 +940,7 @@ def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, d
         assert "resuming from" in first and "done: 40 steps" in first
         assert checkpoint.list_checkpoints(run_dir)[0][0] == 40
     finally:
-        for pid in worker_pids(pod.root):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        pod.end()
 
 
 def free_port():
