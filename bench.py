@@ -8,9 +8,10 @@ the state's bytes per device), and the wall time of the preset's recipe on the s
     python bench.py --presets arc1 --cpu-devices 4 --mfu 0.3   # fewer virtual devices (memory), 30% MFU
     python bench.py --flops-only --slice v6e-64       # the FLOP and projection columns only, no device needed
     python bench.py --tiny --presets sudoku-mlp       # a tiny model (hidden 32) of each preset, for tests
+    python bench.py --flops-only --device-time mfu --mfu 0.3   # at an MFU a TPU measured, no compile
 
-Without a TPU it runs on a virtual CPU mesh of 8 devices (like `train.py --run.device cpu`); on
-a TPU VM it measures the TPU (`--device tpu`). Each preset is measured on a synthetic dataset of
+Without a TPU it runs on a virtual CPU mesh of 8 devices; on a TPU VM it measures the TPU
+(`--device tpu`). Each preset is measured on a synthetic dataset of
 its shape (random tokens, the preset's seq_len and vocabulary, a puzzle-embedding table of the
 real dataset's size, `--table-rows`) written to a temporary directory, with the real
 `trainer.Trainer` and `TrainBatches`: warmup steps first (they compile), then `--steps`
@@ -24,8 +25,7 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   GF/ex train    model GFLOP per example of one training step (one ACT segment, forward and
                  backward; formula in model.py's `model_flops`); GF/ex eval: of one evaluation ACT step
                  (an evaluation batch runs halt_max_steps = 16 of them)
-  dev@peak ms    device time of one training step of the preset's global batch (768) on the
-                 chosen slice at 100% of its bf16 peak (`slice_spec`)
+  dev@peak ms    device time of a training step of the global batch (768) at the slice's bf16 peak
   host ms        wall time of the host's work for one step in the training loop's thread:
                  waiting for the step's batch (batches.PrefetchedBatches reads and uploads it on
                  a background thread during the step before), Trainer.step (replaying the
@@ -54,35 +54,28 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   MB/device      bytes one device holds of the training state (every named_state tensor) and
                  the ACT carries of the measured batch, from the sharding annotations
                  (sharding.bytes_per_device); table MB/device: the puzzle-embedding table's part
-  compiles       graphs compiled for this preset (seconds); none may happen after the warmup
-                 (`compiles_in_timed_steps` in the JSON)
+  compiles       graphs compiled for this preset (seconds); none after the warmup (`compiles_in_timed_steps`)
   fallbacks      aten:: CPU fallbacks per timed step; D2H: device-to-host transfers per step
-  rows/s/host    rows per second one host gets from TrainBatches alone, for the preset's global
-                 batch split over the slice's hosts
+  rows/s/host    rows per second one host gets from TrainBatches alone (its share of the global batch)
   host/peak      host ms / dev@peak ms (cpu/peak: cpu ms / dev@peak ms): above 1 the host, not
                  the TPU, limits the step rate
   loss           training loss of the last timed step as train.py logs it (lm_loss + 0.5 q_halt_loss
-                 per example; random tokens, so only its finiteness means something); every
-                 step's in the JSON. Read after the step's timing, from the value the barrier reads
+                 per example; random tokens: only its finiteness means something); every step's in the JSON
 
-(*) After each step the script reads an output of the step (not counted as a transfer) and
-waits until the process's other threads are idle (`settle`), so the next step starts on an idle
-device. A CPU device shares the host's cores, and sync() often sleeps while the device's
-threads set up or even run the step: on CPU, sync counts with the calling thread's CPU time
-(its wall time is `sync_wall_ms_per_step`); on TPU with its wall time.
+(*) After each step the script reads an output of the step and waits until the process's other
+threads are idle (`settle`). A CPU device shares the host's cores, and sync() often sleeps while
+the device's threads run the step: on CPU, sync counts with the calling thread's CPU time (its
+wall time: `sync_wall_ms_per_step`); on TPU with its wall time.
 The JSON keeps every step's numbers under `steps`. A preset whose step graph equals one
 compiled earlier in the same run (arc2 after arc1) compiles nothing.
 
-The second table projects the paper's recipe (the preset's epochs, evaluation and checkpoint
-schedule) on the real dataset (PAPER_DATASETS) to the slice, at --mfu of its bf16 peak (default
-40%); each training step or evaluation ACT step takes the longer of its measured host time and
-its device time at that MFU (`project_paper_run`; `paper_run` in the JSON):
-  train steps    epochs x total_groups x mean_puzzle_examples / global batch; ms/step: each
-  train h        train steps x ms/step
-  evals          evaluations (every eval.every_epochs and the final one); eval ACT steps: of all
-                 of them, halt_max_steps per batch of the test split; eval h: their time
-  ckpts          checkpoints (every run.ckpt_every steps and the final one); ckpt min: their pauses
-  total h        the sum (start-up, compiles and restarts not counted)
+The second table projects the paper's recipe (epochs, evaluations, checkpoints) on the real
+dataset (PAPER_DATASETS) to the slice: each step takes the longer of its measured host time and
+its device time, the compiled TPU program's estimate (tpu_compile.py; --device-time mfu: the
+FLOPs at --mfu of the peak) (`project_paper_run`; `paper_run` in the JSON): train steps (epochs x
+total_groups x mean_puzzle_examples / global batch), ms/step, train h, evals (every
+eval.every_epochs and the final one), eval ACT steps (halt_max_steps per test batch), eval h,
+ckpts and their pauses (ckpt min), total h (start-up, compiles and restarts not counted).
 """
 from __future__ import annotations
 
@@ -100,6 +93,7 @@ import tyro
 
 import data
 import report
+import tpu_compile
 import trainer as trainer_module  # `trainer` names the Trainer instance below
 from batches import PrefetchedBatches, TrainBatches, train_rows_per_second
 from config import PRESETS, Config, ConfigError, check_against_dataset, check_batch_layout
@@ -148,7 +142,9 @@ class BenchConfig:
     checkpoint_repeats: int = 3
     """Times each host's checkpoint copy is timed (the fastest is reported)."""
     mfu: float = 0.4
-    """Model FLOPs utilisation of the paper-run projection (device time = dev@peak / mfu)."""
+    """Model FLOPs utilisation of the paper-run projection with --device-time mfu (device time = dev@peak / mfu)."""
+    device_time: Literal["compiled", "mfu"] = "compiled"
+    """Device time of the projection: each step compiled for the slice by the TPU compiler (tpu_compile.py) or --mfu."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -599,6 +595,12 @@ class NonFiniteLoss(ValueError):
     pass
 
 
+def compiled_device_time(preset: str, args: BenchConfig) -> dict:
+    """The preset's steps at its global batch, compiled for args.slice (tpu_compile.py; cached)."""
+    config = tpu_compile.resolved_config(bench_config(preset, args), preset, args.table_rows)
+    return tpu_compile.device_time_fields(tpu_compile.compile_in_subprocess([(preset, config)], args.slice)[0])
+
+
 def check_losses(records: list[dict]) -> None:
     """NonFiniteLoss naming each preset and the first step (warmup steps counted) whose
     training loss is NaN or infinite."""
@@ -654,6 +656,8 @@ def run(args: BenchConfig) -> dict:
             records.append(bench_preset(preset, args, spec, sharding, device_kind))
             say(f"  {preset}: {time.time() - started:.0f}s", flush=True)
     for record in records:
+        if args.device_time == "compiled":
+            record.update(compiled_device_time(record["preset"], args))
         record["paper_run"] = project_paper_run(record, bench_config(record["preset"], args),
                                                 PAPER_DATASETS[record["preset"]], args.mfu)
     result = {"slice": spec.name, "slice_chips": spec.chips, "slice_hosts": spec.hosts, "mfu": args.mfu,
@@ -664,8 +668,10 @@ def run(args: BenchConfig) -> dict:
         f"measured on {num_devices or 0} {device_kind or 'no'} device(s)"
         + ("" if args.flops_only else f", {'captured' if args.capture_step else 're-traced'} step"))
     say(format_table(records))
-    say(f"\nthe paper's recipe on {spec.name} at {args.mfu:.0%} MFU: each step takes the longer of host ms "
-        f"and dev@peak ms / {args.mfu:g}"
+    device = (f" from its programs compiled for it: each step takes the longer of host ms and the compiler's "
+              f"estimate ({records[0].get('compiled_source', '')})" if args.device_time == "compiled" and records
+              else f" at {args.mfu:.0%} MFU: each step takes the longer of host ms and dev@peak ms / {args.mfu:g}")
+    say(f"\nthe paper's recipe on {spec.name}{device}"
         + (" (device only: --flops-only measures no host time)" if args.flops_only else "")
         + "; evaluations of halt_max_steps ACT steps per batch of the test split (eval.max_examples caps all "
           "but the last); checkpoint pauses of ckpt ms; real dataset sizes (bench.PAPER_DATASETS)")

@@ -154,14 +154,19 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
         + math.ceil(dataset.test_examples / global_batch)
     eval_act_steps = eval_batches * model.halt_max_steps
     checkpoints = (train_steps - 1) // config.run.ckpt_every + 1
-    train_step_ms = max(record.get("host_ms_per_step", 0.0), record["projected_device_ms_per_train_step"] / mfu)
-    eval_step_ms = max(record.get("eval_host_ms_per_step", 0.0), record["projected_device_ms_per_eval_step"] / mfu)
+    # Device time: the compiled TPU program's estimate where the record has one (tpu_compile.py,
+    # `compiled_ms_per_*_step`), else the model FLOPs at `mfu` of the slice's peak.
+    train_device_ms = record.get("compiled_ms_per_train_step") or record["projected_device_ms_per_train_step"] / mfu
+    eval_device_ms = record.get("compiled_ms_per_eval_step") or record["projected_device_ms_per_eval_step"] / mfu
+    train_step_ms = max(record.get("host_ms_per_step", 0.0), train_device_ms)
+    eval_step_ms = max(record.get("eval_host_ms_per_step", 0.0), eval_device_ms)
     pause_ms = record.get("checkpoint_pause_ms", 0.0)
     train_h = train_steps * train_step_ms / 3.6e6
     eval_h = eval_act_steps * eval_step_ms / 3.6e6
     checkpoint_h = checkpoints * pause_ms / 3.6e6
     return {
         "dataset": dataclasses.asdict(dataset), "mfu": mfu, "slice": record["slice"],
+        "device_time_source": record.get("compiled_source") or f"model FLOPs at {mfu:.0%} MFU (assumed)",
         "train_steps": train_steps, "train_ms_per_step": train_step_ms, "train_hours": train_h,
         "evaluations": len(evaluation_at), "eval_batches": eval_batches, "eval_act_steps": eval_act_steps,
         "eval_ms_per_act_step": eval_step_ms, "eval_hours": eval_h,

@@ -2,7 +2,8 @@
 over the whole slice), resumable, compared in one report.
 
     python study.py plan studies/tiny.txt                       # the runs, their steps and cost
-    python study.py plan studies/sudoku-scaling.txt --slice v4-64 --mfu 0.4
+    python study.py plan studies/sudoku-scaling.txt --slice v4-64   # each program compiled for a TPU
+    python study.py plan studies/sudoku-scaling.txt --slice v4-64 --mfu 0.3   # at an MFU a TPU measured
     python study.py run studies/tiny.txt --out runs/tiny-study  # every run, one after another
     python study.py run STUDY --out gs://BUCKET/studies/NAME --host 3 --hosts 8   # host 3's share
     python study.py report runs/tiny-study                      # the table, the plots, HParams
@@ -24,7 +25,16 @@ import sys
 import storage
 from lifecycle import EXIT_RETRYABLE
 from projection import SliceSpec, slice_spec
-from study_plan import StudyError, changed_flags, dataset_sizes, parse_study, projected_hours, split_over_hosts
+from study_plan import (
+    StudyError,
+    changed_flags,
+    dataset_sizes,
+    declared_datasets,
+    parse_study,
+    projected_hours,
+    resolved_config,
+    split_over_hosts,
+)
 
 
 def read_study(url: str) -> tuple[list, str]:
@@ -49,56 +59,100 @@ def _hours(hours: float) -> str:
     return f"{hours:,.1f}" if hours >= 10 else f"{hours:.2f}" if hours >= 0.1 else f"{hours:.2g}"
 
 
+def host_slice(spec: SliceSpec) -> str:
+    """The slice name of one host of `spec` (v4-64 -> v4-8, v5e-64 -> v5e-4), for the compiler."""
+    chips = spec.chips // spec.hosts
+    return f"{spec.generation}-{2 * chips if spec.generation in ('v4', 'v5p') else chips}"
+
+
+def compiled_device_times(jobs: list[tuple], slice_name: str) -> dict[str, dict]:
+    """{run name: its steps' device time fields} for (run, config) jobs, each distinct program
+    compiled once for the slice (tpu_compile.py, cached by program and topology)."""
+    import tpu_compile
+
+    distinct: dict[str, tuple] = {}
+    for run, config in jobs:
+        distinct.setdefault(tpu_compile.program_settings(config), (run.preset, config))
+    cached = sum(tpu_compile.cached_results(c, slice_name) is not None for _, c in distinct.values())
+    print(f"compiling {len(distinct)} distinct program(s) for {slice_name} with the TPU compiler ({cached} cached; "
+          "a real-size training step takes minutes on a laptop)", flush=True)
+    results = dict(zip(distinct, tpu_compile.compile_in_subprocess(list(distinct.values()), slice_name)))
+    return {run.name: tpu_compile.device_time_fields(results[tpu_compile.program_settings(config)])
+            for run, config in jobs}
+
+
 def plan(args) -> int:
-    runs, _ = read_study(args.study)
+    runs, text = read_study(args.study)
     try:
         spec = slice_spec(args.slice)
     except ValueError as e:
         raise SystemExit(f"error: --slice: {e}")
-    host, whole_mfu = one_host(spec), args.whole_slice_mfu or args.mfu
-    sizes, rows, unknown = {}, [], []
+    compiled = args.mfu is None  # the device time of each step from its compiled program, else at --mfu
+    host, mfu = one_host(spec), args.mfu or 0.4
+    whole_mfu = args.whole_slice_mfu or mfu
+    declared = declared_datasets(text)
+    sizes, known, rows = {}, [], []
     for run in runs:
         path = run.config().data.path
         if path not in sizes:
             try:
                 sizes[path] = dataset_sizes(path)
             except Exception as e:  # noqa: BLE001 - said once per dataset below
-                sizes[path] = e
-        if isinstance(sizes[path], Exception):
-            unknown.append(run.name)
+                sizes[path] = declared.get(path, e)
+        if not isinstance(sizes[path], Exception):
+            known.append((run, resolved_config(run, sizes[path])))
+    device = {"host": {}, "whole": {}}
+    if compiled and known:
+        device = {"host": compiled_device_times(known, host_slice(spec)),
+                  "whole": compiled_device_times(known, spec.name)}
+    for run in runs:
+        path = run.config().data.path
+        refused = compiled and any("compiled_ms_per_train_step" not in device[k].get(run.name, {})
+                                   for k in ("host", "whole"))
+        if isinstance(sizes[path], Exception) or refused:
             rows.append((run, None, None))
             continue
-        rows.append((run, projected_hours(run, host, args.mfu, sizes[path]),
-                     projected_hours(run, spec, whole_mfu, sizes[path])))
+        rows.append((run, projected_hours(run, host, mfu, sizes[path], device["host"].get(run.name)),
+                     projected_hours(run, spec, whole_mfu, sizes[path], device["whole"].get(run.name))))
+    how = ("each step's device time from its program compiled for one host and for the whole slice (the TPU "
+           "compiler's estimate)" if compiled else f"{100 * mfu:g}% MFU")
     width = max(len(r.name) for r in runs)
     print(f"study {args.study}: {len(runs)} runs of {len({r.configuration for r in runs})} configurations; "
           f"projected on {spec.name} ({spec.hosts} host(s) of {host.chips} chips, {spec.peak_tflops_per_chip:g} "
-          f"TFLOP/s bf16 each) at {100 * args.mfu:g}% MFU")
+          f"TFLOP/s bf16 each) at {how}")
     print(f"{'run'.ljust(width)}  {'preset':<10}  {'steps':>9}  {'host h':>7}  {'device-h':>8}  "
           "flags beyond the preset")
     for run, on_host, _ in rows:
         steps = "?" if on_host is None else f"{on_host['steps']:,}"
         hours = "?" if on_host is None else _hours(on_host["hours"])
-        device = "?" if on_host is None else _hours(on_host["device_hours"])
-        print(f"{run.name.ljust(width)}  {run.preset:<10}  {steps:>9}  {hours:>7}  {device:>8}  "
+        dev = "?" if on_host is None else _hours(on_host["device_hours"])
+        print(f"{run.name.ljust(width)}  {run.preset:<10}  {steps:>9}  {hours:>7}  {dev:>8}  "
               f"{' '.join(changed_flags(run)) or '(the preset)'}")
-    known = [(run, h, w) for run, h, w in rows if h is not None]
+    projected = [(run, h, w) for run, h, w in rows if h is not None]
     startup = args.startup_minutes / 60
-    per_host = split_over_hosts({run.name: h["hours"] + startup for run, h, _ in known}, spec.hosts)
-    loads = {run.name: h["hours"] + startup for run, h, _ in known}
+    loads = {run.name: h["hours"] + startup for run, h, _ in projected}
+    per_host = split_over_hosts(loads, spec.hosts)
     per_host_h = max((sum(loads[n] for n in share) for share in per_host), default=0.0)
-    whole_h = sum(w["hours"] + startup for _, _, w in known)
-    print(f"total: {sum(h['device_hours'] for _, h, _ in known):,.1f} device-hours (chip-hours of training and "
-          f"evaluation at {100 * args.mfu:g}% MFU; checkpoints and restarts not counted)")
+    whole_h = sum(w["hours"] + startup for _, _, w in projected)
+    print(f"total: {sum(h['device_hours'] for _, h, _ in projected):,.1f} device-hours (chip-hours of training and "
+          f"evaluation, one run per host, at {how}; checkpoints and restarts not counted)")
     print(f"makespan on {spec.name}, one run per host ({spec.hosts} at once, longest first): {per_host_h:.1f} h")
-    print(f"makespan on {spec.name}, one run at a time on the whole slice at {100 * whole_mfu:g}% MFU: {whole_h:.1f} h"
-          f" (a small batch per device usually runs at a lower MFU: --whole-slice-mfu)")
+    print(f"makespan on {spec.name}, one run at a time on the whole slice"
+          + ("" if compiled else f" at {100 * whole_mfu:g}% MFU (a small batch per device usually runs at a "
+                                 "lower MFU: --whole-slice-mfu)") + f": {whole_h:.1f} h")
     print(f"each run counts {args.startup_minutes:g} min of start-up (runtime, compiles, the dataset's copy); "
-          "projections assume every step device-bound (bench.py measures the host's part)")
+          "projections assume every step device-bound (bench.py measures the host's part)"
+          + ("; the compiler's estimates assume Google's published clock and HBM bandwidth, only a TPU measures "
+             "a step (launch.sh smoke)" if compiled else ""))
     for path, error in sizes.items():
         if isinstance(error, Exception):
             names = [r.name for r, h, _ in rows if h is None and r.config().data.path == path]
-            print(f"not projected: {len(names)} run(s) of {path}: its size cannot be read ({error}); build it first")
+            print(f"not projected: {len(names)} run(s) of {path}: its size cannot be read ({error}); build it first, "
+                  f"or declare its sizes in the study file: @dataset {path} groups=G examples=E test=T")
+    for key, where in (("host", host_slice(spec)), ("whole", spec.name)):
+        for name, fields in device[key].items():
+            if "compiled_ms_per_train_step" not in fields:
+                print(f"not projected: {name} does not compile for {where}: {fields['compiled_source']}")
     return 0
 
 
@@ -139,9 +193,11 @@ def parser() -> argparse.ArgumentParser:
     p = commands.add_parser("plan", help="the expanded runs, their steps and projected cost, the makespans")
     p.add_argument("study", help="the study file (local or gs://)")
     p.add_argument("--slice", default="v4-64", help="the TPU slice of the projection (default v4-64)")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of a run on one host (default 0.4)")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="project at this model FLOPs utilisation of a run on one host (a TPU's measured MFU) instead "
+                        "of compiling each program for the slice with the TPU compiler (the default)")
     p.add_argument("--whole-slice-mfu", type=float, default=None,
-                   help="MFU of a run on the whole slice (default: --mfu)")
+                   help="with --mfu: the MFU of a run on the whole slice (default: --mfu)")
     p.add_argument("--startup-minutes", type=float, default=3.0,
                    help="start-up of each run: runtime, compiles, the dataset's copy (default 3)")
     p.set_defaults(handler=plan)
@@ -169,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     args.train_flags = train_flags
     if train_flags and args.command != "run":
         raise SystemExit(f"error: train.py flags after -- go with `run`, not `{args.command}`")
-    if args.command == "plan" and not (0 < args.mfu <= 1 and 0 < (args.whole_slice_mfu or args.mfu) <= 1):
+    if args.command == "plan" and args.mfu is not None and not (0 < args.mfu <= 1
+                                                                and 0 < (args.whole_slice_mfu or args.mfu) <= 1):
         raise SystemExit("error: --mfu and --whole-slice-mfu must be in (0, 1]")
+    if args.command == "plan" and args.whole_slice_mfu is not None and args.mfu is None:
+        raise SystemExit("error: --whole-slice-mfu goes with --mfu (without it each program is compiled)")
     return args.handler(args)
 
 

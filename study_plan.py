@@ -135,12 +135,45 @@ def expand_line(number: int, line: str) -> list[StudyRun]:
     return runs
 
 
+DATASET_FIELDS = ("groups", "examples", "test", "identifiers")
+
+
+def _declared_dataset(number: int, line: str) -> PaperDataset:
+    """`@dataset PATH groups=G examples=E test=T [identifiers=I]`: a dataset's sizes declared in
+    the study file, for `plan` before the dataset is built (E: mean examples per puzzle; T: test
+    examples; I: puzzle identifiers, default 1)."""
+    words = shlex.split(os.path.expandvars(line), comments=True)
+    values = dict(w.split("=", 1) for w in words[2:] if "=" in w)
+    usage = (f"line {number}: expected @dataset PATH groups=G examples=E test=T [identifiers=I] "
+             f"(the sizes of a dataset not built yet), got {line.strip()!r}")
+    if len(words) < 2 or set(values) - set(DATASET_FIELDS) or not {"groups", "examples", "test"} <= set(values) \
+            or len(values) != len(words) - 2:
+        raise StudyError(usage)
+    try:
+        sizes = PaperDataset(words[1], int(values["groups"]), float(values["examples"]), int(values["test"]),
+                             int(values.get("identifiers", 1)), f"declared in the study file (line {number})")
+    except ValueError:
+        raise StudyError(usage) from None
+    if min(sizes.total_groups, sizes.mean_puzzle_examples, sizes.test_examples, sizes.puzzle_identifiers) <= 0:
+        raise StudyError(f"line {number}: @dataset {words[1]}: every size must be positive")
+    return sizes
+
+
+def declared_datasets(text: str) -> dict[str, PaperDataset]:
+    """{path: sizes} of the study file's `@dataset` lines (StudyError for a bad one)."""
+    return {d.name: d for d in (_declared_dataset(n, line) for n, line in _lines(text)
+                                if line.lstrip().startswith("@dataset"))}
+
+
 def parse_study(text: str, source: str = "study") -> list[StudyRun]:
     """Every run of a study file, checked: StudyError lists each problem as SOURCE:LINE: ..."""
     runs, problems = [], []
     for number, line in _lines(text):
         try:
-            runs += expand_line(number, line)
+            if line.lstrip().startswith("@dataset"):
+                _declared_dataset(number, line)
+            else:
+                runs += expand_line(number, line)
         except StudyError as e:
             problems.append(f"{source}:{e}")
     seen = {}
@@ -200,13 +233,22 @@ def dataset_sizes(url: str) -> PaperDataset:
                         train.num_puzzle_identifiers, f"read from {url}")
 
 
-def projected_hours(run: StudyRun, spec: SliceSpec, mfu: float, sizes: PaperDataset) -> dict:
-    """The run's training steps and wall hours on `spec` (its devices at `mfu` of their bf16 peak;
-    training and evaluation steps, checkpoints not counted) and device-hours."""
+def resolved_config(run: StudyRun, sizes: PaperDataset) -> Config:
+    """The run's configuration with its dataset's puzzle-embedding table (the program it compiles)."""
     config = run.config()
-    config = dataclasses.replace(config, model=dataclasses.replace(
+    return dataclasses.replace(config, model=dataclasses.replace(
         config.model, num_puzzle_identifiers=sizes.puzzle_identifiers))
-    projected = project_paper_run(flop_record(run.preset, config, spec), config, sizes, mfu)
+
+
+def projected_hours(run: StudyRun, spec: SliceSpec, mfu: float, sizes: PaperDataset,
+                    device_time: dict | None = None) -> dict:
+    """The run's training steps and wall hours on `spec` (each step's device time from its
+    compiled TPU program, `device_time` (tpu_compile.device_time_fields), else the model FLOPs at
+    `mfu` of the bf16 peak; training and evaluation steps, checkpoints not counted) and
+    device-hours."""
+    config = resolved_config(run, sizes)
+    record = dict(flop_record(run.preset, config, spec), **(device_time or {}))
+    projected = project_paper_run(record, config, sizes, mfu)
     if config.optim.max_steps is not None:  # a run cut short trains fewer steps
         share = min(1.0, config.optim.max_steps / max(1, projected["train_steps"]))
         projected["train_steps"] = min(projected["train_steps"], config.optim.max_steps)

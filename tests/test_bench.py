@@ -181,7 +181,8 @@ def test_paper_runs_of_the_presets():
 
 
 def test_flops_only_needs_no_device():
-    result = bench.run(bench.BenchConfig(presets=("sudoku-mlp", "arc1"), flops_only=True, slice="v6e-8"))
+    result = bench.run(bench.BenchConfig(presets=("sudoku-mlp", "arc1"), flops_only=True, slice="v6e-8",
+                                         device_time="mfu"))
     assert result["peak_tflops_per_chip"] == 918.0 and result["slice_chips"] == 8
     assert [r["preset"] for r in result["records"]] == ["sudoku-mlp", "arc1"]
     assert all(r["parameters"] > 1_000_000 for r in result["records"])
@@ -194,7 +195,7 @@ def test_bench_runs_tiny_presets_on_the_cpu_mesh(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(PROJECT_DIR, "bench.py"), "--tiny", "--presets", "sudoku-mlp", "sudoku-att",
          "--steps", "2", "--warmup", "1", "--data-batches", "3", "--slice", "v4-32", "--json", str(out),
-         "--table-rows", "1000", "--checkpoint-repeats", "1"],
+         "--table-rows", "1000", "--checkpoint-repeats", "1", "--device-time", "mfu"],
         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -229,7 +230,8 @@ def test_bench_runs_tiny_presets_on_the_cpu_mesh(tmp_path):
 def test_bench_times_the_retraced_step_too(tmp_path):
     """--no-capture-step: the lazy step traced in Python every time, in this process."""
     result = bench.run(bench.BenchConfig(presets=("sudoku-mlp",), tiny=True, capture_step=False, steps=1,
-                                         warmup=1, data_batches=2, json=str(tmp_path / "bench.json")))
+                                         warmup=1, data_batches=2, json=str(tmp_path / "bench.json"),
+                                         device_time="mfu"))
     record = result["records"][0]
     assert result["capture_step"] is False
     assert record["host_ms_per_step"] > 0 and record["trace_ms_per_step"] > 0
@@ -253,7 +255,7 @@ def test_bench_fails_naming_the_preset_and_step_whose_loss_is_not_finite(tmp_pat
     with pytest.raises(SystemExit, match=r"error: the training loss is not finite: sudoku-mlp at step 3 of 4 "
                                          r"\(2 warmup\): loss nan"):
         bench.main(["--tiny", "--presets", "sudoku-mlp", "--steps", "2", "--warmup", "2", "--data-batches", "2",
-                    "--json", str(out)])
+                    "--json", str(out), "--device-time", "mfu"])
     assert calls == [PRESETS["sudoku-mlp"][1].optim.lr] * 4  # the preset's lr after warmup
     losses = [s["loss"] for s in json.loads(out.read_text())["records"][0]["steps"]]
     assert math.isnan(losses[2]) and all(math.isfinite(loss) for i, loss in enumerate(losses) if i != 2)

@@ -116,11 +116,17 @@ def test_tpu_compile_the_training_step_has_only_data_parallel_collectives(compil
             assert {c["kind"] for c in r["collectives"]} <= {"all-reduce"}, (preset, r["collectives"])
 
 
-def test_tpu_compile_prints_the_table_and_writes_json(tmp_path):
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory):
+    """A compile cache the demo's programs land in (the tests below reuse them)."""
+    return tmp_path_factory.mktemp("tpu_compile_demo_cache")
+
+
+def test_tpu_compile_prints_the_table_and_writes_json(tmp_path, demo_cache):
     """The command as users run it, on the demo preset (the whole model, bf16) for a v4-8 host;
     then again from the cache, without compiling."""
     out = tmp_path / "demo.json"
-    env = {"TRM_TPU_COMPILE_CACHE": str(tmp_path / "cache")}
+    env = {"TRM_TPU_COMPILE_CACHE": str(demo_cache)}
     done = run_compile("tpu_compile.py", "demo", "--slice", "v4-8", "--json", str(out), env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for line in ("demo train_step on v4-8 (v4:2x2x1, 4 devices, 32 examples per device) [compiled in",
@@ -168,3 +174,70 @@ def test_tpu_compile_reads_hlo_statistics_from_text():
     # the dot fusion reads two f32[4,8] (128 B each) and writes f32[4,4] (64 B)
     assert by_kind["fusion (dot)"]["bytes"] == 128 + 128 + 64
     assert hlo_stats.shape_bytes("(bf16[2,3]{1,0}, pred[5], s4[4])") == 12 + 5 + 2
+
+
+def cached_estimates(config, slice_name, cache_dir, monkeypatch) -> dict:
+    import tpu_compile
+
+    monkeypatch.setattr(tpu_compile, "CACHE_DIR", str(cache_dir))
+    results = tpu_compile.cached_results(config, slice_name)
+    assert results is not None, "the programs were compiled into this cache"
+    return {r["program"]: r["estimate_ms"] for r in results}
+
+
+def test_tpu_compile_plans_a_study_from_compiled_programs_and_declared_sizes(tmp_path, demo_cache, monkeypatch):
+    """`study.py plan` without --mfu: each distinct program compiled once (the two seeds share one;
+    on a v4-8 one host is the whole slice), read from the cache the second time, and the hours
+    are the schedule's steps at the compiler's estimates. The dataset is not built: the study
+    file declares its sizes (the demo's: 100 groups of one-example puzzles, 300 test examples)."""
+    import dataclasses
+
+    from config import PRESETS
+    from study_plan import StudyError, declared_datasets
+
+    study = tmp_path / "study.txt"
+    path = tmp_path / "not-built"
+    study.write_text(f"@dataset {path} groups=100 examples=1 test=300\nw demo --data.path {path} --seeds 2\n")
+    env = {"TRM_TPU_COMPILE_CACHE": str(demo_cache)}
+    done = run_compile("study.py", "plan", str(study), "--slice", "v4-8", env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("compiling 1 distinct program(s) for v4-8 with the TPU compiler") == 2
+    assert "each step's device time from its program compiled" in done.stdout
+    config = dataclasses.replace(PRESETS["demo"][1], data=dataclasses.replace(PRESETS["demo"][1].data, path=str(path)))
+    ms = cached_estimates(config, "v4-8", demo_cache, monkeypatch)
+    # 200 epochs x 100 groups / 128 = 156 steps; evaluations at epochs 50, 100, 150, 200, each
+    # 3 batches of 128 (300 examples) x 4 ACT steps; one host of 4 chips.
+    hours = (156 * ms["train_step"] + 4 * 3 * 4 * ms["eval_step"]) / 3.6e6
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("w-s")]
+    assert [r[:3] for r in rows] == [["w-s0", "demo", "156"], ["w-s1", "demo", "156"]], done.stdout
+    assert {r[3] for r in rows} == {f"{hours:.2g}"} and {r[4] for r in rows} == {f"{4 * hours:.2g}"}, (rows, hours)
+    again = run_compile("study.py", "plan", str(study), "--slice", "v4-8", env=env)
+    assert again.stdout.count("(1 cached;") == 2 and "tracing" not in again.stdout
+    assert [line.split() for line in again.stdout.splitlines() if line.startswith("w-s")] == rows
+    with pytest.raises(StudyError, match="line 1: expected @dataset PATH groups=G examples=E test=T"):
+        declared_datasets("@dataset gs://b/x groups=10 test=5\n")
+    assert declared_datasets("@dataset gs://b/x groups=10 examples=2.5 test=5 identifiers=7\n")["gs://b/x"] \
+        .mean_puzzle_examples == 2.5
+
+
+def test_tpu_compile_gives_bench_its_device_time(tmp_path, demo_cache, monkeypatch):
+    """bench.py's projection takes each step's device time from its compiled program (here the
+    tiny sudoku-mlp's on a v4-8, without measuring: --flops-only)."""
+    import bench
+
+    out = tmp_path / "bench.json"
+    done = run_compile("bench.py", "--tiny", "--flops-only", "--presets", "sudoku-mlp", "--slice", "v4-8",
+                       "--json", str(out), env={"TRM_TPU_COMPILE_CACHE": str(demo_cache)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (record,) = json.loads(out.read_text())["records"]
+    args = bench.BenchConfig(presets=("sudoku-mlp",), tiny=True, flops_only=True, slice="v4-8")
+    import tpu_compile
+
+    ms = cached_estimates(tpu_compile.resolved_config(bench.bench_config("sudoku-mlp", args), "sudoku-mlp", None),
+                          "v4-8", demo_cache, monkeypatch)
+    assert record["compiled_ms_per_train_step"] == ms["train_step"] and record["compiled_ms_per_eval_step"] == \
+        ms["eval_step"]
+    run = record["paper_run"]
+    assert run["train_ms_per_step"] == ms["train_step"] and run["eval_ms_per_act_step"] == ms["eval_step"]
+    assert run["device_time_source"].startswith("compiled TPU program: XLA's per-operation cycle estimates")
+    assert "from its programs compiled for it" in done.stdout
