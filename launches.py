@@ -145,7 +145,7 @@ class Launch:
         if self.on:
             number = self.write()
             self.uploads.close()
-            self.uploads.wait(number, 15.0)  # bounded: storage may be down
+            self.uploads.wait(number, 1.0 if self.uploads.failing else 15.0)  # storage down: not for long
 
     def write(self) -> int:
         """Ask for the record to be written as it is now (best effort, in the background)."""

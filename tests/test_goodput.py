@@ -112,3 +112,27 @@ def test_goodput_report_of_a_study_with_a_run_training_and_one_not_started(finis
     _, drawn = write_timeline(goodput.study_time(str(out), statuses), str(tmp_path / "timeline.png"))
     assert [ended for _, run, _, _, ended in drawn["bars"] if run == training][-1] == "running"
     assert never not in {run for _, run, *_ in drawn["bars"]}
+
+
+def test_goodput_lost_work_and_its_advice_from_two_launch_records():
+    """Closed forms on two hand-made launch records: a launch killed at step 30 of a run saving every 20
+    steps, and its relaunch from step 20, which found records up to step 30."""
+    def record(start, end, start_step, step, training, checkpoint, pauses, ended, reached=None):
+        return {"process_start": start, "time": end, "start_step": start_step, "step": step, "devices": 4,
+                "previous_reached": reached, "checkpoint_pauses": pauses, "ended": ended, "study_host": 0,
+                "seconds": {"startup": 5.0, "training": training, "evaluation": 0.0, "checkpoint": checkpoint,
+                            "closing": 0.0, "compiling": end - start - 5.0 - training - checkpoint}}
+    killed = record(0.0, 100.0, 0, 30, 60.0, 2.0, 1, None)  # 2 s per step
+    relaunch = record(160.0, 260.0, 20, 100, 80.0, 8.0, 4, "finished", reached=30)
+    spent = goodput.run_time("r", [killed, relaunch], running=False, ckpt_every=20)
+    assert spent.lost_steps == 10 and spent.preemptions == 1
+    assert spent.seconds["lost"] == pytest.approx(10 * 60.0 / 30)
+    assert spent.seconds["training"] == pytest.approx(60.0 + 80.0 - 20.0)
+    assert sum(spent.seconds.values()) == pytest.approx(spent.wall) and spent.wall == pytest.approx(200.0)
+    study = goodput.StudyTime({"r": spent}, totals={c: 4 * v for c, v in spent.seconds.items()} | {"idle": 0.0,
+                                                                                                   "down": 240.0})
+    [lost] = [line for line in goodput.advice(study) if "work lost" in line]
+    # Young's interval: sqrt(2 x 2 s mean pause x 200 s between preemptions) / (140 s / 110 steps).
+    young = round((2 * 2.0 * 200.0) ** 0.5 / (140.0 / 110))
+    assert "--run.ckpt-every 10 (saving every 20 steps now) would about halve it" in lost
+    assert f"is about {young} steps" in lost
