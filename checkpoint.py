@@ -20,6 +20,7 @@ anywhere.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -444,9 +445,11 @@ class Checkpoints:
     save stops the loop at the next step; `close` (in the loop's `finally`) lets a save under
     way commit, or reports it, however the loop ends. `config` is config.Config, `trainer` a
     trainer.Trainer (its checkpoint_shards), `log` the run's report.RunLog (drained before a
-    save: all hosts stop together on a non-finite window)."""
+    save: all hosts stop together on a non-finite window), `launch` the launches.Launch that
+    counts the loop's pauses to save."""
 
-    def __init__(self, config, trainer, log, identifiers: str | None, total_steps: int, saved_step: int | None):
+    def __init__(self, config, trainer, log, identifiers: str | None, total_steps: int, saved_step: int | None,
+                 launch=None):
         self.config, self.trainer, self.log, self.total_steps = config, trainer, log, total_steps
         self.identifiers, self.sharding = identifiers, trainer.sharding
         self.host, self.num_hosts = self.sharding.process_index(), self.sharding.process_count()
@@ -456,6 +459,10 @@ class Checkpoints:
                                        attempt=attempt)
         self.saved_step = saved_step  # the step whose checkpoint exists or is being written
         self.transfers = 0  # device-to-host transfers of the saves (counted apart from the loop's)
+        self.launch = launch
+
+    def _pause(self, count: bool = True):
+        return self.launch.pause("checkpoint", count) if self.launch else contextlib.nullcontext()
 
     def due(self, step: int) -> bool:
         return step % self.config.run.ckpt_every == 0 or step == self.total_steps
@@ -468,19 +475,21 @@ class Checkpoints:
     def save(self, step: int, wait: bool = False) -> None:
         """Save this step (unless its checkpoint exists or is being written already)."""
         if step != self.saved_step:
-            self.log.drain()  # every host has now read the same windows, so all stop here together
-            self._stop_if_not_finite()
-            before = self.sharding.xla_counters()["transfers"]
-            shards = self.trainer.checkpoint_shards(self.host)  # the loop's pause
-            self.transfers += self.sharding.xla_counters()["transfers"] - before
-            self.writer.save(step, shards, {"step": step, "config": dataclasses.asdict(self.config),
-                                            "dataset_identifiers": self.identifiers})
+            with self._pause():
+                self.log.drain()  # every host has now read the same windows, so all stop here together
+                self._stop_if_not_finite()
+                before = self.sharding.xla_counters()["transfers"]
+                shards = self.trainer.checkpoint_shards(self.host)  # the loop's pause
+                self.transfers += self.sharding.xla_counters()["transfers"] - before
+                self.writer.save(step, shards, {"step": step, "config": dataclasses.asdict(self.config),
+                                                "dataset_identifiers": self.identifiers})
             self.saved_step = step
         if wait:
-            self.writer.wait()
+            self.wait()
 
     def wait(self) -> None:
-        self.writer.wait()
+        with self._pause(count=False):
+            self.writer.wait()
 
     def close(self, error_wait_s: float = 120.0) -> None:
         """Wait for a save under way. With an exception already on its way out, wait at most

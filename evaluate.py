@@ -5,6 +5,7 @@ loop's periodic evaluation (`Evaluations`), which decides itself which steps are
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -120,11 +121,12 @@ class Evaluations:
     """Evaluates at the scheduled steps (evaluation_steps) with the EMA weights, on a seeded
     subset of eval.max_examples except the final evaluation; writes {run.dir}/eval/step_N/
     (metrics.json last, as the mark of a finished evaluation) and the ARC submission. A SIGTERM
-    on any host stops an evaluation between two batches (Preempted), unwritten."""
+    on any host stops an evaluation between two batches (Preempted), unwritten. `launch` (a
+    launches.Launch) counts each evaluation's time."""
 
     def __init__(self, config: Config, trainer: Trainer, test_set: data.Dataset, log: RunLog, eval_steps: list[int],
-                 preemption: Preemption, watchdog: Watchdog):
-        self.config, self.trainer, self.test_set, self.log = config, trainer, test_set, log
+                 preemption: Preemption, watchdog: Watchdog, launch=None):
+        self.config, self.trainer, self.test_set, self.log, self.launch = config, trainer, test_set, log, launch
         self.preemption, self.watchdog = preemption, watchdog
         self.scheduled = set(eval_steps[:-1])  # the final one runs after the loop
         self.root = storage.join_url(config.run.dir, "eval")
@@ -142,6 +144,10 @@ class Evaluations:
             self.run(start_step, final=False)
 
     def run(self, step: int, final: bool) -> None:
+        with self.launch.pause("evaluation") if self.launch else contextlib.nullcontext():
+            self._run(step, final)
+
+    def _run(self, step: int, final: bool) -> None:
         config, sharding = self.config, self.trainer.sharding
         started = time.time()
         index, count = sharding.data_split()

@@ -275,6 +275,18 @@ dry_later() {
   "$@" 3>&1 >/dev/null | sed 's/^/#   /' >&3
 }
 
+# retry_record EVENT WHY: a study's record of --retry's preemptions (EVENT preempted) and relaunches
+# (relaunched), for its report's time down (goodput.py): gs://BUCKET/studies/RUN/study/retry/
+# EVENT-TIME.json, {"event", "time" (epoch s), "why"}; best effort, never under --dry-run.
+retry_record() {
+  { [ "$WHAT" = study.py ] && ! dry; } || return 0
+  local now
+  now=$(date +%s)
+  printf '{"event": "%s", "time": %s, "why": "%s"}\n' "$1" "$now" "${2//\"/\'}" |
+    gcloud storage cp - "gs://$BUCKET/studies/$RUN/study/retry/$1-$now.json" --project="$PROJECT" \
+      >/dev/null 2>&1 || true
+}
+
 # train --retry: launch, then watch the TPU and the workers every POLL seconds until the run ends.
 # Its state is local: the relaunch count and what a preempted TPU is created again as (`as`:
 # accelerator, runtime version, spot, preemptible, in create_tpu's order).
@@ -337,8 +349,10 @@ retry_loop() {
       PREEMPTED|TERMINATED|NOT_FOUND|QR_SUSPENDING|QR_SUSPENDED|QR_FAILED|QR_NOT_FOUND)
         restarts=$((restarts + 1))
         count_relaunch "$restarts" "$(slice_is) (preempted)" || exit 1
+        retry_record preempted "$(slice_is)"
         recreate "${as[@]}"
         launch || true
+        retry_record relaunched "the slice was preempted"
         continue ;;
       STOPPED|STOPPING) die "TPU $TPU is $T_STATE (stopped by someone): not relaunching" ;;
       *) info "$(slice_is); waiting"; continue ;;
@@ -384,8 +398,10 @@ retry_loop() {
         exit 1
       fi
       explain "$classes" "$out" retry lost failed
+      retry_record preempted "$why"
       stop_all "$STOP_WAIT" 1 >/dev/null 2>&1 || true
       launch || true
+      retry_record relaunched "$why"
       continue
     fi
     if [ -z "$(in_class "$classes" running)" ] && [ -n "$(in_class "$classes" finished)" ]; then

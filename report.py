@@ -183,13 +183,15 @@ class MetricsFile:
 
     `continue_from(step)` (once, before the first record): a launch that starts at `step` drops
     the records of later steps (those a resume redoes, or a crashed launch made past its last
-    checkpoint) and continues the last part, so the records' steps never repeat."""
+    checkpoint) and continues the last part, so the records' steps never repeat; `reached` keeps
+    the last step they held (launches.py: the work a killed launch lost)."""
 
     PART_RECORDS = 200
 
     def __init__(self, run_dir: str):
         self.root = storage.join_url(run_dir, "metrics")
         self.part, self.lines = 0, []  # the part being filled and its lines
+        self.reached: int | None = None  # the last step of the records continue_from found
         self.unwritten: dict[int, str] = {}  # parts whose latest text is not written yet
         self._lock = threading.Lock()
         self.uploads = Uploads(None, self.root, "metrics records", copy=self._write)
@@ -207,6 +209,8 @@ class MetricsFile:
             part = int(name.rsplit("part-", 1)[1].split(".")[0])
             url = self.url(part)
             lines = storage.read_bytes(url).decode().splitlines()
+            if self.reached is None and any(line.strip() for line in lines):
+                self.reached = max(json.loads(line)["step"] for line in lines if line.strip())
             kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
             dropped += len(lines) - len(kept)
             if kept:

@@ -4,7 +4,8 @@ for TensorBoard's HParams dashboard (the tensorboard package's own hparams summa
 Plots, one point per configuration (the mean over its finished seeds, with its 95% interval):
 held-out exact accuracy against parameters and against training compute (log scales, the Pareto
 front marked), against each flag the study varies, and the learning curves (each
-configuration's mean exact accuracy over seeds at every evaluation).
+configuration's mean exact accuracy over seeds at every evaluation). And where each run ran: a
+timeline per host (`write_timeline`, from goodput.py's StudyTime).
 """
 from __future__ import annotations
 
@@ -188,3 +189,58 @@ def _upload_events(local_dir: str, url: str) -> None:
     [name] = [n for n in os.listdir(local_dir) if "tfevents" in n]
     with open(os.path.join(local_dir, name), "rb") as f:
         storage.write_bytes(storage.join_url(url, HPARAMS_FILE), f.read())
+
+
+def write_timeline(study, path: str) -> tuple[str, dict]:
+    """A timeline per host (goodput.StudyTime): each launch of a run a bar (its name in it), a launch
+    that ended without finishing marked x, a relaunch marked >, idle time grey, time down waiting
+    for a relaunch hatched red, launch.sh --retry's preemptions and relaunches as vertical lines.
+    Returns (path, what it drew: the hosts in order and each bar, span and mark)."""
+    plt = _pyplot()
+    hosts = sorted(study.hosts, key=str)
+    labels = [f"host {h}" if isinstance(h, int) else "no --host" for h in hosts]
+    unit, per = ("hours", 3600) if study.end - study.start >= 7200 else ("minutes", 60)
+    hours = lambda t: (t - study.start) / per  # noqa: E731
+    drawn = {"hosts": labels, "bars": [], "idle": [], "down": [], "ended": [], "relaunched": []}
+    figure, axes = plt.subplots(figsize=(9, 1.2 + 0.6 * len(hosts)))
+    colours = plt.get_cmap("tab20")
+    order = sorted(study.runs)
+    for y, host in enumerate(hosts):
+        info = study.hosts[host]
+        for kind, colour, hatch in (("idle", "lightgrey", None), ("down", "mistyrose", "//")):
+            for start, end in info[f"{kind}_spans"]:
+                axes.broken_barh([(hours(start), hours(end) - hours(start))], (y - 0.3, 0.6), facecolors=colour,
+                                 edgecolor="tab:red" if hatch else "none", hatch=hatch, linewidth=0)
+                drawn[kind].append((labels[y], start, end))
+        for bar in info["bars"]:
+            x0, x1 = hours(bar["start"]), hours(bar["end"])
+            axes.broken_barh([(x0, x1 - x0)], (y - 0.3, 0.6), facecolors=colours(order.index(bar["run"]) % 20),
+                             edgecolor="black", linewidth=0.5)
+            axes.text((x0 + x1) / 2, y, bar["run"], ha="center", va="center", fontsize=6, clip_on=True)
+            drawn["bars"].append((labels[y], bar["run"], bar["start"], bar["end"], bar["ended"]))
+            if bar["ended"] not in ("finished", "running"):
+                axes.plot([x1], [y + 0.38], "x", color="tab:red", markersize=7)
+                drawn["ended"].append((labels[y], bar["run"], bar["end"], bar["ended"]))
+            if bar["relaunch"]:
+                axes.plot([x0], [y + 0.38], ">", color="tab:green", markersize=6)
+                drawn["relaunched"].append((labels[y], bar["run"], bar["start"]))
+    for event in study.retry_events:
+        if study.start <= event["time"] <= study.end:
+            axes.axvline(hours(event["time"]), color="tab:red" if event.get("event") == "preempted" else "tab:green",
+                         linestyle="--", linewidth=0.8)
+    axes.plot([], [], "x", color="tab:red", label="ended without finishing (killed, SIGTERM, exit 75, failed)")
+    axes.plot([], [], ">", color="tab:green", label="relaunched")
+    axes.broken_barh([], (0, 0), facecolors="lightgrey", label="idle")
+    axes.broken_barh([], (0, 0), facecolors="mistyrose", edgecolor="tab:red", hatch="//", label="down")
+    axes.set_yticks(range(len(hosts)), labels)
+    axes.set_ylim(-0.6, len(hosts) - 0.4)
+    axes.invert_yaxis()
+    axes.set_xlabel(f"{unit} since the study's first launch")
+    goodput = "" if study.goodput is None else f"; goodput {100 * study.goodput:.1f}%"
+    axes.set_title(f"Where each run ran: a bar per launch{goodput}", fontsize=10, pad=22)
+    axes.legend(fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, frameon=False)
+    axes.grid(True, axis="x", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(figure)
+    return path, drawn

@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+import goodput
 import storage
 from config import flat_config
 from study_plan import StudyRun
@@ -82,6 +83,8 @@ class RunResult:
     seconds: float | None = None
     last_line: str = ""
     data_path: str = ""
+    host: int | None = None  # the study host it ran on (None: the study ran without --host)
+    ckpt_every: int | None = None
 
 
 def _read_json(url: str):
@@ -132,7 +135,7 @@ def collect(out: str) -> list[RunResult]:
                            last_line=status.get("last_line", ""), seconds=status.get("seconds_total"))
         saved = _read_json(storage.join_url(run_dir, "config.json"))
         config = config_from_dict(with_new_fields(saved)) if saved else run.config()
-        result.data_path = config.data.path
+        result.data_path, result.host, result.ckpt_every = config.data.path, status.get("host"), config.run.ckpt_every
         result.parameters = parameter_count(config.model)
         records = _records(run_dir)
         trained = [r["step"] for r in records if r.get("kind") == "train"]
@@ -188,10 +191,13 @@ def _pct(value, digits: int = 2) -> str:
     return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.{digits}f}"
 
 
-def run_rows(results: list[RunResult]) -> list[dict]:
-    """The run rows of the table, as printed and written (strings and numbers)."""
+def run_rows(results: list[RunResult], study: goodput.StudyTime) -> list[dict]:
+    """The run rows of the table, as printed and written (strings and numbers); the device-hours
+    and where the time went from the runs' launch records (goodput.py) where they kept them."""
     rows = []
     for r in results:
+        spent = study.runs.get(r.run.name)
+        device_hours = spent.wall * spent.devices / 3600 if spent is not None else r.device_hours
         final_exact = r.final.get("exact_accuracy") if r.final else None
         n = int(r.final.get("num_examples", 0)) if r.final else 0
         low, high = wilson(final_exact, n) if final_exact is not None else (None, None)
@@ -202,7 +208,7 @@ def run_rows(results: list[RunResult]) -> list[dict]:
             "preset": r.run.preset, **{k: v for k, v in r.varied.items()}, "parameters": r.parameters,
             "steps": f"{r.steps_done}/{r.steps_total if r.steps_total is not None else '?'}",
             "train_flops": None if r.train_flops is None else f"{r.train_flops:.3g}",
-            "device_hours": None if r.device_hours is None else round(r.device_hours, 4),
+            "device_hours": None if device_hours is None else round(device_hours, 4),
             "final_exact_%": _pct(final_exact),
             "final_exact_95%": f"{_pct(low)}-{_pct(high)}" if low is not None else "",
             "best_exact_%": _pct(r.best[0]) if r.best else "",
@@ -212,6 +218,7 @@ def run_rows(results: list[RunResult]) -> list[dict]:
             "steps_to_95%_of_final": r.steps_to_95 if r.steps_to_95 is not None else "",
             "mean_act_steps": round(r.final["steps"], 2) if r.final and "steps" in r.final else "",
             "wall_time_s": "" if r.seconds is None else round(r.seconds),
+            **goodput.run_columns(spent),
         })
     return rows
 
@@ -238,11 +245,12 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
                      + ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows])
 
 
-def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[str]) -> str:
+def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[str], spent: str) -> str:
     """results.csv, results.md; returns the text printed to the terminal."""
     run_columns = ["name", "status", "preset", *varied, "parameters", "steps", "train_flops", "device_hours",
                    "final_exact_%", "final_exact_95%", "best_exact_%", "best_exact_95%", "token_accuracy_%",
-                   "arc_aggregated_pass@2_%", "steps_to_95%_of_final", "mean_act_steps", "wall_time_s"]
+                   "arc_aggregated_pass@2_%", "steps_to_95%_of_final", "mean_act_steps", "wall_time_s",
+                   *goodput.COLUMNS]
     config_columns = ["name", "status", "preset", *varied, "parameters", "seeds", "mean_exact_%", "mean_exact_95%",
                       "min_exact_%", "max_exact_%"]
     buffer = io.StringIO()
@@ -255,26 +263,32 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
           "examples.\n\n" + markdown(runs, run_columns) + "\n\nEach configuration (its runs differ only by seed): "
           "mean final exact accuracy in %, with the Student t 95% interval over seeds (none for one seed; clipped to "
           "0-100%).\n\n"
-          + markdown(configs, config_columns) + "\n")
+          + markdown(configs, config_columns) + "\n\nWhere the time went (each run's seconds per cause in the "
+          "columns after wall_time_s; docs/studies.md says what each counts):\n\n```\n" + spent + "\n```\n")
     storage.write_bytes(storage.join_url(out, "results.md"), md.encode())
     short = ["name", "status", *varied, "parameters", "steps", "final_exact_%", "final_exact_95%", "best_exact_%",
-             "steps_to_95%_of_final", "mean_act_steps", "device_hours"]
+             "steps_to_95%_of_final", "mean_act_steps", "device_hours", "goodput_%"]
     return (table_text(runs, short) + "\n\n"
             + table_text(configs, ["name", "status", *varied, "seeds", "mean_exact_%", "mean_exact_95%",
-                                   "min_exact_%", "max_exact_%"]))
+                                   "min_exact_%", "max_exact_%"]) + "\n\n" + spent)
 
 
 def main(args) -> int:
-    from study_plots import write_hparams, write_plots
+    from study_plots import write_hparams, write_plots, write_timeline
 
     started = time.time()
     results = collect(args.out)
     configs = configurations(results)
     varied = list(results[0].varied) if results else []
-    text = write_outputs(args.out, run_rows(results), configuration_rows(configs), varied)
+    study = goodput.study_time(args.out, {r.run.name: {"host": r.host, "state": r.status} for r in results},
+                               {r.run.name: r.ckpt_every for r in results})
+    text = write_outputs(args.out, run_rows(results, study), configuration_rows(configs), varied,
+                         goodput.summary(study))
     print(text)
     with tempfile.TemporaryDirectory(prefix="trm-report-") as local:
         plots = write_plots(results, configs, varied, local)
+        if study.runs:
+            plots.append(write_timeline(study, os.path.join(local, "timeline.png"))[0])
         storage.upload_dir(local, storage.join_url(args.out, "plots"))
     hparams = write_hparams(args.out, results, varied)
     states = {}

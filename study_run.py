@@ -28,6 +28,7 @@ import time
 
 import storage
 from config import ensure_demo_data
+from launches import LAUNCH_STARTED_ENV, STUDY_HOST_ENV
 from lifecycle import EXIT_RETRYABLE  # train.py's: a relaunch may help
 from projection import slice_spec
 from report import format_duration
@@ -145,8 +146,10 @@ class StudyRunner:
         command = [self.python, os.path.join(PROJECT_DIR, "train.py"), run.preset, *run.flags, *self.extra,
                    "--run.dir", storage.join_url(self.out, run.name)]
         self.child_signalled.clear()
-        self.child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=PROJECT_DIR)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCH_STARTED_ENV: repr(time.time())},
+                   **({} if self.host is None else {STUDY_HOST_ENV: str(self.host)}))  # for its launch record
+        self.child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      cwd=PROJECT_DIR)
         last = ""
         for line in self.child.stdout:
             sys.stdout.write(line)

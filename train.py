@@ -30,7 +30,7 @@ The loop is `training()` below, read top to bottom; each thing it calls has a fi
 the flags and presets (config.py), the run's length and learning rates (schedule.py), where
 the state comes from (restore.py), the step (trainer.py), the periodic save and evaluation
 (checkpoint.py, evaluate.py), start-up, SIGTERM and the watchdog (lifecycle.py), what it
-prints and writes (report.py).
+prints and writes (report.py), where each launch's time went (launches.py).
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ from batches import PrefetchedBatches, TrainBatches
 from checkpoint import Checkpoints
 from config import PRESETS, Config, ConfigError, parse_config, settings_lines
 from evaluate import Evaluations
+from launches import Launch
 from lifecycle import EXIT_RETRYABLE, Preempted, Preemption, ShutdownDeadline, Watchdog, check_devices, start
 from report import HostLog, Profile, RunLog
 from restore import resume_or_start
@@ -97,12 +98,15 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
     train_batches = TrainBatches(train_set, optim.global_batch_size, seed=config.run.seed,
                                  process_index=data_index, process_count=data_count)
 
-    # 3. The periodic jobs; each decides for itself whether a step is its step.
-    checkpoints = Checkpoints(config, trainer, log, identifiers, total_steps, start_step if resumed else None)
+    # 3. The periodic jobs; each decides for itself whether a step is its step. `launch` records
+    # where this launch's time goes ({run.dir}/launches/), as of its start.
+    launch = Launch(config, sharding, start_step, resumed, log.metrics.reached if log.metrics else None)
+    checkpoints = Checkpoints(config, trainer, log, identifiers, total_steps, start_step if resumed else None,
+                              launch)
     preemption = Preemption(num_hosts, config.run.preempt_check_every, sharding,
                             ShutdownDeadline(config.run.shutdown_timeout_s, loop=training))
     watchdog = Watchdog(config.run.watchdog_minutes, host)
-    evaluations = Evaluations(config, trainer, test_set, log, eval_steps, preemption, watchdog)
+    evaluations = Evaluations(config, trainer, test_set, log, eval_steps, preemption, watchdog, launch)
     profile = Profile(config, start_step + 10, sharding.is_main_process(), sharding, log.say)
     compiles = compile_cache.CompileCache.for_run(config.run, sharding.is_main_process(), start_step,
                                                   sharding.xla_counters, device_kind)
@@ -112,7 +116,7 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
     trainer.init_carries(sharding.host_batch_to_global(train_batches.batch(start_step), mesh))
     sharding.sync()  # materialise weights, optimizer state and carries before the first step
     log.start_window(trainer.device)
-    loop_start, preempted = time.time(), False
+    loop_start, preempted = launch.training(), False
     batches = PrefetchedBatches(lambda step: sharding.host_batch_to_global(train_batches.batch(step - 1), mesh),
                                 start_step + 1, total_steps)
     try:
@@ -132,6 +136,7 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
                 raise Preempted(step)
             checkpoints.after_step(step)
             evaluations.after_step(step)  # raises Preempted on SIGTERM between evaluation batches
+            launch.after_step(step)
 
         # 5. The final save and evaluation (a relaunch of a finished run only evaluates).
         checkpoints.save(total_steps)
@@ -145,11 +150,13 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
                 "run the same command again to resume")
         preempted = True
     finally:
+        launch.closing()
         batches.close()
         checkpoints.close()  # a save under way commits (or is reported) however the loop ends
         watchdog.close()
         compiles.close()  # best effort, bounded (after SIGTERM by the shutdown deadline too)
         preemption.close()  # last: its shutdown deadline also bounds the wait for the save
+        launch.end(preempted)  # how this launch ended (an exception on its way out: failed or exit 75)
     log.close()
     xla = sharding.xla_counters()
     fallbacks = f" {xla['fallbacks']}" if xla["fallbacks"] else ""

@@ -96,3 +96,12 @@ def demo_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("demo"))
     build_data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
     return path
+
+
+@pytest.fixture(scope="session")
+def finished_study(demo_path, tmp_path_factory):
+    """A study on two simulated hosts, one killed mid-run and started again (study_fixtures.py's
+    run_two_hosts_with_a_kill): once per session, for test_study.py and test_goodput.py."""
+    from tests.study_fixtures import run_two_hosts_with_a_kill
+
+    return run_two_hosts_with_a_kill(demo_path, tmp_path_factory.mktemp("study"))

@@ -611,6 +611,8 @@ def test_study_retry_relaunches_after_a_preemption_and_the_study_completes(pod):
     pod.set_tpu(states=["READY", "PREEMPTED"])
     result = pod.run("study", "--retry", "s1", str(STUDY_FILE), STUB_PLAN="hang,0")
     assert "preempted" in result.stderr and "run s1 finished" in result.stderr
+    retry = pod.root / "buckets" / "trm-bucket" / "studies" / "s1" / "study" / "retry"  # for goodput.py
+    assert sorted(json.loads(p.read_text())["event"] for p in retry.glob("*.json")) == ["preempted", "relaunched"]
     verbs = [c[4] for c in pod.calls() if c[1] == "compute"]
     assert verbs.count("delete") == 1 and verbs.count("create") == 1
     for w in range(pod.workers):  # relaunched as it was; the study skips and resumes (study_run.py)

@@ -10,22 +10,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 import storage
 from study_plan import StudyError, parse_study, split_over_hosts
 from study_report import seed_interval, t95, wilson
-
-PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def study(*args, env=None, **popen):
-    return subprocess.Popen([sys.executable, os.path.join(PROJECT_DIR, "study.py"), *args], text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=PROJECT_DIR,
-                            env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", PYTHONUNBUFFERED="1",
-                                     **(env or {})), **popen)
+from tests.study_fixtures import PROJECT_DIR, study, wait_for
 
 
 def test_grids_and_seeds_expand_into_named_runs(monkeypatch):
@@ -131,47 +122,8 @@ def test_a_failed_run_is_recorded_with_its_last_line_and_the_study_goes_on(demo_
 
 # -- a study on two simulated hosts ----------------------------------------------------------------
 
-STUDY_LINE = ("cycles demo --data.path {data} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
-              "--optim.global-batch-size 32 --optim.max-steps 40 --run.ckpt-every 4 --run.log-every 1 "
-              "--eval.every-epochs 10 --model.L-cycles {{1,2}} --seeds 2\n")
-
-
-def wait_for(proc, pattern, lines, timeout=300):
-    deadline = time.time() + timeout
-    for line in proc.stdout:
-        lines.append(line)
-        if re.search(pattern, line) or time.time() > deadline:
-            return line
-    return None
-
-
-@pytest.fixture(scope="module")
-def finished_study(demo_path, tmp_path_factory):
-    """A study of 2 configurations x 2 seeds run as hosts 0 and 1 of 2, host 1 killed (with its
-    run) in the middle of its second run and started again; (its directory, the outputs)."""
-    root = tmp_path_factory.mktemp("study")
-    study_file, out = root / "study.txt", root / "out"
-    study_file.write_text(STUDY_LINE.format(data=demo_path))
-    host0 = study("run", str(study_file), "--out", str(out), "--host", "0", "--hosts", "2")
-    host1 = study("run", str(study_file), "--out", str(out), "--host", "1", "--hosts", "2", start_new_session=True)
-    killed = []
-    second = wait_for(host1, r"study: \[2/2\] ", killed)  # its second run starts
-    assert second and wait_for(host1, r"^step 5/40", killed)
-    committed = out / second.split()[2].rstrip(":") / "checkpoints" / "step_00000004" / "COMMITTED"
-    deadline = time.time() + 60
-    while not committed.exists() and time.time() < deadline:  # its checkpoint of step 4 is saved
-        time.sleep(0.05)
-    os.killpg(host1.pid, signal.SIGKILL)  # the host goes away, its run with it
-    host1.wait()
-    again = study("run", str(study_file), "--out", str(out), "--host", "1", "--hosts", "2")
-    outputs = {"host 0": host0.communicate(timeout=900)[0], "host 1 killed": "".join(killed),
-               "host 1 again": again.communicate(timeout=900)[0]}
-    assert host0.returncode == 0 and again.returncode == 0, outputs
-    return out, outputs, study_file
-
-
 def test_two_hosts_run_every_run_once_and_a_killed_host_resumes_its_run(finished_study, demo_path, tmp_path):
-    out, outputs, _ = finished_study
+    out, outputs = finished_study.out, finished_study.outputs
     runs = ["cycles-1-s0", "cycles-1-s1", "cycles-2-s0", "cycles-2-s1"]
     assert all((out / name / "final.json").exists() for name in runs)
     shares = {h: json.loads((out / "study" / "hosts" / f"host_{h}.json").read_text())["share"] for h in (0, 1)}
@@ -227,7 +179,7 @@ def test_report_of_a_finished_study(finished_study):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import metadata as hparams_metadata
 
-    out, _, _ = finished_study
+    out = finished_study.out
     text, rows = report_of(out)
     runs = [r for r in rows if r["kind"] == "run"]
     configs = {r["name"]: r for r in rows if r["kind"] == "configuration"}
@@ -255,7 +207,7 @@ def test_report_of_a_finished_study(finished_study):
     assert "cycles-1-s0" in text and "2 of 2 seeds done" in text and (out / "results.md").exists()
     plots = sorted(p.name for p in (out / "plots").glob("*.png"))
     assert plots == ["accuracy_vs_compute.png", "accuracy_vs_model.L_cycles.png", "accuracy_vs_parameters.png",
-                     "learning_curves.png"]
+                     "learning_curves.png", "timeline.png"]
     for name in plots:
         png = (out / "plots" / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
@@ -275,7 +227,7 @@ def test_report_of_a_finished_study(finished_study):
 
 def test_report_marks_a_run_still_training_and_a_failed_one(finished_study, tmp_path):
     out = tmp_path / "out"
-    shutil.copytree(finished_study[0], out)
+    shutil.copytree(finished_study.out, out)
     for name, state, line in (("cycles-1-s1", "running", ""), ("cycles-2-s0", "failed", "error: something broke")):
         (out / name / "final.json").unlink()
         status = out / "study" / "status" / f"{name}.json"
