@@ -94,11 +94,13 @@ def plan(args) -> int:
     sizes, known, rows = {}, [], []
     for run in runs:
         path = run.config().data.path
+        if path in declared:  # as the study file declares them: no read (the dataset may not exist yet)
+            sizes[path] = declared[path]
         if path not in sizes:
             try:
                 sizes[path] = dataset_sizes(path)
             except Exception as e:  # noqa: BLE001 - said once per dataset below
-                sizes[path] = declared.get(path, e)
+                sizes[path] = e
         if not isinstance(sizes[path], Exception):
             known.append((run, resolved_config(run, sizes[path])))
     device = {"host": {}, "whole": {}}
