@@ -62,10 +62,9 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
   loss           training loss of the last timed step as train.py logs it (lm_loss + 0.5 q_halt_loss
                  per example; random tokens: only its finiteness means something); every step's in the JSON
 
-(*) After each step the script reads an output of the step and waits until the process's other
-threads are idle (`settle`). A CPU device shares the host's cores, and sync() often sleeps while
-the device's threads run the step: on CPU, sync counts with the calling thread's CPU time (its
-wall time: `sync_wall_ms_per_step`); on TPU with its wall time.
+(*) After each step the script reads an output of the step and waits for the other threads to be
+idle (`settle`). A CPU device shares the host's cores, and sync() often sleeps while its threads run
+the step: on CPU sync counts its thread's CPU time (wall: `sync_wall_ms_per_step`), on TPU its wall.
 The JSON keeps every step's numbers under `steps`. A preset whose step graph equals one
 compiled earlier in the same run (arc2 after arc1) compiles nothing.
 
@@ -692,8 +691,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: {e}")
     try:
         return run(bench_args)
-    except (ConfigError, NonFiniteLoss) as e:  # ConfigError: e.g. a --batch that does not divide
-        raise SystemExit(f"error: {e}")
+    except (ConfigError, NonFiniteLoss, tpu_compile.CompileError) as e:  # ConfigError: e.g. a --batch not dividing
+        hint = "; or at a stated MFU: --device-time mfu --mfu 0.4" if isinstance(e, tpu_compile.CompileError) else ""
+        raise SystemExit(f"error: {e}{hint}")
 
 
 if __name__ == "__main__":

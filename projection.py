@@ -166,7 +166,8 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
     checkpoint_h = checkpoints * pause_ms / 3.6e6
     return {
         "dataset": dataclasses.asdict(dataset), "mfu": mfu, "slice": record["slice"],
-        "device_time_source": record.get("compiled_source") or f"model FLOPs at {mfu:.0%} MFU (assumed)",
+        "device_time_source": record["compiled_source"] if "compiled_ms_per_train_step" in record
+        else f"model FLOPs at {mfu:.0%} MFU (assumed)",
         "train_steps": train_steps, "train_ms_per_step": train_step_ms, "train_hours": train_h,
         "evaluations": len(evaluation_at), "eval_batches": eval_batches, "eval_act_steps": eval_act_steps,
         "eval_ms_per_act_step": eval_step_ms, "eval_hours": eval_h,

@@ -105,8 +105,13 @@ def plan(args) -> int:
             known.append((run, resolved_config(run, sizes[path])))
     device = {"host": {}, "whole": {}}
     if compiled and known:
-        device = {"host": compiled_device_times(known, host_slice(spec)),
-                  "whole": compiled_device_times(known, spec.name)}
+        import tpu_compile
+
+        try:
+            device = {"host": compiled_device_times(known, host_slice(spec)),
+                      "whole": compiled_device_times(known, spec.name)}
+        except tpu_compile.CompileError as e:
+            raise SystemExit(f"error: {e}; or project at a stated MFU: --mfu 0.4")
     for run in runs:
         path = run.config().data.path
         refused = compiled and any("compiled_ms_per_train_step" not in device[k].get(run.name, {})

@@ -202,6 +202,15 @@ class CompileError(RuntimeError):
     pass
 
 
+def require_compiler() -> None:
+    """CompileError saying how to install it when jax with libtpu is missing."""
+    from importlib.util import find_spec
+
+    if find_spec("jax") is None or find_spec("libtpu") is None:
+        raise CompileError("the TPU compiler needs jax with libtpu: pip install 'jax[tpu]==0.10.2' (Python 3.11+; "
+                           "requirements-test.txt has it)")
+
+
 def _quiet_libtpu(topo: Topology) -> None:
     """libtpu would otherwise look for a TPU VM's metadata and warn (DESIGN.md section 9), and
     refuse to load in a second process at once (its lockfile guards chips; here there are none)."""
@@ -215,11 +224,6 @@ def compile_hlo(hlo: bytes, donors: list[int], topo: Topology) -> tuple[object, 
     torch_xla's SPMD executor compiles it: partitioned over every device, outputs' shardings
     propagated, donated inputs marked. CompileError with the compiler's message if it refuses."""
     _quiet_libtpu(topo)
-    try:
-        import jax  # noqa: F401
-    except ImportError:
-        raise CompileError("the TPU compiler needs jax with libtpu: pip install 'jax[tpu]==0.10.2' (Python 3.11+; "
-                           "requirements-test.txt has it)") from None
     from jax._src import compiler
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client
@@ -304,6 +308,7 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
     one result dict per program (see `analyse`; `compiled` False with the compiler's `error`)."""
     topo = topology(slice_name)
     check_config(config)
+    require_compiler()
     check_batch_layout(config.optim.global_batch_size, topo.devices, max(1, slice_spec(slice_name).hosts))
     flops = model_flops(config.model)
     per_device = {"train_step": flops["train"], "eval_step": flops["eval"]}
@@ -363,6 +368,7 @@ def compile_in_subprocess(jobs: list[tuple[str, Config]], slice_name: str, progr
     results: list[list[dict] | None] = [cached_results(config, slice_name, programs) for _, config in jobs]
     todo = [i for i, r in enumerate(results) if r is None]
     if todo:
+        require_compiler()
         import subprocess
         import tempfile
 
@@ -465,7 +471,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = resolved_config(args.config, preset, args.table_rows)
     try:
         results = compile_programs(config, preset, args.slice, args.programs, args.top, args.cache)
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, CompileError) as e:
         raise SystemExit(f"error: {e}")
     print()
     print(format_results(results))
