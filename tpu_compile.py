@@ -140,13 +140,11 @@ def program_settings(config: Config) -> str:
 def program_key(config: Config, program: str, topo: Topology) -> str:
     """What names a compiled program before it is traced: the settings that shape it, the
     topology, the code that builds it and the compiler's versions."""
-    from importlib.metadata import version
-
     here = Path(__file__).resolve().parent
     code = b"".join((here / f).read_bytes() for f in ("model.py", "optim.py", "trainer.py", "capture.py",
                                                       "sharding.py", "tpu_compile.py"))
     where = {"program": program, "topology": [topo.name, topo.chip.chip_config, topo.chips_per_host],
-             "versions": [version(p) for p in ("torch_xla", "jax", "libtpu")]}
+             "versions": list(_versions().values())}
     return hashlib.sha256((program_settings(config) + json.dumps(where)).encode() + code).hexdigest()[:24]
 
 
@@ -405,9 +403,15 @@ def device_time_fields(results: list[dict]) -> dict:
 
 
 def _versions() -> dict:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {p: version(p) for p in ("jax", "libtpu", "torch_xla")}
+    found = {}
+    for package in ("jax", "libtpu", "torch_xla"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = None
+    return found
 
 
 def _advice(error: str, config: Config, slice_name: str) -> str:
