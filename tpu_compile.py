@@ -330,15 +330,15 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
             "client", flush=True)
         try:
             executable, seconds = compile_hlo(hlo, donors, topo)
-        except CompileError as e:
+        except CompileError as e:  # a refusal is the compiler's answer too: cached like a program
             results[program] = {"compiled": False, "error": str(e), "advice": _advice(str(e), config, slice_name)}
             say(f"  refused: {str(e).splitlines()[0][:300]}", flush=True)
-            continue
-        say(f"  compiled in {seconds:.0f}s", flush=True)
-        model_per_device = per_device[program] * config.optim.global_batch_size / topo.devices
-        results[program] = dict(analyse(executable, topo, model_per_device, top), compile_s=seconds,
-                                compiler=_versions())
-        del executable
+        else:
+            say(f"  compiled in {seconds:.0f}s", flush=True)
+            model_per_device = per_device[program] * config.optim.global_batch_size / topo.devices
+            results[program] = dict(analyse(executable, topo, model_per_device, top), compile_s=seconds,
+                                    compiler=_versions())
+            del executable
         Path(CACHE_DIR).mkdir(parents=True, exist_ok=True)
         (Path(CACHE_DIR) / f"{keys[program]}.json").write_text(json.dumps(results[program]))
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,

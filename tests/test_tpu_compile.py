@@ -153,6 +153,11 @@ def test_tpu_compile_a_program_too_large_for_hbm_fails_with_the_compilers_messag
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "NOT COMPILED" in done.stdout and "memory" in done.stdout.lower(), done.stdout[-3000:]
     assert "what to do: the program does not fit in HBM: use a smaller global batch" in done.stdout
+    again = run_compile("tpu_compile.py", "sudoku-att", "--slice", "v5e-4", "--programs", "train_step",
+                        "--model.seq-len", "16384", "--model.hidden-size", "64", "--model.num-heads", "2",
+                        "--model.puzzle-emb-ndim", "64", "--optim.global-batch-size", "4", "--table-rows", "4",
+                        env={"TRM_TPU_COMPILE_CACHE": str(tmp_path / "cache")})
+    assert again.returncode == 1 and "NOT COMPILED" in again.stdout and "compiling" not in again.stdout  # cached
 
 
 def test_tpu_compile_refuses_a_slice_it_does_not_know():
