@@ -21,6 +21,7 @@ DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16
                "f8e4m3fn": 1, "f8e5m2": 1}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast")
+NO_DATA_MOVED = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant")  # names and views, no bytes
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 # `%name = SHAPE opcode(operands), attributes`; SHAPE may be a tuple with nested brackets.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
@@ -108,17 +109,15 @@ class ProgramStats:
         """[{kind, count, bytes}] of the top-level operations, most bytes first."""
         kinds: dict[str, dict] = defaultdict(lambda: {"count": 0, "bytes": 0})
         for op in self.operations:
-            if op.opcode in ("parameter", "get-tuple-element", "tuple", "bitcast", "constant"):
-                continue  # no data moves
+            if op.opcode in NO_DATA_MOVED:
+                continue
             kinds[op.kind]["count"] += 1
             kinds[op.kind]["bytes"] += op.bytes
         return sorted(({"kind": k, **v} for k, v in kinds.items()), key=lambda e: -e["bytes"])
 
     def largest(self, n: int = 10) -> list[dict]:
         """The n operations that move the most bytes, with their shape and source."""
-        ops = sorted((op for op in self.operations if op.opcode not in ("parameter", "tuple", "get-tuple-element",
-                                                                          "bitcast", "constant")),
-                     key=lambda op: -op.bytes)[:n]
+        ops = sorted((op for op in self.operations if op.opcode not in NO_DATA_MOVED), key=lambda op: -op.bytes)[:n]
         return [{"name": op.name, "kind": op.kind, "bytes": op.bytes,
                  "shape": re.sub(r"\{[^}]*\}", "", op.shape), "source": op.source} for op in ops]
 

@@ -61,7 +61,7 @@ def _hours(hours: float) -> str:
 
 def host_slice(spec: SliceSpec) -> str:
     """The slice name of one host of `spec` (v4-64 -> v4-8, v5e-64 -> v5e-4), for the compiler."""
-    chips = spec.chips // spec.hosts
+    chips = one_host(spec).chips
     return f"{spec.generation}-{2 * chips if spec.generation in ('v4', 'v5p') else chips}"
 
 
@@ -92,8 +92,9 @@ def plan(args) -> int:
     whole_mfu = args.whole_slice_mfu or mfu
     declared = declared_datasets(text)
     sizes, known, rows = {}, [], []
+    paths = {run.name: run.config().data.path for run in runs}  # each run's configuration parsed once here
     for run in runs:
-        path = run.config().data.path
+        path = paths[run.name]
         if path in declared:  # as the study file declares them: no read (the dataset may not exist yet)
             sizes[path] = declared[path]
         if path not in sizes:
@@ -113,7 +114,7 @@ def plan(args) -> int:
         except tpu_compile.CompileError as e:
             raise SystemExit(f"error: {e}; or project at a stated MFU: --mfu 0.4")
     for run in runs:
-        path = run.config().data.path
+        path = paths[run.name]
         refused = compiled and any("compiled_ms_per_train_step" not in device[k].get(run.name, {})
                                    for k in ("host", "whole"))
         if isinstance(sizes[path], Exception) or refused:
@@ -153,7 +154,7 @@ def plan(args) -> int:
              "a step (launch.sh smoke)" if compiled else ""))
     for path, error in sizes.items():
         if isinstance(error, Exception):
-            names = [r.name for r, h, _ in rows if h is None and r.config().data.path == path]
+            names = [r.name for r, h, _ in rows if h is None and paths[r.name] == path]
             print(f"not projected: {len(names)} run(s) of {path}: its size cannot be read ({error}); build it first, "
                   f"or declare its sizes in the study file: @dataset {path} groups=G examples=E test=T")
     for key, where in (("host", host_slice(spec)), ("whole", spec.name)):

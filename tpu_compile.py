@@ -139,10 +139,10 @@ def program_settings(config: Config) -> str:
 
 def program_key(config: Config, program: str, topo: Topology) -> str:
     """What names a compiled program before it is traced: the settings that shape it, the
-    topology, the code that builds it and the compiler's versions."""
+    topology, the code that builds and reads it, and the compiler's versions."""
     here = Path(__file__).resolve().parent
     code = b"".join((here / f).read_bytes() for f in ("model.py", "optim.py", "trainer.py", "capture.py",
-                                                      "sharding.py", "tpu_compile.py"))
+                                                      "sharding.py", "tpu_compile.py", "hlo_stats.py"))
     where = {"program": program, "topology": [topo.name, topo.chip.chip_config, topo.chips_per_host],
              "versions": list(_versions().values())}
     return hashlib.sha256((program_settings(config) + json.dumps(where)).encode() + code).hexdigest()[:24]
