@@ -58,17 +58,24 @@ def run_two_hosts_with_a_kill(demo_path, root) -> KilledStudy:
     second = wait_for(host1, r"study: \[2/2\] ", killed)  # its second run starts
     assert second and wait_for(host1, r"^step 5/40", killed)
     name = second.split()[2].rstrip(":")
-    committed = out / name / "checkpoints" / "step_00000004" / "COMMITTED"
-    deadline = time.time() + 60
-    while not committed.exists() and time.time() < deadline:  # its checkpoint of step 4 is saved
-        time.sleep(0.05)
-    while max((r["step"] for r in metrics_records(out / name)), default=0) <= 4 and time.time() < deadline:
-        time.sleep(0.05)  # and its metrics records hold a step past it (they are written in the background)
+    def state():  # the last step its metrics records hold, and its last committed checkpoint's step
+        steps = [int(p.parent.name.split("_")[1]) for p in (out / name / "checkpoints").glob("step_*/COMMITTED")]
+        return {"run": name, "reached": max((r["step"] for r in metrics_records(out / name)), default=0),
+                "committed": max(steps, default=0)}
+    # Freeze the host (SIGSTOP: its files stay as they are) and look: once its records hold a step
+    # past a committed checkpoint of step 4 or later, kill it frozen; otherwise let it run a moment
+    # more. A kill timed by the clock alone raced the checkpoint of step 8 on a loaded machine.
+    deadline = time.time() + 120
+    while True:
+        os.killpg(host1.pid, signal.SIGSTOP)
+        at_kill = state()
+        if at_kill["reached"] > at_kill["committed"] >= 4 or time.time() > deadline:
+            break
+        os.killpg(host1.pid, signal.SIGCONT)
+        time.sleep(0.02)
     os.killpg(host1.pid, signal.SIGKILL)  # the host goes away, its run with it
     host1.wait()
-    steps = [int(p.parent.name.split("_")[1]) for p in (out / name / "checkpoints").glob("step_*/COMMITTED")]
-    at_kill = {"run": name, "reached": max(r["step"] for r in metrics_records(out / name)),
-               "committed": max(steps)}
+    assert state() == at_kill, (state(), at_kill)
     again = study("run", str(study_file), "--out", str(out), "--host", "1", "--hosts", "2")
     outputs = {"host 0": host0.communicate(timeout=900)[0], "host 1 killed": "".join(killed),
                "host 1 again": again.communicate(timeout=900)[0]}
