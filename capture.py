@@ -23,8 +23,14 @@ import contextlib
 
 import torch_xla
 import torch_xla.core.xla_builder as xb
+import torch_xla.core.xla_model as xm
 
+import attention
 from model import Carry
+
+# The blockwise attention's backward recomputes the forward's scores; without a barrier XLA
+# merges the two and keeps the forward's alive until the backward (attention.py).
+attention.use_barrier(xm.optimization_barrier_)
 
 
 class CapturedComputation:

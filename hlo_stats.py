@@ -121,6 +121,18 @@ class ProgramStats:
         return [{"name": op.name, "kind": op.kind, "bytes": op.bytes,
                  "shape": re.sub(r"\{[^}]*\}", "", op.shape), "source": op.source} for op in ops]
 
+    def sequence_square_shapes(self, length: int) -> list[str]:
+        """The distinct result shapes of top-level operations holding an array whose last two
+        dimensions are both `length` (an attention's [..., seq, seq] scores or probabilities)."""
+        found = []
+        for op in self.operations:
+            for _, dims in _ARRAY.findall(op.shape):
+                sizes = [int(d) for d in filter(None, dims.split(","))]
+                shape = re.sub(r"\{[^}]*\}", "", op.shape)
+                if sizes[-2:] == [length, length] and shape not in found:
+                    found.append(shape)
+        return found
+
     def estimated_cycles(self) -> int:
         """The sum of XLA's per-operation cycle estimates over the top-level operations."""
         return sum(op.estimated_cycles for op in self.operations)
@@ -178,10 +190,13 @@ def parse_program(hlo_text: str) -> ProgramStats:
     return ProgramStats(list(ops.values()))
 
 
-def summary(hlo_text: str, top: int = 10) -> dict:
+def summary(hlo_text: str, top: int = 10, sequence: int | None = None) -> dict:
+    """The program's collectives, bytes by kind, largest operations and cycle estimate; with
+    `sequence`, also the shapes of its [..., sequence, sequence] results."""
     stats = parse_program(hlo_text)
     return {"collectives": stats.collectives(), "bytes_by_kind": stats.bytes_by_kind(),
-            "largest_operations": stats.largest(top), "estimated_cycles": stats.estimated_cycles()}
+            "largest_operations": stats.largest(top), "estimated_cycles": stats.estimated_cycles(),
+            "sequence_square_shapes": stats.sequence_square_shapes(sequence) if sequence else []}
 
 
 if __name__ == "__main__":  # python hlo_stats.py OPTIMIZED_HLO.txt: the summary as JSON

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention import ATTENTIONS, attend, recompute_flops
 from ranges import range_problems, ranged
 
 IGNORE_LABEL_ID = -100
@@ -71,6 +72,11 @@ class TRMConfig:
     """Epsilon of the RMSNorm (computed in float32)."""
     rope_theta: float = ranged(10000.0, gt=0)
     """RoPE base."""
+    attention: Literal["blockwise", "sdpa"] = ranged("blockwise", resumable=True)
+    """How attention is computed (attention.py; the same math): blockwise never holds a
+    [batch, heads, seq, seq] tensor; sdpa is torch's F.scaled_dot_product_attention, the reference's call."""
+    attention_block: int = ranged(256, ge=1, resumable=True)
+    """Keys per block of the blockwise attention (smaller: less memory, more steps)."""
 
     def problems(self, ranges: bool = True) -> list[str]:
         """What is wrong with these values, empty if nothing: the ranges declared on the fields
@@ -83,6 +89,8 @@ class TRMConfig:
             out.append(f"pos_encodings must be rope, learned or none, got {self.pos_encodings!r}")
         if self.forward_dtype not in DTYPES:
             out.append(f"forward_dtype must be one of {sorted(DTYPES)}, got {self.forward_dtype!r}")
+        if self.attention not in ATTENTIONS:
+            out.append(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if out or range_problems(self):  # the checks below divide by these sizes
             return out
         if not self.mlp_t and self.hidden_size % self.num_heads:
@@ -187,8 +195,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Bidirectional multi-head self-attention, no bias."""
 
-    def __init__(self, hidden_size: int, num_heads: int):
+    def __init__(self, hidden_size: int, num_heads: int, kind: str = "blockwise", block: int = 256):
         super().__init__()
+        self.kind, self.block = kind, block
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
         self.qkv = Linear(hidden_size, 3 * hidden_size)
@@ -201,7 +210,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        y = attend(q, k, v, self.kind, self.block)
         return self.out(y.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -214,7 +223,7 @@ class Block(nn.Module):
         if config.mlp_t:
             self.seq_mlp = SwiGLU(config.total_len, config.expansion)
         else:
-            self.attn = Attention(config.hidden_size, config.num_heads)
+            self.attn = Attention(config.hidden_size, config.num_heads, config.attention, config.attention_block)
         self.mlp = SwiGLU(config.hidden_size, config.expansion)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -537,6 +546,10 @@ def model_flops(c: TRMConfig) -> dict[str, int]:
     (elementwise; SignSGD's [B, B] id-matching matmul adds 2·B·puzzle_emb_ndim per example,
     under 0.01% here). For sudoku-mlp: 21 forward applications, 7 of them with backward,
     about 43 GFLOP per example.
+
+    "train_recompute": what the training step computes beyond these, not counted in MFU: the
+    blockwise attention's backward computes the scores again, 2·T²·h per attention block with
+    gradient, L_layers · (L_cycles + 1) of them (attention.py).
     """
     net = c.L_layers * block_flops(c)
     heads = heads_flops(c)
@@ -545,7 +558,9 @@ def model_flops(c: TRMConfig) -> dict[str, int]:
     train_flops = forward + 2 * ((c.L_cycles + 1) * net + heads)
     if not c.no_ACT_continue:
         train_flops += forward
-    return {"train": train_flops, "eval": forward}
+    recompute = 0 if c.mlp_t or c.attention != "blockwise" else \
+        c.L_layers * (c.L_cycles + 1) * recompute_flops(c.total_len, c.hidden_size)
+    return {"train": train_flops, "eval": forward, "train_recompute": recompute}
 
 
 # ----------------------------------------------------------------------------------------------

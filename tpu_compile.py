@@ -260,13 +260,14 @@ def compile_hlo(hlo: bytes, donors: list[int], topo: Topology) -> tuple[object, 
     return executable, time.perf_counter() - started
 
 
-def analyse(executable, topo: Topology, model_flops_per_device: float, top: int) -> dict:
-    """What the compiled program says: memory, FLOPs, bytes, collectives, estimates."""
+def analyse(executable, topo: Topology, model_flops_per_device: float, top: int, sequence: int) -> dict:
+    """What the compiled program says: memory, FLOPs, bytes, collectives, estimates, and the
+    shapes of its [..., sequence, sequence] results (attention scores written to HBM)."""
     memory = executable.get_compiled_memory_stats()
     cost = executable.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     text = executable.hlo_modules()[0].to_string()
-    stats = hlo_stats.summary(text, top)
+    stats = hlo_stats.summary(text, top, sequence)
     hbm = {"arguments": memory.argument_size_in_bytes, "outputs": memory.output_size_in_bytes,
            "aliased": memory.alias_size_in_bytes, "temporaries": memory.temp_size_in_bytes,
            "code": memory.generated_code_size_in_bytes}
@@ -287,6 +288,7 @@ def analyse(executable, topo: Topology, model_flops_per_device: float, top: int)
         "flops": flops, "model_flops": model_flops_per_device, "bytes_accessed": accessed,
         "collectives": stats["collectives"], "bytes_by_kind": stats["bytes_by_kind"],
         "largest_operations": stats["largest_operations"], "estimates": estimates,
+        "sequence_square_shapes": stats["sequence_square_shapes"],
         "estimate_ms": chosen,
         "estimate_source": ("XLA's per-operation cycle estimates in the compiled program, at the chip's "
                             f"{chip.clock_ghz:g} GHz clock (assumed)") if xla_ms else
@@ -336,8 +338,10 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
         else:
             say(f"  compiled in {seconds:.0f}s", flush=True)
             model_per_device = per_device[program] * config.optim.global_batch_size / topo.devices
-            results[program] = dict(analyse(executable, topo, model_per_device, top), compile_s=seconds,
-                                    compiler=_versions())
+            recompute = flops["train_recompute"] if program == "train_step" else 0
+            results[program] = dict(analyse(executable, topo, model_per_device, top, config.model.total_len),
+                                    recompute_flops=recompute * config.optim.global_batch_size / topo.devices,
+                                    compile_s=seconds, compiler=_versions())
             del executable
         Path(CACHE_DIR).mkdir(parents=True, exist_ok=True)
         (Path(CACHE_DIR) / f"{keys[program]}.json").write_text(json.dumps(results[program]))
@@ -417,7 +421,11 @@ def _versions() -> dict:
 def _advice(error: str, config: Config, slice_name: str) -> str:
     if "RESOURCE_EXHAUSTED" in error or "Ran out of memory" in error:
         batch = config.optim.global_batch_size
-        return (f"the program does not fit in HBM: use a smaller global batch (--optim.global-batch-size "
+        plain = not config.model.mlp_t and config.model.attention == "sdpa"
+        return ("the program does not fit in HBM: "
+                + ("use the blockwise attention (--model.attention blockwise), which never holds the "
+                   "[batch, heads, seq, seq] scores, or " if plain else "use ")
+                + f"a smaller global batch (--optim.global-batch-size "
                 f"{batch // 2}, with a proportionally smaller --optim.lr if you want the same recipe) or a "
                 f"larger slice than {slice_name} (more devices, fewer examples each)")
     return "the TPU compiler refused the program: the message above names the operation"
@@ -442,8 +450,9 @@ def format_results(results: list[dict]) -> str:
             f"  HBM per device (GB): {_gb(hbm['total'])} of {_gb(r['hbm_capacity_bytes'])} ({fits}): arguments "
             f"{_gb(hbm['arguments'])}, outputs {_gb(hbm['outputs'])}, aliased {_gb(hbm['aliased'])}, temporaries "
             f"{_gb(hbm['temporaries'])}, code {_gb(hbm['code'])}",
-            f"  FLOPs per device: {r['flops']:.3g} (model.model_flops: {r['model_flops']:.3g}, "
-            f"ratio {r['flops'] / r['model_flops']:.3f})",
+            f"  FLOPs per device: {r['flops']:.3g} (model.model_flops: {r['model_flops']:.3g}"
+            + (f" + the blockwise attention's recompute {r['recompute_flops']:.3g}" if r.get("recompute_flops") else "")
+            + f", ratio {r['flops'] / (r['model_flops'] + r.get('recompute_flops', 0)):.3f})",
             f"  bytes accessed per device: {_gb(r['bytes_accessed'])} GB",
             "  collectives: " + ("; ".join(f"{c['count']} {c['kind']} ({c['bytes'] / 1e6:.2f} MB: "
                                            f"{', '.join(c['shapes'][:4])})" for c in r["collectives"]) or "none"),
@@ -451,6 +460,8 @@ def format_results(results: list[dict]) -> str:
             f"{est['memory_bound_ms']:.2f}, "
             + (f"XLA's estimate {est['xla_estimate_ms']:.2f}" if est.get("xla_estimate_ms") else "no XLA estimate")
             + f" -> {r['estimate_ms']:.2f} ms ({r['estimate_source']}); MFU ceiling {r['mfu_ceiling']:.0%}",
+            "  results of shape [..., seq, seq] (attention scores in HBM): "
+            + (", ".join(r.get("sequence_square_shapes", [])[:4]) or "none"),
             "  bytes by kind of operation: " + ", ".join(f"{k['kind']} {k['count']}x {_gb(k['bytes'])} GB"
                                                         for k in r["bytes_by_kind"][:8]),
             "  largest operations:",

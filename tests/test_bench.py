@@ -66,8 +66,12 @@ def test_flop_formula_equals_the_models_matmuls(preset, no_act_continue):
                                  num_puzzle_identifiers=5, H_cycles=3, L_cycles=2,
                                  no_ACT_continue=no_act_continue)
     flops = model_flops(config)
-    assert counted_flops(config, train_mode=True) == flops["train"]
+    assert counted_flops(config, train_mode=True) == flops["train"] + flops["train_recompute"]
     assert counted_flops(config, train_mode=False) == flops["eval"]
+    if not config.mlp_t:  # the plain attention computes the model's FLOPs and nothing more
+        plain = dataclasses.replace(config, attention="sdpa")
+        assert model_flops(plain)["train_recompute"] == 0 < flops["train_recompute"]
+        assert counted_flops(plain, train_mode=True) == flops["train"]
 
 
 def test_sudoku_mlp_costs_what_the_design_notes_say():
