@@ -60,13 +60,19 @@ def _forward(q, k, v, block: int):
     running_max = torch.full(rows, -math.inf, dtype=wide, device=q.device)
     running_sum = torch.zeros(rows, dtype=wide, device=q.device)
     acc = torch.zeros(q.shape, dtype=wide, device=q.device)
+
+    # v with a column of ones: probabilities @ [v, 1] gives their weighted sum of v and their own
+    # row sum in one matmul (on a TPU the extra column rides in the matrix unit's padding; a
+    # separate sum over the keys reads the float32 probabilities again: 16% of arc1's step).
+    v_ones = torch.cat([v, torch.ones(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device)], dim=-1)
     for start, end in key_blocks(k.shape[-2], block):
         scores = _matmul_wide(q, k[..., start:end, :].transpose(-2, -1)) * scale
         new_max = torch.maximum(running_max, scores.amax(dim=-1))
         probs = torch.exp(scores - new_max.unsqueeze(-1))
         rescale = torch.exp(running_max - new_max)  # 0 for the first block (its max is -inf)
-        running_sum = running_sum * rescale + probs.sum(dim=-1)
-        acc = acc * rescale.unsqueeze(-1) + _matmul_wide(probs.to(v.dtype), v[..., start:end, :])
+        weighted = _matmul_wide(probs.to(v.dtype), v_ones[..., start:end, :])
+        running_sum = running_sum * rescale + weighted[..., -1]
+        acc = acc * rescale.unsqueeze(-1) + weighted[..., :-1]
         running_max = new_max
     return (acc / running_sum.unsqueeze(-1)).to(q.dtype), running_max + torch.log(running_sum)
 
