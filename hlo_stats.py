@@ -126,6 +126,8 @@ class ProgramStats:
         dimensions are both `length` (an attention's [..., seq, seq] scores or probabilities)."""
         found = []
         for op in self.operations:
+            if op.opcode in NO_DATA_MOVED:
+                continue
             for _, dims in _ARRAY.findall(op.shape):
                 sizes = [int(d) for d in filter(None, dims.split(","))]
                 shape = re.sub(r"\{[^}]*\}", "", op.shape)

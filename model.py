@@ -75,7 +75,7 @@ class TRMConfig:
     attention: Literal["blockwise", "sdpa"] = ranged("blockwise", resumable=True)
     """How attention is computed (attention.py; the same math): blockwise never holds a
     [batch, heads, seq, seq] tensor; sdpa is torch's F.scaled_dot_product_attention, the reference's call."""
-    attention_block: int = ranged(256, ge=1, resumable=True)
+    attention_block: int = ranged(512, ge=1, resumable=True)
     """Keys per block of the blockwise attention (smaller: less memory, more steps)."""
 
     def problems(self, ranges: bool = True) -> list[str]:
@@ -195,7 +195,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Bidirectional multi-head self-attention, no bias."""
 
-    def __init__(self, hidden_size: int, num_heads: int, kind: str = "blockwise", block: int = 256):
+    def __init__(self, hidden_size: int, num_heads: int, kind: str = "blockwise", block: int = 512):
         super().__init__()
         self.kind, self.block = kind, block
         self.num_heads = num_heads

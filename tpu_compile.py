@@ -137,12 +137,18 @@ def program_settings(config: Config) -> str:
                        "table_split": config.run.shard_puzzle_table}, sort_keys=True)
 
 
+# The project files whose code shapes a traced program or its figures (the compile cache's key):
+# the traced code (model, optimizers, the captured step, the mesh) and what it imports from the
+# project (tests/test_tpu_compile.py checks), the trainer that builds the step, and this reader.
+PROGRAM_SOURCES = ("model.py", "attention.py", "ranges.py", "optim.py", "trainer.py", "capture.py",
+                   "sharding.py", "tpu_compile.py", "hlo_stats.py")
+
+
 def program_key(config: Config, program: str, topo: Topology) -> str:
     """What names a compiled program before it is traced: the settings that shape it, the
     topology, the code that builds and reads it, and the compiler's versions."""
     here = Path(__file__).resolve().parent
-    code = b"".join((here / f).read_bytes() for f in ("model.py", "optim.py", "trainer.py", "capture.py",
-                                                      "sharding.py", "tpu_compile.py", "hlo_stats.py"))
+    code = b"".join((here / f).read_bytes() for f in PROGRAM_SOURCES)
     where = {"program": program, "topology": [topo.name, topo.chip.chip_config, topo.chips_per_host],
              "versions": list(_versions().values())}
     return hashlib.sha256((program_settings(config) + json.dumps(where)).encode() + code).hexdigest()[:24]

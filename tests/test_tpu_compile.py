@@ -117,6 +117,20 @@ def test_tpu_compile_the_training_step_has_only_data_parallel_collectives(compil
             assert {c["kind"] for c in r["collectives"]} <= {"all-reduce"}, (preset, r["collectives"])
 
 
+ATTENTION_PRESETS = ("sudoku-att", "maze", "arc1", "arc2")
+
+
+@pytest.mark.parametrize("preset", ATTENTION_PRESETS)
+def test_step_bytes_attention_never_writes_a_sequence_by_sequence_tensor(compiled, preset):
+    """The blockwise attention (attention.py, the presets' default) holds each block of keys'
+    [batch, heads, seq, block] scores, never [batch, heads, seq, seq]: in training and in
+    evaluation, on both slices (the check finds such a tensor where there is one:
+    test_tpu_compile_reads_hlo_statistics_from_text)."""
+    for slice_name in SLICES:
+        for program in ("train_step", "eval_step"):
+            assert compiled[(preset, slice_name, program)]["sequence_square_shapes"] == [], (slice_name, program)
+
+
 @pytest.fixture(scope="module")
 def demo_cache(tmp_path_factory):
     """A compile cache the demo's programs land in (the tests below reuse them)."""
@@ -164,6 +178,18 @@ def test_tpu_compile_a_program_too_large_for_hbm_fails_with_the_compilers_messag
     assert again.returncode == 1 and "NOT COMPILED" in again.stdout and "compiling" not in again.stdout  # cached
 
 
+def test_tpu_compile_cache_key_covers_the_code_the_programs_are_traced_from():
+    """A compiled program is cached under a key of the code it is traced from: every project file
+    the traced modules import is in it (attention.py once was not, and a changed attention read
+    an old program from the cache)."""
+    import tpu_compile
+    from tests.test_layout import reachable
+
+    traced = {"model", "optim", "capture", "sharding"}
+    traced |= set().union(*(reachable(name) for name in traced))
+    assert {f"{m}.py" for m in traced} <= set(tpu_compile.PROGRAM_SOURCES)
+
+
 def test_tpu_compile_refuses_a_slice_it_does_not_know():
     done = run_compile("tpu_compile.py", "demo", "--slice", "v4-12")
     assert done.returncode != 0
@@ -183,6 +209,8 @@ def test_tpu_compile_reads_hlo_statistics_from_text():
     # the dot fusion reads two f32[4,8] (128 B each) and writes f32[4,4] (64 B)
     assert by_kind["fusion (dot)"]["bytes"] == 128 + 128 + 64
     assert hlo_stats.shape_bytes("(bf16[2,3]{1,0}, pred[5], s4[4])") == 12 + 5 + 2
+    # The check behind "no attention scores in HBM": results whose last two dimensions are the sequence.
+    assert stats.sequence_square_shapes(4) == ["f32[4,4]"] and stats.sequence_square_shapes(8) == []
 
 
 def cached_estimates(config, slice_name, cache_dir, monkeypatch) -> dict:
