@@ -5,8 +5,11 @@ in the two forms a run can choose (model.TRMConfig.attention):
                a fused kernel; on XLA it is torch's math path: q, k and v upcast to float32 and
                the float32 scores and probabilities of every head and pair of positions written
                to HBM ([batch, heads, seq, seq], kept for the backward).
-    blockwise  the same math over blocks of keys with an online softmax (Rabe and Staats 2021),
-               and a backward that recomputes each block's probabilities from q, k and the
+    blockwise  keys that fit in one block (`block`): the math written out, without the SDPA
+               math path's float32 copies of q, k, v and its masked `_safe_softmax`; autograd's
+               backward keeps the [batch, heads, seq, seq] probabilities, as sdpa does. Longer
+               sequences: the same math over blocks of keys with an online softmax (Rabe and
+               Staats 2021), and a backward that recomputes each block's probabilities from q, k and the
                saved log-sum-exp (FlashAttention-2's algorithm, Dao 2023), in plain PyTorch that
                any XLA backend compiles. Nothing of shape [batch, heads, seq, seq] exists; each
                block's [batch, heads, seq, block] scores live only while that block is worked on.
@@ -77,6 +80,14 @@ def _forward(q, k, v, block: int):
     return (acc / running_sum.unsqueeze(-1)).to(q.dtype), running_max + torch.log(running_sum)
 
 
+def _direct(q, k, v):
+    """The same numerics over all keys at once: float32 scores and softmax, the probabilities
+    meeting v in v's dtype (without torch's SDPA math path's float32 copies of q, k, v and its
+    masked `_safe_softmax`)."""
+    scores = _matmul_wide(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, block):
@@ -116,6 +127,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, block: 
     if kind == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, is_causal=False)
     if kind == "blockwise":
+        if k.shape[-2] <= block:  # one block: the written-out math, autograd's backward (nothing to recompute)
+            return _direct(q, k, v)
         return _BlockwiseAttention.apply(q, k, v, block)
     raise ValueError(f"attention {kind!r} is not one of {ATTENTIONS}")
 

@@ -73,10 +73,11 @@ class TRMConfig:
     rope_theta: float = ranged(10000.0, gt=0)
     """RoPE base."""
     attention: Literal["blockwise", "sdpa"] = ranged("blockwise", resumable=True)
-    """How attention is computed (attention.py; the same math): blockwise never holds a
-    [batch, heads, seq, seq] tensor; sdpa is torch's F.scaled_dot_product_attention, the reference's call."""
+    """How attention is computed (attention.py; the same math): blockwise, over blocks of keys
+    (no [batch, heads, seq, seq] tensor when seq > attention_block); sdpa, torch's call as in the reference."""
     attention_block: int = ranged(512, ge=1, resumable=True)
-    """Keys per block of the blockwise attention (smaller: less memory, more steps)."""
+    """Keys per block of the blockwise attention; a sequence within one block is computed at once
+    (faster where it fits in HBM: tpu_compile.py tells; smaller blocks need less memory)."""
 
     def problems(self, ranges: bool = True) -> list[str]:
         """What is wrong with these values, empty if nothing: the ranges declared on the fields
