@@ -164,16 +164,19 @@ class SwiGLU(nn.Module):
         self.down = Linear(inner, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        # gate and up by two matmuls with the halves of gate_up's weight: the same dot products
+        # as one matmul chunked after, without writing (and slicing) the double-width output.
+        gate_weight, up_weight = self.gate_up.weight.to(x.dtype).chunk(2, dim=0)
+        return self.down(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight))
 
     def across_positions(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x.transpose(1, 2)).transpose(1, 2) for x [batch, positions, channels], with
         the same dot products contracting the positions directly: no transposed copy of the
         activations, and the channels stay the minor dimension (on a TPU a minor dimension of
         T = 97 positions would be padded to 128 and relaid out around every matmul)."""
-        gate, up = torch.matmul(self.gate_up.weight.to(x.dtype), x).chunk(2, dim=1)
-        return torch.matmul(self.down.weight.to(x.dtype), F.silu(gate) * up)
+        gate_weight, up_weight = self.gate_up.weight.to(x.dtype).chunk(2, dim=0)
+        hidden = F.silu(torch.matmul(gate_weight, x)) * torch.matmul(up_weight, x)
+        return torch.matmul(self.down.weight.to(x.dtype), hidden)
 
 
 def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
