@@ -189,10 +189,12 @@ def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim] in float32, return it in its own dtype."""
-    x32 = x.float()
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-    return (x32 * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    # x·cos + rotate_half(x)·sin written per half (the tables' halves are equal): the same
+    # products and sums, without a rotated float32 copy of x.
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
