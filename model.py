@@ -142,10 +142,10 @@ def truncated_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
         return tensor.clamp_(lo * scale, hi * scale)
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a gain, computed in float32 and returned in x's dtype."""
+def rms_norm(x: torch.Tensor, eps: float, dim: int = -1) -> torch.Tensor:
+    """RMSNorm over `dim` without a gain, computed in float32 and returned in x's dtype."""
     x32 = x.float()
-    return (x32 * torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (x32 * torch.rsqrt(x32.square().mean(dim, keepdim=True) + eps)).to(x.dtype)
 
 
 def swiglu_width(width: int, expansion: float) -> int:
@@ -173,8 +173,19 @@ class SwiGLU(nn.Module):
         self.down = Linear(inner, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        # gate and up by two matmuls with the halves of gate_up's weight: the same dot products
+        # as one matmul chunked after, without writing (and slicing) the double-width output.
+        gate_weight, up_weight = self.gate_up.weight.to(x.dtype).chunk(2, dim=0)
+        return self.down(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight))
+
+    def across_positions(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x.transpose(1, 2)).transpose(1, 2) for x [batch, positions, channels], with
+        the same dot products contracting the positions directly: no transposed copy of the
+        activations, and the channels stay the minor dimension (on a TPU a minor dimension of
+        T = 97 positions would be padded to 128 and relaid out around every matmul)."""
+        gate_weight, up_weight = self.gate_up.weight.to(x.dtype).chunk(2, dim=0)
+        hidden = F.silu(torch.matmul(gate_weight, x)) * torch.matmul(up_weight, x)
+        return torch.matmul(self.down.weight.to(x.dtype), hidden)
 
 
 def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,10 +198,12 @@ def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim] in float32, return it in its own dtype."""
-    x32 = x.float()
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-    return (x32 * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    # x·cos + rotate_half(x)·sin written per half (the tables' halves are equal): the same
+    # products and sums, without a rotated float32 copy of x.
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    cos, sin = cos[:, None, :half], sin[:, None, :half]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -229,9 +242,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         if hasattr(self, "seq_mlp"):
-            # Mixing across positions; the norm is taken over positions too, as in the reference.
-            xt = x.transpose(1, 2)
-            x = rms_norm(xt + self.seq_mlp(xt), self.eps).transpose(1, 2)
+            # Mixing across positions; the norm is taken over positions too, as in the reference
+            # (which transposes to [batch, channels, positions] and back around both).
+            x = rms_norm(x + self.seq_mlp.across_positions(x), self.eps, dim=1)
         else:
             x = rms_norm(x + self.attn(x, rope), self.eps)
         return rms_norm(x + self.mlp(x), self.eps)
