@@ -117,18 +117,17 @@ def test_tpu_compile_the_training_step_has_only_data_parallel_collectives(compil
             assert {c["kind"] for c in r["collectives"]} <= {"all-reduce"}, (preset, r["collectives"])
 
 
-ATTENTION_PRESETS = ("sudoku-att", "maze", "arc1", "arc2")
-
-
-@pytest.mark.parametrize("preset", ATTENTION_PRESETS)
+@pytest.mark.parametrize("preset", ["maze", "arc1", "arc2"])
 def test_step_bytes_attention_never_writes_a_sequence_by_sequence_tensor(compiled, preset):
     """The blockwise attention (attention.py, the presets' default) holds each block of keys'
     [batch, heads, seq, block] scores, never [batch, heads, seq, seq]: in training and in
     evaluation, on both slices (the check finds such a tensor where there is one:
-    test_tpu_compile_reads_hlo_statistics_from_text)."""
+    test_tpu_compile_reads_hlo_statistics_from_text). sudoku-att's 97 positions are one block
+    of keys: written out at once, its [batch, heads, 97, 97] scores are the faster program."""
     for slice_name in SLICES:
         for program in ("train_step", "eval_step"):
             assert compiled[(preset, slice_name, program)]["sequence_square_shapes"] == [], (slice_name, program)
+    assert compiled[("sudoku-att", "v4-8", "train_step")]["sequence_square_shapes"] != []
 
 
 @pytest.fixture(scope="module")
