@@ -8,10 +8,17 @@ shape as the instruction that produced it declares it): what the operation reads
 HBM when nothing stays on chip. XLA's `bytes accessed` (the compiler's cost analysis) counts
 the same thing with knowledge of slices and in-place updates; the per-operation figures here are
 for finding where the bytes go, the program's total is the compiler's.
+
+The compiler's total counts every operand wherever it lives, and the asynchronous copies the
+compiler schedules into a chip's on-chip memory (v4's CMEM: layouts marked `S(3)`) on top: a
+program that prefetches more counts more bytes while it reads HBM less. `hbm_bytes` counts only
+arrays in HBM (layouts without a memory space `S(n)`), each asynchronous copy or slice once per
+side in HBM: the traffic the memory-bound estimate is about.
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -23,6 +30,8 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "coll
                "collective-broadcast")
 NO_DATA_MOVED = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant")  # names and views, no bytes
 _ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+_LAID_OUT_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
+ASYNC_MOVES = ("copy-start", "slice-start")
 # `%name = SHAPE opcode(operands), attributes`; SHAPE may be a tuple with nested brackets.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
@@ -39,6 +48,16 @@ def shape_bytes(shape_text: str) -> int:
     return int(total)
 
 
+def hbm_shape_bytes(shape_text: str) -> int:
+    """Bytes of the arrays of a shape that live in HBM: those whose layout names no other memory
+    space (`S(n)`: on v4, S(3) is the on-chip CMEM; S(1), S(2) hold scalars and vectors)."""
+    total = 0.0
+    for dtype, dims, layout in _LAID_OUT_ARRAY.findall(shape_text):
+        if "S(" not in layout:
+            total += math.prod(int(d) for d in filter(None, dims.split(","))) * DTYPE_BYTES[dtype]
+    return int(total)
+
+
 @dataclass
 class Operation:
     name: str
@@ -50,6 +69,18 @@ class Operation:
     operand_bytes: int = 0
 
     calls_dot: bool = False  # a fusion whose computation holds a matrix multiply
+    operand_hbm_bytes: int = 0
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Bytes this operation reads and writes in HBM. An asynchronous copy or slice moves its
+        destination's bytes: counted once for each of its two sides in HBM."""
+        if self.opcode.endswith("-done") or 'custom_call_target="ConcatBitcast"' in self.attributes:
+            return 0  # counted by its -start; a concatenation of views, nothing moved
+        if self.opcode in ASYNC_MOVES:
+            moved = shape_bytes(_tuple_element(self.shape, 1))
+            return moved * sum(hbm_shape_bytes(_tuple_element(self.shape, i)) > 0 for i in (0, 1))
+        return hbm_shape_bytes(self.shape) + self.operand_hbm_bytes
 
     @property
     def bytes(self) -> int:
@@ -135,9 +166,25 @@ class ProgramStats:
                     found.append(shape)
         return found
 
+    def hbm_bytes(self) -> int:
+        """The bytes the top-level operations read and write in HBM (see the module's docstring)."""
+        return sum(op.hbm_bytes for op in self.operations if op.opcode not in NO_DATA_MOVED)
+
     def estimated_cycles(self) -> int:
         """The sum of XLA's per-operation cycle estimates over the top-level operations."""
         return sum(op.estimated_cycles for op in self.operations)
+
+
+def _tuple_element(shape_text: str, index: int) -> str:
+    """The index-th top-level element of a tuple shape's text ('(a, (b, c), d)' -> '(b, c)' for 1)."""
+    depth, start, elements = 0, 1, []
+    for i, ch in enumerate(shape_text):
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if (ch == "," and depth == 1) or (depth == 0 and ch == ")"):
+            elements.append(shape_text[start:i].strip())
+            start = i + 1
+    return elements[index]
 
 
 def computations_with_dots(hlo_text: str) -> set[str]:
@@ -187,6 +234,7 @@ def parse_program(hlo_text: str) -> ProgramStats:
     dots = computations_with_dots(hlo_text)
     for op in ops.values():
         op.operand_bytes = sum(ops[o].result_bytes for o in op.operands if o in ops)
+        op.operand_hbm_bytes = sum(hbm_shape_bytes(ops[o].shape) for o in op.operands if o in ops)
         called = re.search(r"calls=%?([\w.\-]+)", op.attributes)
         op.calls_dot = bool(called and called.group(1) in dots)
     return ProgramStats(list(ops.values()))
@@ -198,6 +246,7 @@ def summary(hlo_text: str, top: int = 10, sequence: int | None = None) -> dict:
     stats = parse_program(hlo_text)
     return {"collectives": stats.collectives(), "bytes_by_kind": stats.bytes_by_kind(),
             "largest_operations": stats.largest(top), "estimated_cycles": stats.estimated_cycles(),
+            "hbm_bytes": stats.hbm_bytes(),
             "sequence_square_shapes": stats.sequence_square_shapes(sequence) if sequence else []}
 
 

@@ -179,10 +179,9 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight))
 
     def across_positions(self, x: torch.Tensor) -> torch.Tensor:
-        """forward(x.transpose(1, 2)).transpose(1, 2) for x [batch, positions, channels], with
-        the same dot products contracting the positions directly: no transposed copy of the
-        activations, and the channels stay the minor dimension (on a TPU a minor dimension of
-        T = 97 positions would be padded to 128 and relaid out around every matmul)."""
+        """forward(x.transpose(1, 2)).transpose(1, 2) for x [batch, positions, channels]: the same
+        dot products contracting the positions directly, with no transposed copy (on a TPU a minor
+        dimension of T = 97 positions is padded to 128 and relaid out around every matmul)."""
         gate_weight, up_weight = self.gate_up.weight.to(x.dtype).chunk(2, dim=0)
         hidden = F.silu(torch.matmul(gate_weight, x)) * torch.matmul(up_weight, x)
         return torch.matmul(self.down.weight.to(x.dtype), hidden)
@@ -211,8 +210,7 @@ class Attention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, kind: str = "blockwise", block: int = 512):
         super().__init__()
-        self.kind, self.block = kind, block
-        self.num_heads = num_heads
+        self.num_heads, self.kind, self.block = num_heads, kind, block
         self.head_dim = hidden_size // num_heads
         self.qkv = Linear(hidden_size, 3 * hidden_size)
         self.out = Linear(hidden_size, hidden_size)

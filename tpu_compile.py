@@ -294,7 +294,7 @@ def analyse(executable, topo: Topology, model_flops_per_device: float, top: int,
         "flops": flops, "model_flops": model_flops_per_device, "bytes_accessed": accessed,
         "collectives": stats["collectives"], "bytes_by_kind": stats["bytes_by_kind"],
         "largest_operations": stats["largest_operations"], "estimates": estimates,
-        "sequence_square_shapes": stats["sequence_square_shapes"],
+        "sequence_square_shapes": stats["sequence_square_shapes"], "hbm_side_bytes": stats["hbm_bytes"],
         "estimate_ms": chosen,
         "estimate_source": ("XLA's per-operation cycle estimates in the compiled program, at the chip's "
                             f"{chip.clock_ghz:g} GHz clock (assumed)") if xla_ms else
@@ -459,7 +459,8 @@ def format_results(results: list[dict]) -> str:
             f"  FLOPs per device: {r['flops']:.3g} (model.model_flops: {r['model_flops']:.3g}"
             + (f" + the blockwise attention's recompute {r['recompute_flops']:.3g}" if r.get("recompute_flops") else "")
             + f", ratio {r['flops'] / (r['model_flops'] + r.get('recompute_flops', 0)):.3f})",
-            f"  bytes accessed per device: {_gb(r['bytes_accessed'])} GB",
+            f"  bytes accessed per device: {_gb(r['bytes_accessed'])} GB (the compiler's count, on-chip memory "
+            f"included); in HBM: {_gb(r.get('hbm_side_bytes', 0))} GB (hlo_stats.hbm_bytes)",
             "  collectives: " + ("; ".join(f"{c['count']} {c['kind']} ({c['bytes'] / 1e6:.2f} MB: "
                                            f"{', '.join(c['shapes'][:4])})" for c in r["collectives"]) or "none"),
             f"  step time (ms): compute-bound {est['compute_bound_ms']:.2f}, memory-bound "

@@ -208,6 +208,19 @@ def test_tpu_compile_reads_hlo_statistics_from_text():
     # the dot fusion reads two f32[4,8] (128 B each) and writes f32[4,4] (64 B)
     assert by_kind["fusion (dot)"]["bytes"] == 128 + 128 + 64
     assert hlo_stats.shape_bytes("(bf16[2,3]{1,0}, pred[5], s4[4])") == 12 + 5 + 2
+    # In HBM (no layout names another memory space here): every operand and result once.
+    assert stats.hbm_bytes() == (128 + 128 + 64) + (128 + 128) + (128 + 512)
+    assert hlo_stats.hbm_shape_bytes("(f32[4,8]{1,0:T(8,128)S(3)}, bf16[2]{0}, s32[]{:S(2)})") == 4
+    # A prefetch into on-chip memory (S(3)) and back: each moves 512 B with one side in HBM.
+    prefetch = hlo_stats.parse_program("""ENTRY %main (p: f32[64,8]) -> f32[16,8] {
+  %p = f32[64,8]{1,0} parameter(0)
+  %slice-start.1 = ((f32[64,8]{1,0}), f32[16,8]{1,0:T(8,128)S(3)}, s32[]{:S(2)}) slice-start(%p), slice={[0:16], [0:8]}
+  %slice-done.1 = f32[16,8]{1,0:T(8,128)S(3)} slice-done(%slice-start.1)
+  %copy-start.2 = (f32[16,8]{1,0}, f32[16,8]{1,0:S(3)}, u32[]{:S(2)}) copy-start(%slice-done.1)
+  %copy-done.2 = f32[16,8]{1,0} copy-done(%copy-start.2)
+  ROOT %negate.3 = f32[16,8]{1,0} negate(%copy-done.2)
+}""")
+    assert prefetch.hbm_bytes() == 512 + 512 + (512 + 512)
     # The check behind "no attention scores in HBM": results whose last two dimensions are the sequence.
     assert stats.sequence_square_shapes(4) == ["f32[4,4]"] and stats.sequence_square_shapes(8) == []
 
