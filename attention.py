@@ -133,7 +133,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, block: 
     raise ValueError(f"attention {kind!r} is not one of {ATTENTIONS}")
 
 
-def recompute_flops(length: int, width: int) -> int:
-    """FLOPs the blockwise backward spends again per example and attention application with a
-    gradient: the scores q k^T of every head, 2·length²·width."""
-    return 2 * length * length * width
+def blockwise_extra_flops(length: int, width: int, heads: int) -> tuple[int, int]:
+    """FLOPs per example that the blockwise form over blocks of keys computes beyond the
+    attention's own matmuls, per attention application: in the forward, the probabilities' row
+    sums (the column of ones beside v, 2·length²·heads); in the backward, the scores q k^T again
+    (2·length²·width)."""
+    return 2 * length * length * heads, 2 * length * length * width

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention import ATTENTIONS, attend, recompute_flops
+from attention import ATTENTIONS, attend, blockwise_extra_flops
 from ranges import range_problems, ranged
 
 IGNORE_LABEL_ID = -100
@@ -559,10 +559,8 @@ def model_flops(c: TRMConfig) -> dict[str, int]:
     under 0.01% here). For sudoku-mlp: 21 forward applications, 7 of them with backward,
     about 43 GFLOP per example.
 
-    "train_recompute": what the training step computes beyond these, not counted in MFU: the
-    blockwise attention's backward computes the scores again, 2·T²·h per attention block with
-    gradient, L_layers · (L_cycles + 1) of them (attention.py).
-    """
+    "train_extra", "eval_extra" (not in MFU): the blockwise attention's own work over blocks of
+    keys (T > attention_block): row sums in the forward, the scores again in the backward."""
     net = c.L_layers * block_flops(c)
     heads = heads_flops(c)
     applications = c.H_cycles * (c.L_cycles + 1)
@@ -570,9 +568,11 @@ def model_flops(c: TRMConfig) -> dict[str, int]:
     train_flops = forward + 2 * ((c.L_cycles + 1) * net + heads)
     if not c.no_ACT_continue:
         train_flops += forward
-    recompute = 0 if c.mlp_t or c.attention != "blockwise" else \
-        c.L_layers * (c.L_cycles + 1) * recompute_flops(c.total_len, c.hidden_size)
-    return {"train": train_flops, "eval": forward, "train_recompute": recompute}
+    blocks = not c.mlp_t and c.attention == "blockwise" and c.total_len > c.attention_block
+    row_sums, scores_again = blockwise_extra_flops(c.total_len, c.hidden_size, c.num_heads) if blocks else (0, 0)
+    eval_extra = c.L_layers * applications * row_sums
+    train_extra = eval_extra * (1 if c.no_ACT_continue else 2) + c.L_layers * (c.L_cycles + 1) * scores_again
+    return {"train": train_flops, "eval": forward, "train_extra": train_extra, "eval_extra": eval_extra}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -344,9 +344,9 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
         else:
             say(f"  compiled in {seconds:.0f}s", flush=True)
             model_per_device = per_device[program] * config.optim.global_batch_size / topo.devices
-            recompute = flops["train_recompute"] if program == "train_step" else 0
+            extra = flops["train_extra" if program == "train_step" else "eval_extra"]
             results[program] = dict(analyse(executable, topo, model_per_device, top, config.model.total_len),
-                                    recompute_flops=recompute * config.optim.global_batch_size / topo.devices,
+                                    extra_flops=extra * config.optim.global_batch_size / topo.devices,
                                     compile_s=seconds, compiler=_versions())
             del executable
         Path(CACHE_DIR).mkdir(parents=True, exist_ok=True)
@@ -457,8 +457,8 @@ def format_results(results: list[dict]) -> str:
             f"{_gb(hbm['arguments'])}, outputs {_gb(hbm['outputs'])}, aliased {_gb(hbm['aliased'])}, temporaries "
             f"{_gb(hbm['temporaries'])}, code {_gb(hbm['code'])}",
             f"  FLOPs per device: {r['flops']:.3g} (model.model_flops: {r['model_flops']:.3g}"
-            + (f" + the blockwise attention's recompute {r['recompute_flops']:.3g}" if r.get("recompute_flops") else "")
-            + f", ratio {r['flops'] / (r['model_flops'] + r.get('recompute_flops', 0)):.3f})",
+            + (f" + the blockwise attention's extra {r['extra_flops']:.3g}" if r.get("extra_flops") else "")
+            + f", ratio {r['flops'] / (r['model_flops'] + r.get('extra_flops', 0)):.3f})",
             f"  bytes accessed per device: {_gb(r['bytes_accessed'])} GB (the compiler's count, on-chip memory "
             f"included); in HBM: {_gb(r.get('hbm_side_bytes', 0))} GB (hlo_stats.hbm_bytes)",
             "  collectives: " + ("; ".join(f"{c['count']} {c['kind']} ({c['bytes'] / 1e6:.2f} MB: "

@@ -66,12 +66,15 @@ def test_flop_formula_equals_the_models_matmuls(preset, no_act_continue):
                                  num_puzzle_identifiers=5, H_cycles=3, L_cycles=2,
                                  no_ACT_continue=no_act_continue)
     flops = model_flops(config)
-    assert counted_flops(config, train_mode=True) == flops["train"] + flops["train_recompute"]
-    assert counted_flops(config, train_mode=False) == flops["eval"]
-    if not config.mlp_t:  # the plain attention computes the model's FLOPs and nothing more
-        plain = dataclasses.replace(config, attention="sdpa")
-        assert model_flops(plain)["train_recompute"] == 0 < flops["train_recompute"]
-        assert counted_flops(plain, train_mode=True) == flops["train"]
+    assert counted_flops(config, train_mode=True) == flops["train"] + flops["train_extra"]
+    assert counted_flops(config, train_mode=False) == flops["eval"] + flops["eval_extra"]
+    if not config.mlp_t:  # 22 positions are one block of keys; in blocks of 16 the form adds its extra
+        blocks = dataclasses.replace(config, attention_block=16)
+        extra = model_flops(blocks)
+        assert flops["train_extra"] == flops["eval_extra"] == 0 < extra["eval_extra"] < extra["train_extra"]
+        assert counted_flops(blocks, train_mode=True) == flops["train"] + extra["train_extra"]
+        assert counted_flops(blocks, train_mode=False) == flops["eval"] + extra["eval_extra"]
+        assert counted_flops(dataclasses.replace(config, attention="sdpa"), train_mode=True) == flops["train"]
 
 
 def test_sudoku_mlp_costs_what_the_design_notes_say():
