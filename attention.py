@@ -66,7 +66,9 @@ def _forward(q, k, v, block: int):
 
     # v with a column of ones: probabilities @ [v, 1] gives their weighted sum of v and their own
     # row sum in one matmul (on a TPU the extra column rides in the matrix unit's padding; a
-    # separate sum over the keys reads the float32 probabilities again: 16% of arc1's step).
+    # separate sum over the keys reads the float32 probabilities again: 16% of arc1's step). The
+    # sum is then of the probabilities as they meet v (bf16 in the presets, summed in float32):
+    # the weights of the average sum to 1.
     v_ones = torch.cat([v, torch.ones(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device)], dim=-1)
     for start, end in key_blocks(k.shape[-2], block):
         scores = _matmul_wide(q, k[..., start:end, :].transpose(-2, -1)) * scale
