@@ -82,10 +82,9 @@ def test_tpu_compile_every_preset_compiles_for_v4_and_v5e(compiled, preset):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_tpu_compile_flops_agree_with_the_model_count(compiled, preset):
     """The compiler's FLOPs per device equal model.model_flops (the matmuls, and the blockwise
-    attention's extra row sums and recomputed scores) times the examples per device, within 15% at this narrow
-    width: the rest is elementwise work (norms, softmax,
-    stablemax, the optimizers) the formula leaves out, under 4% at the presets' real width
-    (docs/speed.md)."""
+    attention's extra row sums and recomputed scores) times the examples per device, within 15%
+    at this narrow width: the rest is elementwise work (norms, softmax, stablemax, the
+    optimizers) the formula leaves out, under 4% at the presets' real width (docs/speed.md)."""
     for slice_name in SLICES:
         for program in ("train_step", "eval_step"):
             r = compiled[(preset, slice_name, program)]
