@@ -29,33 +29,31 @@ DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
                "collective-broadcast")
 NO_DATA_MOVED = ("parameter", "get-tuple-element", "tuple", "bitcast", "constant")  # names and views, no bytes
-_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
-_LAID_OUT_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
+# An array of a shape's text: dtype, dimensions and (when printed) its layout.
+_ARRAY = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
 ASYNC_MOVES = ("copy-start", "slice-start")
 # `%name = SHAPE opcode(operands), attributes`; SHAPE may be a tuple with nested brackets.
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 
 
+def _arrays(shape_text: str) -> list[tuple[str, list[int], str]]:
+    """(dtype, dimensions, layout) of every array in a shape's text (`f32[4,81]{1,0}`, a tuple of
+    them, `bf16[]`); the layout is "" where the text has none."""
+    return [(dtype, [int(d) for d in filter(None, dims.split(","))], layout)
+            for dtype, dims, layout in _ARRAY.findall(shape_text)]
+
+
 def shape_bytes(shape_text: str) -> int:
-    """Bytes of every array in a shape's text (`f32[4,81]{1,0}`, a tuple of them, `bf16[]`)."""
-    total = 0.0
-    for dtype, dims in _ARRAY.findall(shape_text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * DTYPE_BYTES[dtype]
-    return int(total)
+    """Bytes of every array in a shape's text."""
+    return int(sum(math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims, _ in _arrays(shape_text)))
 
 
 def hbm_shape_bytes(shape_text: str) -> int:
     """Bytes of the arrays of a shape that live in HBM: those whose layout names no other memory
     space (`S(n)`: on v4, S(3) is the on-chip CMEM; S(1), S(2) hold scalars and vectors)."""
-    total = 0.0
-    for dtype, dims, layout in _LAID_OUT_ARRAY.findall(shape_text):
-        if "S(" not in layout:
-            total += math.prod(int(d) for d in filter(None, dims.split(","))) * DTYPE_BYTES[dtype]
-    return int(total)
+    return int(sum(math.prod(dims) * DTYPE_BYTES[dtype] for dtype, dims, layout in _arrays(shape_text)
+                   if "S(" not in layout))
 
 
 @dataclass
@@ -69,6 +67,7 @@ class Operation:
     operand_bytes: int = 0
 
     calls_dot: bool = False  # a fusion whose computation holds a matrix multiply
+    result_hbm_bytes: int = 0
     operand_hbm_bytes: int = 0
 
     @property
@@ -80,7 +79,7 @@ class Operation:
         if self.opcode in ASYNC_MOVES:
             moved = shape_bytes(_tuple_element(self.shape, 1))
             return moved * sum(hbm_shape_bytes(_tuple_element(self.shape, i)) > 0 for i in (0, 1))
-        return hbm_shape_bytes(self.shape) + self.operand_hbm_bytes
+        return self.result_hbm_bytes + self.operand_hbm_bytes
 
     @property
     def bytes(self) -> int:
@@ -89,6 +88,11 @@ class Operation:
         if self.opcode.endswith("-start"):
             return self.result_bytes  # the (source, destination, ...) tuple: one read, one write
         return self.result_bytes + self.operand_bytes
+
+    @property
+    def plain_shape(self) -> str:
+        """The result's shape without its layouts (`f32[4,81]`)."""
+        return re.sub(r"\{[^}]*\}", "", self.shape)
 
     @property
     def kind(self) -> str:
@@ -131,9 +135,8 @@ class ProgramStats:
                 entry = found.setdefault(kind, {"kind": kind, "count": 0, "bytes": 0, "shapes": []})
                 entry["count"] += 1
                 entry["bytes"] += op.result_bytes
-                shape = re.sub(r"\{[^}]*\}", "", op.shape)
-                if shape not in entry["shapes"]:
-                    entry["shapes"].append(shape)
+                if op.plain_shape not in entry["shapes"]:
+                    entry["shapes"].append(op.plain_shape)
         return sorted(found.values(), key=lambda e: -e["bytes"])
 
     def bytes_by_kind(self) -> list[dict]:
@@ -150,20 +153,16 @@ class ProgramStats:
         """The n operations that move the most bytes, with their shape and source."""
         ops = sorted((op for op in self.operations if op.opcode not in NO_DATA_MOVED), key=lambda op: -op.bytes)[:n]
         return [{"name": op.name, "kind": op.kind, "bytes": op.bytes,
-                 "shape": re.sub(r"\{[^}]*\}", "", op.shape), "source": op.source} for op in ops]
+                 "shape": op.plain_shape, "source": op.source} for op in ops]
 
     def sequence_square_shapes(self, length: int) -> list[str]:
         """The distinct result shapes of top-level operations holding an array whose last two
         dimensions are both `length` (an attention's [..., seq, seq] scores or probabilities)."""
         found = []
         for op in self.operations:
-            if op.opcode in NO_DATA_MOVED:
-                continue
-            for _, dims in _ARRAY.findall(op.shape):
-                sizes = [int(d) for d in filter(None, dims.split(","))]
-                shape = re.sub(r"\{[^}]*\}", "", op.shape)
-                if sizes[-2:] == [length, length] and shape not in found:
-                    found.append(shape)
+            if op.opcode not in NO_DATA_MOVED and op.plain_shape not in found and \
+                    any(dims[-2:] == [length, length] for _, dims, _ in _arrays(op.shape)):
+                found.append(op.plain_shape)
         return found
 
     def hbm_bytes(self) -> int:
@@ -230,11 +229,12 @@ def parse_program(hlo_text: str) -> ProgramStats:
             if depth == 0:
                 end = i
                 break
-        ops[name] = Operation(name, opcode, shape, shape_bytes(shape), _OPERAND.findall(rest[:end]), rest[end + 1:])
+        ops[name] = Operation(name, opcode, shape, shape_bytes(shape), _OPERAND.findall(rest[:end]), rest[end + 1:],
+                              result_hbm_bytes=hbm_shape_bytes(shape))
     dots = computations_with_dots(hlo_text)
     for op in ops.values():
         op.operand_bytes = sum(ops[o].result_bytes for o in op.operands if o in ops)
-        op.operand_hbm_bytes = sum(hbm_shape_bytes(ops[o].shape) for o in op.operands if o in ops)
+        op.operand_hbm_bytes = sum(ops[o].result_hbm_bytes for o in op.operands if o in ops)
         called = re.search(r"calls=%?([\w.\-]+)", op.attributes)
         op.calls_dot = bool(called and called.group(1) in dots)
     return ProgramStats(list(ops.values()))
