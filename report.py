@@ -312,8 +312,10 @@ class HostLog:
     def close(self) -> None:
         """Stop teeing, make the last copy (object stores: waits at most CLOSE_TIMEOUT_S)."""
         if sys.stdout is not None and isinstance(sys.stdout, _Tee) and sys.stdout.log is self:
+            sys.stdout.drain()
             sys.stdout = self.streams[0]
         if sys.stderr is not None and isinstance(sys.stderr, _Tee) and sys.stderr.log is self:
+            sys.stderr.drain()
             sys.stderr = self.streams[1]
         if HostLog.active is self:
             HostLog.active = None
@@ -344,14 +346,40 @@ def upload_now(timeout_s: float = 5.0) -> None:
 
 
 class _Tee:
-    """A text stream that also writes to a HostLog."""
+    """A text stream that also writes to a HostLog, a whole line at a time: print() writes its
+    text and its newline in two calls, so lines printed by two threads at once (the metrics
+    reader's step line, the main thread's compile line) would otherwise run into each other."""
 
     def __init__(self, stream, log: HostLog):
         self.stream, self.log = stream, log
+        # Reentrant: a signal handler that prints runs on the main thread, maybe inside write().
+        self.lock, self.pending = threading.RLock(), {}  # thread id -> its text since its last newline
 
     def write(self, text: str) -> int:
-        self.log.write(text)
-        return self.stream.write(text)
+        with self.lock:
+            thread = threading.get_ident()
+            lines, newline, rest = (self.pending.pop(thread, "") + text).rpartition("\n")
+            if rest:
+                self.pending[thread] = rest
+            if newline:
+                self._emit(lines + newline)
+        return len(text)
+
+    def flush(self) -> None:
+        with self.lock:
+            self._emit(self.pending.pop(threading.get_ident(), ""))
+            self.stream.flush()
+
+    def drain(self) -> None:
+        """Write out every thread's unfinished line (when the tee is taken down)."""
+        with self.lock:
+            self._emit("".join(self.pending.values()))
+            self.pending.clear()
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.log.write(text)
+            self.stream.write(text)
 
     def __getattr__(self, name):
         return getattr(self.stream, name)

@@ -115,6 +115,31 @@ def test_the_studys_optimizers_and_schedules_train_without_recompiling(demo_path
     assert lrs == pytest.approx(want[schedule], rel=1e-6)
 
 
+def test_lines_printed_by_two_threads_at_once_stay_whole(tmp_path):
+    # The metrics reader prints step lines while the main thread prints its own (the compile
+    # line after a resumed launch's first step); print() writes text and newline separately, and
+    # a step line once lost its start to the other thread's line, in stdout and the host log.
+    code = textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {PROJECT_DIR!r})
+        import report
+        sys.setswitchinterval(1e-6)
+        def speak(name):
+            for i in range(2000):
+                print(name, "line", i, "of", 2000, flush=i % 2 == 0)
+        with report.HostLog({str(tmp_path)!r}, 0, "now"):
+            threads = [threading.Thread(target=speak, args=(name,)) for name in ("step", "compile")]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            print("unfinished", end="")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    logged = (tmp_path / "logs" / "host_0.launch-now.log").read_text()
+    want = sorted(f"{name} line {i} of 2000" for name in ("step", "compile") for i in range(2000)) + ["unfinished"]
+    for text in out, logged:
+        assert sorted(text.splitlines()) == want
+
+
 def metrics_records(run_dir: str) -> list[dict]:
     """The records of {run_dir}/metrics/part-*.jsonl, as the README says to read them."""
     import fsspec
