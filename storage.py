@@ -58,8 +58,20 @@ REQUEST_TIMEOUT_S = 20.0
 """A GCS request fails (and gcsfs retries it) when connecting, or waiting for the next bytes of
 the answer, takes longer: a healthy GCS answers in well under a second. Whole-object downloads
 are not limited in total (datasets can be large), only in silence."""
-RETRY_BUDGET_S = 120.0
-"""with_retries starts no new attempt this many seconds after its first."""
+def _seconds_from_env(name: str, default: float) -> float:
+    text = os.environ.get(name, "")
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise SystemExit(f"error: {name}={text!r} is not a number of seconds above 0; unset it for {default:g} s")
+    return value
+
+
+RETRY_BUDGET_S = _seconds_from_env("TRM_STORAGE_RETRY_BUDGET_S", 120.0)
+"""with_retries starts no new attempt this many seconds after its first (environment variable
+TRM_STORAGE_RETRY_BUDGET_S: longer where storage outages last longer)."""
 RETRY_MAX_DELAY_S = 15.0
 """with_retries' pause between attempts doubles from first_delay up to this."""
 

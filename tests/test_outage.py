@@ -170,11 +170,11 @@ class Training:
     """train.py on the demo data in a subprocess (run dir on the emulator), its output read
     line by line on threads so that a test can wait for a line with a timeout."""
 
-    def __init__(self, demo_path, tmp_path, run_dir, *extra):
+    def __init__(self, demo_path, tmp_path, run_dir, *extra, env=None):
         args = ["demo", "--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache"), "--run.dir", run_dir,
                 "--model.hidden-size", "32", "--model.puzzle-emb-ndim", "32", "--optim.global-batch-size", "32",
                 "--eval.every-epochs", "1000", "--run.log-every", "1", *extra]
-        env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, os.path.join(PROJECT_DIR, "train.py"), *args], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stdout, self.stderr, self.lines = [], [], queue.Queue()
@@ -217,13 +217,16 @@ class Training:
 @pytest.fixture
 def trainings():
     started = []
-    yield lambda *args: started.append(Training(*args)) or started[-1]
+    yield lambda *args, **kwargs: started.append(Training(*args, **kwargs)) or started[-1]
     for t in started:
         t.kill()
 
 
 def test_a_lasting_outage_stops_the_run_with_a_storage_error(demo_path, tmp_path, emulator, trainings):
-    run = trainings(demo_path, tmp_path, "gs://outage/run", "--optim.max-steps", "40", "--run.ckpt-every", "5")
+    # A 30 s retry budget (120 s by default): one attempt against refused connections takes ~35 s
+    # of gcsfs's own retries, so the save fails at its first attempt's end.
+    run = trainings(demo_path, tmp_path, "gs://outage/run", "--optim.max-steps", "40", "--run.ckpt-every", "5",
+                    env={"TRM_STORAGE_RETRY_BUDGET_S": "30"})
     run.wait_for_line("step 3/")
     emulator.close()  # for good: connections refused from now on
     status, seconds = run.wait(timeout_s=300)
