@@ -23,7 +23,7 @@ training loss is not finite (after printing the tables and the JSON).
 Columns (the JSON file has these and more, with units in the names; see `bench_preset`):
   params         trainable parameters (the puzzle-embedding table, a SignSGD buffer, not counted)
   GF/ex train    model GFLOP per example of one training step (one ACT segment, forward and
-                 backward; formula in model.py's `model_flops`); GF/ex eval: of one evaluation ACT step
+                 backward; formula in projection.py's `model_flops`); GF/ex eval: of one evaluation ACT step
                  (an evaluation batch runs halt_max_steps = 16 of them)
   dev@peak ms    device time of a training step of the global batch (768) at the slice's bf16 peak
   host ms        wall time of the host's work for one step in the training loop's thread:

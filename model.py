@@ -1,9 +1,9 @@
 """The Tiny Recursive Model (TRM, arXiv 2510.04871) in plain PyTorch.
 
 Same math as the reference implementation (github.com/SamsungSAILMontreal/TinyRecursiveModels):
-the recursive network with its ACT carry, the stablemax loss with the Q-halt head, the interop
-with the reference's checkpoints (the optimizers and the EMA are in optim.py), and the model's
-FLOP count (projection.py turns it into device time on a TPU slice). Everything here keeps
+the recursive network with its ACT carry, the stablemax loss with the Q-halt head and the interop
+with the reference's checkpoints (the optimizers and the EMA are in optim.py; the FLOP count is
+projection.py's). Everything here keeps
 static shapes and never reads a device value on the host, so one training step traces to one
 XLA graph. This file never imports torch_xla: it runs the same on CPU eager and on XLA.
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention import ATTENTIONS, attend, blockwise_extra_flops
+from attention import ATTENTIONS, attend
 from ranges import range_problems, ranged
 
 IGNORE_LABEL_ID = -100
@@ -512,67 +512,6 @@ def loss_and_metrics(carry: Carry, outputs: dict[str, torch.Tensor],
         loss = loss + 0.5 * q_continue_loss
         metrics["q_continue_loss"] = q_continue_loss.detach()
     return loss, {k: v.float() for k, v in metrics.items()}
-
-
-# ----------------------------------------------------------------------------------------------
-# Model FLOPs (projection.py's device time, the step line's TFLOP/s and MFU)
-
-
-def block_flops(c: TRMConfig) -> int:
-    """Forward FLOPs of one block for one example (2·m·n·k per matmul, nothing else counted).
-
-    With T = seq_len + prefix positions, h = hidden_size, I = swiglu_width(h), I_T = swiglu_width(T):
-      SwiGLU over channels:      gate_up 2·T·h·2I + down 2·T·I·h              = 6·T·h·I
-      attention (not mlp_t):     qkv 2·T·h·3h + scores 2·T·T·h + values 2·T·T·h + out 2·T·h·h
-                                                                              = 8·T·h² + 4·T²·h
-      token-mixing SwiGLU (mlp_t, over positions for each of the h channels) = 6·h·T·I_T
-    """
-    T, h = c.total_len, c.hidden_size
-    channel_mlp = 6 * T * h * swiglu_width(h, c.expansion)
-    if c.mlp_t:
-        mixing = 6 * h * T * swiglu_width(T, c.expansion)
-    else:
-        mixing = 8 * T * h * h + 4 * T * T * h
-    return mixing + channel_mlp
-
-
-def heads_flops(c: TRMConfig) -> int:
-    """Forward FLOPs of the output heads for one example: lm_head over all T positions
-    (the prefix is dropped after the matmul) 2·T·h·vocab, and q_head on position 0, 2·h·2."""
-    return 2 * c.total_len * c.hidden_size * c.vocab_size + 2 * c.hidden_size * 2
-
-
-def model_flops(c: TRMConfig) -> dict[str, int]:
-    """Model FLOPs per example of one training step and of one evaluation ACT step.
-
-    net = L_layers · block_flops (the one shared network); one ACT step applies it
-    A = H_cycles · (L_cycles + 1) times (each cycle: L_cycles updates of z_L, one of z_H), then
-    the heads once. Only the last cycle (L_cycles + 1 applications) and the heads run backward,
-    which costs twice their forward (gradients of inputs and of weights):
-
-      eval  = A · net + heads
-      train = A · net + heads + 2 · ((L_cycles + 1) · net + heads)
-              (+ A · net + heads without gradient when no_ACT_continue is False: the Q target)
-
-    Embedding lookups, norms, RoPE, activations, the loss and the optimizers are not counted
-    (elementwise; SignSGD's [B, B] id-matching matmul adds 2·B·puzzle_emb_ndim per example,
-    under 0.01% here). For sudoku-mlp: 21 forward applications, 7 of them with backward,
-    about 43 GFLOP per example.
-
-    "train_extra", "eval_extra" (not in MFU): the blockwise attention's own work over blocks of
-    keys (T > attention_block): row sums in the forward, the scores again in the backward."""
-    net = c.L_layers * block_flops(c)
-    heads = heads_flops(c)
-    applications = c.H_cycles * (c.L_cycles + 1)
-    forward = applications * net + heads
-    train_flops = forward + 2 * ((c.L_cycles + 1) * net + heads)
-    if not c.no_ACT_continue:
-        train_flops += forward
-    blocks = not c.mlp_t and c.attention == "blockwise" and c.total_len > c.attention_block
-    row_sums, scores_again = blockwise_extra_flops(c.total_len, c.hidden_size, c.num_heads) if blocks else (0, 0)
-    eval_extra = c.L_layers * applications * row_sums
-    train_extra = eval_extra * (1 if c.no_ACT_continue else 2) + c.L_layers * (c.L_cycles + 1) * scores_again
-    return {"train": train_flops, "eval": forward, "train_extra": train_extra, "eval_extra": eval_extra}
 
 
 # ----------------------------------------------------------------------------------------------

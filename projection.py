@@ -2,8 +2,8 @@
 bf16 peak of each generation), the device time of a step's model FLOPs at a given MFU, the
 paper datasets' sizes, and a whole recipe's projected hours. bench.py adds its measurements of
 the host to these projections, study.py plans a study's device-hours with them, and the step
-line's MFU reads the peaks (`peak_tflops_per_device`). The FLOP formula itself is the model's
-(`model.model_flops`).
+line's MFU reads the peaks (`peak_tflops_per_device`). All of them count a step by its model
+FLOPs (`model_flops`, from the model's shapes).
 """
 from __future__ import annotations
 
@@ -13,11 +13,73 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from model import model_flops
+from attention import blockwise_extra_flops
+from model import TRMConfig, swiglu_width
 from schedule import run_schedule
 
 if TYPE_CHECKING:
     from config import Config
+
+# ----------------------------------------------------------------------------------------------
+# Model FLOPs (projection.py's device time, the step line's TFLOP/s and MFU)
+
+
+def block_flops(c: TRMConfig) -> int:
+    """Forward FLOPs of one block for one example (2·m·n·k per matmul, nothing else counted).
+
+    With T = seq_len + prefix positions, h = hidden_size, I = swiglu_width(h), I_T = swiglu_width(T):
+      SwiGLU over channels:      gate_up 2·T·h·2I + down 2·T·I·h              = 6·T·h·I
+      attention (not mlp_t):     qkv 2·T·h·3h + scores 2·T·T·h + values 2·T·T·h + out 2·T·h·h
+                                                                              = 8·T·h² + 4·T²·h
+      token-mixing SwiGLU (mlp_t, over positions for each of the h channels) = 6·h·T·I_T
+    """
+    T, h = c.total_len, c.hidden_size
+    channel_mlp = 6 * T * h * swiglu_width(h, c.expansion)
+    if c.mlp_t:
+        mixing = 6 * h * T * swiglu_width(T, c.expansion)
+    else:
+        mixing = 8 * T * h * h + 4 * T * T * h
+    return mixing + channel_mlp
+
+
+def heads_flops(c: TRMConfig) -> int:
+    """Forward FLOPs of the output heads for one example: lm_head over all T positions
+    (the prefix is dropped after the matmul) 2·T·h·vocab, and q_head on position 0, 2·h·2."""
+    return 2 * c.total_len * c.hidden_size * c.vocab_size + 2 * c.hidden_size * 2
+
+
+def model_flops(c: TRMConfig) -> dict[str, int]:
+    """Model FLOPs per example of one training step and of one evaluation ACT step.
+
+    net = L_layers · block_flops (the one shared network); one ACT step applies it
+    A = H_cycles · (L_cycles + 1) times (each cycle: L_cycles updates of z_L, one of z_H), then
+    the heads once. Only the last cycle (L_cycles + 1 applications) and the heads run backward,
+    which costs twice their forward (gradients of inputs and of weights):
+
+      eval  = A · net + heads
+      train = A · net + heads + 2 · ((L_cycles + 1) · net + heads)
+              (+ A · net + heads without gradient when no_ACT_continue is False: the Q target)
+
+    Embedding lookups, norms, RoPE, activations, the loss and the optimizers are not counted
+    (elementwise; SignSGD's [B, B] id-matching matmul adds 2·B·puzzle_emb_ndim per example,
+    under 0.01% here). For sudoku-mlp: 21 forward applications, 7 of them with backward,
+    about 43 GFLOP per example.
+
+    "train_extra", "eval_extra" (not in MFU): the blockwise attention's own work over blocks of
+    keys (T > attention_block): row sums in the forward, the scores again in the backward."""
+    net = c.L_layers * block_flops(c)
+    heads = heads_flops(c)
+    applications = c.H_cycles * (c.L_cycles + 1)
+    forward = applications * net + heads
+    train_flops = forward + 2 * ((c.L_cycles + 1) * net + heads)
+    if not c.no_ACT_continue:
+        train_flops += forward
+    blocks = not c.mlp_t and c.attention == "blockwise" and c.total_len > c.attention_block
+    row_sums, scores_again = blockwise_extra_flops(c.total_len, c.hidden_size, c.num_heads) if blocks else (0, 0)
+    eval_extra = c.L_layers * applications * row_sums
+    train_extra = eval_extra * (1 if c.no_ACT_continue else 2) + c.L_layers * (c.L_cycles + 1) * scores_again
+    return {"train": train_flops, "eval": forward, "train_extra": train_extra, "eval_extra": eval_extra}
+
 
 # ----------------------------------------------------------------------------------------------
 # TPU generations and slices

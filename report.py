@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 import storage
-from model import model_flops
-from projection import peak_tflops_per_device
+from projection import model_flops, peak_tflops_per_device
 from trainer import TRAIN_METRICS
 
 # Token colours of the puzzle pictures: 0 pad (dark grey), 1 white (ARC's end of grid, Sudoku's
@@ -95,7 +94,7 @@ def summarize(names, values: np.ndarray, steps: int, global_batch_size: int) -> 
 def speed(steps: int, seconds: float, global_batch_size: int, flops_per_example: float, devices: int,
           peak_tflops: float | None) -> dict[str, float]:
     """Rates of a window of `steps` steps that took `seconds` of wall time: step_ms,
-    steps_per_s, examples_per_s, tflops_per_device (model FLOPs, `model.model_flops`, per
+    steps_per_s, examples_per_s, tflops_per_device (model FLOPs, `projection.model_flops`, per
     second and device) and, when the device's peak is known (`peak_tflops`, TFLOP/s per
     device), mfu = achieved / peak. Without a peak (CPU, an unknown TPU) there is no mfu key."""
     step_s = max(seconds, 1e-9) / steps

@@ -114,7 +114,7 @@ def parameter_count(model_config) -> int:
 def collect(out: str) -> list[RunResult]:
     """Every run of the study directory `out` (DIR/study/runs.json), with what it has done so far."""
     from config import config_from_dict, with_new_fields
-    from model import model_flops
+    from projection import model_flops
     from schedule import run_schedule
 
     listing = _read_json(storage.join_url(out, "study", "runs.json"))

@@ -40,8 +40,8 @@ import tyro
 
 import hlo_stats
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config
-from model import TRMConfig, model_flops
-from projection import PAPER_DATASETS, slice_spec
+from model import TRMConfig
+from projection import PAPER_DATASETS, model_flops, slice_spec
 
 PROGRAMS = ("train_step", "eval_step")
 CACHE_DIR = os.path.expanduser(os.environ.get("TRM_TPU_COMPILE_CACHE", "~/.cache/trm-tpu-compile"))
@@ -456,7 +456,7 @@ def format_results(results: list[dict]) -> str:
             f"  HBM per device (GB): {_gb(hbm['total'])} of {_gb(r['hbm_capacity_bytes'])} ({fits}): arguments "
             f"{_gb(hbm['arguments'])}, outputs {_gb(hbm['outputs'])}, aliased {_gb(hbm['aliased'])}, temporaries "
             f"{_gb(hbm['temporaries'])}, code {_gb(hbm['code'])}",
-            f"  FLOPs per device: {r['flops']:.3g} (model.model_flops: {r['model_flops']:.3g}"
+            f"  FLOPs per device: {r['flops']:.3g} (projection.model_flops: {r['model_flops']:.3g}"
             + (f" + the blockwise attention's extra {r['extra_flops']:.3g}" if r.get("extra_flops") else "")
             + f", ratio {r['flops'] / (r['model_flops'] + r.get('extra_flops', 0)):.3f})",
             f"  bytes accessed per device: {_gb(r['bytes_accessed'])} GB (the compiler's count, on-chip memory "

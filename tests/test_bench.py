@@ -18,8 +18,16 @@ import data
 from batches import TrainBatches
 from bench import PRESET_NAMES
 from config import PRESETS
-from model import TRM, loss_and_metrics, model_flops
-from projection import PAPER_DATASETS, PaperDataset, flop_record, project_paper_run, projected_ms, slice_spec
+from model import TRM, loss_and_metrics
+from projection import (
+    PAPER_DATASETS,
+    PaperDataset,
+    flop_record,
+    model_flops,
+    project_paper_run,
+    projected_ms,
+    slice_spec,
+)
 from trainer import Trainer
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -429,8 +429,7 @@ def test_mfu_is_model_flops_over_time_and_peak_and_absent_on_cpu():
     import torch
 
     import report
-    from model import model_flops
-    from projection import peak_tflops_per_device
+    from projection import model_flops, peak_tflops_per_device
     from trainer import TRAIN_METRICS
 
     # 43 GFLOP per example, 768 per step, 100 steps in 2 s (20 ms each) on 32 devices of a v4:
