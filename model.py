@@ -217,8 +217,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         batch, length, width = x.shape
-        qkv = self.qkv(x).view(batch, length, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(dim=2)
+        # q, k and v by three matmuls with the thirds of qkv's weight: the same dot products as one
+        # matmul split after, without a backward that stacks their gradients into one copy.
+        heads = (batch, length, self.num_heads, self.head_dim)
+        q, k, v = (F.linear(x, weight).view(heads) for weight in self.qkv.weight.to(x.dtype).chunk(3, dim=0))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
