@@ -3,9 +3,9 @@
 Same math as the reference implementation (github.com/SamsungSAILMontreal/TinyRecursiveModels):
 the recursive network with its ACT carry, the stablemax loss with the Q-halt head and the interop
 with the reference's checkpoints (the optimizers and the EMA are in optim.py; the FLOP count is
-projection.py's). Everything here keeps
-static shapes and never reads a device value on the host, so one training step traces to one
-XLA graph. This file never imports torch_xla: it runs the same on CPU eager and on XLA.
+projection.py's). Everything here keeps static shapes and never reads a device value on the
+host, so one training step traces to one XLA graph. This file never imports torch_xla: it runs
+the same on CPU eager and on XLA.
 
     model = TRM(TRMConfig(seq_len=81, vocab_size=11, num_puzzle_identifiers=1))
     carry = model.initial_carry(batch)

@@ -58,6 +58,8 @@ REQUEST_TIMEOUT_S = 20.0
 """A GCS request fails (and gcsfs retries it) when connecting, or waiting for the next bytes of
 the answer, takes longer: a healthy GCS answers in well under a second. Whole-object downloads
 are not limited in total (datasets can be large), only in silence."""
+
+
 def _seconds_from_env(name: str, default: float) -> float:
     text = os.environ.get(name, "")
     try:
