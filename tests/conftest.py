@@ -59,7 +59,7 @@ def gcs_server():
          "--default-bucket", bucket],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 30
+    deadline = time.time() + 120
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()

@@ -158,9 +158,10 @@ WRITER_SCRIPT = textwrap.dedent("""
     {fault}
     from test_checkpoint import host_shards, sample_state
     from checkpoint import CheckpointWriter
-    p, count, delay = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+    p, count, gate = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     step, seed, attempt = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
-    time.sleep(delay)
+    while gate and not os.path.exists(gate):  # a held host: it writes once the test opens its gate
+        time.sleep(0.05)
     writer = CheckpointWriter(sys.argv[4], p, count, commit_timeout_s=float(sys.argv[5]), attempt=attempt)
     writer.save(step, host_shards(sample_state(seed), p, count), {{"step": step, "config": {{}}}})
     writer.wait()
@@ -168,30 +169,33 @@ WRITER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def start_writers(url, delays, timeout_s, fault_host=None, step=7, seed=0, attempt="a1", hosts=None):
-    """One writer process per host (all of them, or those in `hosts`), each sleeping its delay
-    before saving `step` of sample_state(seed) under save attempt `attempt`."""
+def start_writers(url, count, timeout_s, fault_host=None, step=7, seed=0, attempt="a1", hosts=None, gates=None):
+    """One writer process per host of `count` (all of them, or those in `hosts`), each saving `step`
+    of sample_state(seed) under save attempt `attempt`; a host with a path in `gates` ({host: path})
+    waits until that file exists, so a test decides when a late host writes (no timing guesses)."""
     procs = []
-    for p, delay in enumerate(delays):
+    for p in range(count):
         if hosts is not None and p not in hosts:
             continue
         fault = kill_after_writing(step, p) if p == fault_host else ""
         script = WRITER_SCRIPT.format(project=PROJECT_DIR, tests=os.path.join(PROJECT_DIR, "tests"),
                                       fault=fault)
-        procs.append(subprocess.Popen([sys.executable, "-c", script, str(p), str(len(delays)), str(delay),
+        procs.append(subprocess.Popen([sys.executable, "-c", script, str(p), str(count), str((gates or {}).get(p, "")),
                                        url, str(timeout_s), str(step), str(seed), attempt], env=subprocess_env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
 
-def test_multi_host_commit_waits_for_every_host(gcs_url):
+def test_multi_host_commit_waits_for_every_host(gcs_url, tmp_path):
     marker = checkpoint.step_dir(gcs_url, 7) + "/COMMITTED"
-    procs = start_writers(gcs_url, delays=[0, 0, 0, 12], timeout_s=120)
+    gate = tmp_path / "host-3-writes"
+    procs = start_writers(gcs_url, 4, timeout_s=300, gates={3: gate})
     for p in procs[1:3]:
-        p.wait(timeout=60)
-    time.sleep(1)
-    assert procs[3].poll() is None and procs[0].poll() is None  # host 3 still sleeping, host 0 waiting
+        p.wait(timeout=300)
+    time.sleep(1)  # host 0 has had time to commit, were it not waiting for host 3
+    assert procs[3].poll() is None and procs[0].poll() is None  # host 3 held, host 0 waiting
     assert not storage.exists(marker), "committed before host 3 wrote its part"
+    gate.touch()
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0, 0], [o[1][-1500:] for o in outputs]
     assert storage.exists(marker)
@@ -200,7 +204,7 @@ def test_multi_host_commit_waits_for_every_host(gcs_url):
 
 
 def test_a_host_killed_before_the_commit_leaves_no_marker(gcs_url):
-    procs = start_writers(gcs_url, delays=[0, 0, 0, 0], timeout_s=8, fault_host=2)
+    procs = start_writers(gcs_url, 4, timeout_s=20, fault_host=2)
     outputs = [p.communicate(timeout=120) for p in procs]
     assert procs[2].returncode == -signal.SIGKILL
     assert procs[0].returncode != 0 and "no index of this save from ['host_002.json']" in outputs[0][1]
@@ -208,21 +212,23 @@ def test_a_host_killed_before_the_commit_leaves_no_marker(gcs_url):
     assert checkpoint.list_checkpoints(gcs_url) == []
 
 
-def test_a_stale_step_directory_never_mixes_into_the_commit(gcs_url):
+def test_a_stale_step_directory_never_mixes_into_the_commit(gcs_url, tmp_path):
     """An interrupted save of another trajectory left host 1's files in step_10; the next save
     of step 10 (host 1 late) commits only once host 1's new index exists, with the new values."""
-    stale = start_writers(gcs_url, delays=[0, 0], timeout_s=1, step=10, seed=1, attempt="old", hosts={1})
-    assert [p.wait(timeout=60) for p in stale] == [0]
+    stale = start_writers(gcs_url, 2, timeout_s=1, step=10, seed=1, attempt="old", hosts={1})
+    assert [p.wait(timeout=300) for p in stale] == [0]
     directory = checkpoint.step_dir(gcs_url, 10)
     assert storage.exists(directory + "/host_001.json") and not storage.exists(directory + "/COMMITTED")
 
-    procs = start_writers(gcs_url, delays=[0, 10], timeout_s=120, step=10, seed=2, attempt="new")
-    deadline = time.time() + 60
+    gate = tmp_path / "host-1-writes"
+    procs = start_writers(gcs_url, 2, timeout_s=300, step=10, seed=2, attempt="new", gates={1: gate})
+    deadline = time.time() + 300
     while not storage.exists(directory + "/host_000.json") and time.time() < deadline:
         time.sleep(0.2)
     time.sleep(2)  # host 0's part is written and host 1's stale index is there: the old code committed here
-    assert procs[1].poll() is None, "host 1 should still be sleeping"
+    assert procs[1].poll() is None, "host 1 should still be held"
     assert not storage.exists(directory + "/COMMITTED"), "committed with the stale index of host 1"
+    gate.touch()
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-1500:] for o in outputs]
     tensors, saved = checkpoint.read_checkpoint(directory)

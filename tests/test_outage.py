@@ -140,7 +140,7 @@ class Emulator:
         self.proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(self.port),
                                       "--in-memory", "--default-bucket", "outage"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 30
+        deadline = time.time() + 120
         while True:
             try:
                 socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
@@ -178,8 +178,10 @@ class Training:
         self.proc = subprocess.Popen([sys.executable, os.path.join(PROJECT_DIR, "train.py"), *args], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stdout, self.stderr, self.lines = [], [], queue.Queue()
-        for stream, out in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
-            threading.Thread(target=self._read, args=(stream, out), daemon=True).start()
+        self.readers = [threading.Thread(target=self._read, args=(stream, out), daemon=True)
+                        for stream, out in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr))]
+        for reader in self.readers:
+            reader.start()
 
     def _read(self, stream, out):
         for line in stream:
@@ -205,7 +207,8 @@ class Training:
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(f"still running after {timeout_s}s: " + "".join(self.stderr)[-3000:])
-        time.sleep(0.5)  # the reader threads take the last lines
+        for reader in self.readers:  # each ends at its pipe's end of file: every line is read
+            reader.join(timeout=120)
         return self.proc.returncode, time.time() - started
 
     def kill(self):
@@ -264,8 +267,8 @@ def test_a_45s_outage_is_ridden_out(demo_path, tmp_path, emulator, trainings):
     frozen = time.time()
     # Progress lines go on while the copies of the event files hang (the save at step 10 too):
     # the loop stops only at step 20, whose save waits for step 10's.
-    run.wait_for_line("step 20/30", timeout_s=40)
-    time.sleep(45 - (time.time() - frozen))
+    run.wait_for_line("step 20/30", timeout_s=44)
+    time.sleep(max(0.0, 45 - (time.time() - frozen)))
     emulator.signal(signal.SIGCONT)
     status, seconds = run.wait(timeout_s=300)
     out = "".join(run.stdout)

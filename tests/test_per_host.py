@@ -15,6 +15,7 @@ from test_launch import (
     Pod,
     dry_run_commands,
     real_gcloud_verdicts,
+    wait_until,
 )
 
 WORKER = PROJECT_DIR / "worker.sh"
@@ -102,7 +103,7 @@ def probed_pod(tmp_path):
     pod = Pod(tmp_path, workers=2)
     pod.add_study_stub()
     pod.use_real_code(("probe.py", "sharding.py"))
-    pod.env.update(TRM_PROBE_DEVICE="cpu", TRM_PROBE_WAIT="40")
+    pod.env.update(TRM_PROBE_DEVICE="cpu", TRM_PROBE_WAIT="240")
     pod.ready()
     yield pod
     pod.end()
@@ -131,9 +132,7 @@ def test_per_host_probe_failure_falls_back_to_whole_slice_or_stops_an_explicit_p
     assert "worker 1: the runtime joined a slice of 2 processes and 8 devices" in result.stderr
     assert "worker 0:" not in result.stderr.split("probe failed")[1].split("the study runs")[0]
     assert "the study runs --whole-slice instead" in result.stderr
-    deadline = time.time() + 20
-    while time.time() < deadline and not all(pod.launches(w) for w in range(pod.workers)):
-        time.sleep(0.05)
+    wait_until(lambda: all(pod.launches(w) for w in range(pod.workers)), "every worker's launch record")
     for w in range(pod.workers):
         record = pod.launch_record(w, 0)
         assert record["argv"][3:] == ["gs://trm-bucket/studies/s1", "--whole-slice", "--", "--run.device", "tpu"]

@@ -28,7 +28,7 @@ def smoke_pod(tmp_path, demo_path, gcs_server):
                       f'"$FAKE_WORKER_ID/2@tcp://127.0.0.1:{free_port()}";; esac\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     pod.env.update(FAKE_PYTHON=str(python), CPU_NUM_DEVICES="2", TRM_POLL_SECONDS="0.3", TRM_BUCKET=gcs_server,
-                   TRM_PROBE_DEVICE="cpu", TRM_PROBE_WAIT="60", TRM_SMOKE_MB="1", TRM_DATA=demo_path)
+                   TRM_PROBE_DEVICE="cpu", TRM_PROBE_WAIT="240", TRM_SMOKE_MB="1", TRM_DATA=demo_path)
     pod.ready()
     yield pod
     pod.end()

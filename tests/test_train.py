@@ -463,14 +463,15 @@ def test_mfu_is_model_flops_over_time_and_peak_and_absent_on_cpu():
 def test_the_demo_in_float32_trains_as_recorded(demo_path, tmp_path):
     """The demo's model and step in float32, 3 steps and the final evaluation, against the values
     recorded before the step was rewritten for fewer bytes (tests/data/demo_float32_steps.json):
-    a rewrite must compute the same math, so they agree within float32 rounding (measured: the
-    first step's loss bitwise, the rest within 6e-7 relative). The presets' bf16 differs in its
-    last bits where a rewrite sums in another order, and the recursion carries that on."""
+    a rewrite must compute the same math, so they agree within float32 rounding. Every value,
+    the first loss included, is compared at that rounding (rel 5e-6), never bit for bit: another
+    CPU, BLAS kernel or thread count sums in another order (measured: the first loss bitwise on the
+    recording machine, 6e-8 relative on an AVX-512 EPYC; the rest within 6e-7). The presets' bf16
+    differs in its last bits where a rewrite sums in another order, and the recursion carries that on."""
     recorded = json.loads((Path(__file__).parent / "data" / "demo_float32_steps.json").read_text())
     result, _ = run_in_fresh_process(tiny_args(demo_path, tmp_path, "--model.forward-dtype", "float32",
                                                "--optim.max-steps", "3", "--run.log-every", "1",
                                                "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "5"))
-    assert result["history"][0]["lm_loss"] == recorded["history"][0]["lm_loss"]
     for row, expected in zip(result["history"], recorded["history"], strict=True):
         for name, value in expected.items():
             assert row[name] == pytest.approx(value, rel=5e-6, abs=1e-7), (row["step"], name)
