@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention import ATTENTIONS, attend
+from device_grads import use
 from ranges import range_problems, ranged
 
 IGNORE_LABEL_ID = -100
@@ -153,16 +154,18 @@ def swiglu_width(width: int, expansion: float) -> int:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) with float32 weights cast to the activation dtype; LeCun truncated init."""
+    """y = x W^T (+ b) with float32 weights cast to the activation dtype; LeCun truncated init.
+    Every matmul with the weight goes through device_grads.use, which gives the weight's gradient
+    the reference's reduction in a sharded training step (device_grads.per_device_weight_grads)."""
 
     def __init__(self, fan_in: int, fan_out: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(truncated_normal_(torch.empty(fan_out, fan_in), std=fan_in ** -0.5))
         self.bias = nn.Parameter(torch.zeros(fan_out)) if bias else None
+        self.device_view = self.device_annotate = None  # set by device_grads during a training step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.weight.to(x.dtype), bias)
+        return use(self, x)
 
 
 class SwiGLU(nn.Module):
@@ -175,16 +178,14 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate and up by two matmuls with the halves of gate_up's weight: the same dot products
         # as one matmul chunked after, without writing (and slicing) the double-width output.
-        gate_weight, up_weight = self.gate_up.weight.to(x.dtype).chunk(2, dim=0)
-        return self.down(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight))
+        return self.down(F.silu(use(self.gate_up, x, part=0, parts=2)) * use(self.gate_up, x, part=1, parts=2))
 
     def across_positions(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x.transpose(1, 2)).transpose(1, 2) for x [batch, positions, channels]: the same
         dot products contracting the positions directly, with no transposed copy (on a TPU a minor
         dimension of T = 97 positions is padded to 128 and relaid out around every matmul)."""
-        gate_weight, up_weight = self.gate_up.weight.to(x.dtype).chunk(2, dim=0)
-        hidden = F.silu(torch.matmul(gate_weight, x)) * torch.matmul(up_weight, x)
-        return torch.matmul(self.down.weight.to(x.dtype), hidden)
+        gate, up = (use(self.gate_up, x, "left", part, parts=2) for part in (0, 1))
+        return use(self.down, F.silu(gate) * up, "left")
 
 
 def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +221,7 @@ class Attention(nn.Module):
         # q, k and v by three matmuls with the thirds of qkv's weight: the same dot products as one
         # matmul split after, without a backward that stacks their gradients into one copy.
         heads = (batch, length, self.num_heads, self.head_dim)
-        q, k, v = (F.linear(x, weight).view(heads) for weight in self.qkv.weight.to(x.dtype).chunk(3, dim=0))
+        q, k, v = (use(self.qkv, x, part=part, parts=3).view(heads) for part in range(3))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -348,7 +349,9 @@ class TRM(nn.Module):
 
     def embed(self, inputs: torch.Tensor, puzzle_identifiers: torch.Tensor) -> torch.Tensor:
         config = self.config
-        x = F.embedding(inputs.to(torch.int32), self.token_embedding.to(config.dtype))
+        # Looked up in float32, then cast: the same values as a lookup in the cast table, and the
+        # table's gradient is summed over tokens (and devices) in float32, as the reference's is.
+        x = F.embedding(inputs.to(torch.int32), self.token_embedding).to(config.dtype)
         if config.puzzle_emb_ndim > 0:
             rows = self.puzzle_embedding(puzzle_identifiers).to(config.dtype)
             rows = F.pad(rows, (0, config.prefix_len * config.hidden_size - config.puzzle_emb_ndim))

@@ -140,7 +140,7 @@ def program_settings(config: Config) -> str:
 # The project files whose code shapes a traced program or its figures (the compile cache's key):
 # the traced code (model, optimizers, the captured step, the mesh) and what it imports from the
 # project (tests/test_tpu_compile.py checks), the trainer that builds the step, and this reader.
-PROGRAM_SOURCES = ("model.py", "attention.py", "ranges.py", "optim.py", "trainer.py", "capture.py",
+PROGRAM_SOURCES = ("model.py", "attention.py", "device_grads.py", "ranges.py", "optim.py", "trainer.py", "capture.py",
                    "sharding.py", "tpu_compile.py", "hlo_stats.py")
 
 

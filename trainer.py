@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from checkpoint import IncompleteCheckpointError, Shard, assign_owners, state_differences
+from device_grads import per_device_weight_grads
 from model import TRM, Carry, loss_and_metrics
 from optim import EMA, SignSGD, dense_optimizer
 
@@ -219,15 +220,25 @@ class Trainer:
         if self.sign_sgd is not None:
             self.sign_sgd.zero_grad()
 
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[Carry, dict[str, torch.Tensor]]:
+        """One ACT segment on the training carry and the backward of loss / global batch: the new
+        carry and the metrics; the gradients are in the weights' .grad (the table's rows' in
+        SignSGD's). Each dense weight's gradient is summed over its uses on each device, then once
+        across the devices, in float32, as the reference's DDP sums it (device_grads.py)."""
+        with per_device_weight_grads(self.model, self.mesh.size(),
+                                     lambda t: self.sharding.shard_batch_dim(t, self.mesh)):
+            carry, outputs = self.model(self.carry, batch)
+            loss, metrics = loss_and_metrics(carry, outputs)
+            (loss / self.config.optim.global_batch_size).backward()
+        return carry, metrics
+
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One ACT segment, backward, both optimizers and the EMA; returns the metric vector
         (TRAIN_METRICS order) as a lazy device tensor, the norm of the dense gradients (of the
         loss / global batch, which the dense optimizer steps with) included: part of the same graph, read
         with the other metrics. With run.capture_step (the default) this runs once, on
         placeholders, and capture.py replays its traced computation after."""
-        carry, outputs = self.model(self.carry, batch)
-        loss, metrics = loss_and_metrics(carry, outputs)
-        (loss / self.config.optim.global_batch_size).backward()
+        carry, metrics = self.forward_backward(batch)
         metrics["grad_norm"] = dense_grad_norm(p for group in self.dense.param_groups for p in group["params"])
         self.dense.step()
         self.dense.zero_grad(set_to_none=True)

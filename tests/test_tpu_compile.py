@@ -7,12 +7,14 @@ refuses a program or it does not fit in HBM.
 The compiles run in one subprocess (a runtime of 4 CPU devices, as the slices have; this
 process's runtime has 8), about a minute per training step on a 2-core machine.
 """
+import dataclasses
 import json
 import math
 import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -142,6 +144,44 @@ def test_step_bytes_attention_never_writes_a_sequence_by_sequence_tensor(compile
         for program in ("train_step", "eval_step"):
             assert compiled[(preset, slice_name, program)]["sequence_square_shapes"] == [], (slice_name, program)
     assert compiled[("sudoku-att", "v4-8", "train_step")]["sequence_square_shapes"] != []
+
+
+def reduced_arrays(result) -> Counter:
+    """dtype[dims] of every array the program all-reduces, counted."""
+    return Counter(f"{dtype}[{dims}]" for c in result["collectives"] if c["kind"] == "all-reduce"
+                   for shape in c["shapes"] for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_tpu_compile_each_dense_weight_is_all_reduced_once_in_float32(compiled, preset):
+    """The training step reduces each dense weight's gradient once, in float32, after its uses are
+    summed on each device (device_grads.py): the reference's DDP rule. Before, the partitioner
+    all-reduced each use's partial gradient in bf16 (a [out, in] weight of the shared network
+    appeared once per application with a gradient). What else is reduced: the metric sums, the Q
+    head's two bf16 bias sums, and the puzzle table's float32 id sums and lookups ([batch, width])."""
+    from model import TRM
+
+    config = narrow_config(preset)
+    weights = Counter(f"f32[{','.join(map(str, p.shape))}]" for p in TRM(config.model).parameters() if p.ndim >= 2)
+    for slice_name in SLICES:
+        reduced = reduced_arrays(compiled[(preset, slice_name, "train_step")])
+        for shape, count in weights.items():
+            assert reduced[shape] == count, (slice_name, shape, reduced)
+        others = {s: n for s, n in reduced.items() if s not in weights and "," in s}
+        table_rows = f"f32[{NARROW_BATCH},{config.model.puzzle_emb_ndim}]"
+        assert set(others) <= {table_rows}, (slice_name, others)
+        assert not [s for s in reduced if s.startswith("bf16[") and s != "bf16[2]"], (slice_name, reduced)
+
+
+def narrow_config(preset):
+    """The preset's config as the compile driver narrows and resolves it."""
+    import tpu_compile
+    from config import PRESETS as CONFIGS
+
+    config = CONFIGS[preset][1]
+    config = dataclasses.replace(config, model=tpu_compile.narrow(config.model),
+                                 optim=dataclasses.replace(config.optim, global_batch_size=NARROW_BATCH))
+    return tpu_compile.resolved_config(config, preset, NARROW_TABLE_ROWS)
 
 
 @pytest.fixture(scope="module")
