@@ -288,13 +288,15 @@ def flat_config(config: Config) -> dict:
 
 
 def flag_with_value(name: str, value) -> str:
-    """How to set a field on the command line: --optim.lr 0.001, --eval.arc / --eval.no-arc."""
+    """How to set a field on the command line: --optim.lr 0.001, --eval.arc / --eval.no-arc,
+    --report.wandb-tags a b."""
     if isinstance(value, bool):
         section, _, field_name = name.rpartition(".")
         return flag(f"{section}.{'' if value else 'no_'}{field_name}")
     import shlex
 
-    return f"{flag(name)} {shlex.quote(str(value))}"
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return " ".join([flag(name), *(shlex.quote(str(v)) for v in values)])
 
 
 def settings_lines(given: Config, resolved: Config, preset: str | None = None) -> list[str]:

@@ -157,9 +157,11 @@ def test_an_offline_run_holds_the_tensorboard_scalars_and_pictures_at_the_same_s
 
 
 def test_a_study_run_is_grouped_by_study_and_tagged_by_configuration(mirrored_study):
-    out, _, _ = mirrored_study
+    out, ran_text, _ = mirrored_study
     [run] = offline_runs(out / "mirrored-s0")
     assert (run["group"], run["tags"], run["name"]) == ("wandb-study", ["mirrored"], "mirrored-s0")
+    assert "\n  --report.wandb-group wandb-study (preset: None)\n  --report.wandb-tags mirrored (preset: ())\n" \
+        in ran_text, ran_text
 
 
 def test_the_study_report_attaches_its_table_and_plots(mirrored_study):
