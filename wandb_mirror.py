@@ -76,7 +76,8 @@ def local_dir(url: str) -> str | None:
 
 def settings(wandb):
     """No console capture (the run keeps its own host logs), no system metrics (a sampler on the
-    TPU host costs CPU and may query the TPU), finish bounded."""
+    TPU host costs CPU and may query the TPU); an unreachable W&B given up on after 60 s, the
+    finish bounded (W&B's atexit teardown too)."""
     return wandb.Settings(console="off", x_disable_stats=True, quiet=True, init_timeout=2 * CLOSE_TIMEOUT_S,
                           finish_timeout=CLOSE_TIMEOUT_S / 2)
 
