@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -151,12 +152,27 @@ class RunConfig:
 
 
 @dataclass
+class ReportConfig:
+    wandb_project: str | None = resumable(None)
+    """Also mirror the run to this Weights & Biases project (process 0; needs `pip install wandb`; WANDB_MODE=offline honoured): docs/watching-a-run.md."""  # noqa: E501 (one line: tyro keeps line breaks)
+    wandb_entity: str | None = resumable(None)
+    """The W&B entity (user or team) of the project; None: the API key's default entity."""
+    wandb_name: str | None = resumable(None)
+    """The W&B run's display name; None: the run directory's last part."""
+    wandb_group: str | None = resumable(None)
+    """The W&B group of the run (`study.py run` sets the study's name)."""
+    wandb_tags: tuple[str, ...] = resumable(())
+    """W&B tags of the run (`study.py run` adds the run's configuration name)."""
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: TRMConfig = field(default_factory=lambda: TRMConfig(mlp_t=True, pos_encodings="none"))
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 def _preset(base: Config | None = None, **sections) -> Config:
@@ -238,6 +254,9 @@ def check_config(config: Config) -> None:
                 storage.check_url(url, name, local_only)
             except storage.StorageError as e:
                 problems.append(f"{e} (set it with {flag(name)})")
+    if config.report.wandb_project and importlib.util.find_spec("wandb") is None:
+        problems.append("report.wandb_project mirrors the run to Weights & Biases, which needs the wandb package: "
+                        "pip install wandb (or leave out --report.wandb-project)")
     if problems:
         raise ConfigError("\nerror: ".join(problems))
 
@@ -269,13 +288,15 @@ def flat_config(config: Config) -> dict:
 
 
 def flag_with_value(name: str, value) -> str:
-    """How to set a field on the command line: --optim.lr 0.001, --eval.arc / --eval.no-arc."""
+    """How to set a field on the command line: --optim.lr 0.001, --eval.arc / --eval.no-arc,
+    --report.wandb-tags a b."""
     if isinstance(value, bool):
         section, _, field_name = name.rpartition(".")
         return flag(f"{section}.{'' if value else 'no_'}{field_name}")
     import shlex
 
-    return f"{flag(name)} {shlex.quote(str(value))}"
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return " ".join([flag(name), *(shlex.quote(str(v)) for v in values)])
 
 
 def settings_lines(given: Config, resolved: Config, preset: str | None = None) -> list[str]:
@@ -338,17 +359,20 @@ def config_differences(saved: dict, current: dict, prefix: str = "", may_change:
 
 
 def with_new_fields(saved: dict) -> dict:
-    """A configuration saved as a dict (config.json, a checkpoint's state) with every field added
-    to the dataclasses since then, at its default: what the code that saved it did (e.g.
-    optim.optimizer adam_atan2, optim.lr_schedule cosine)."""
+    """A configuration saved as a dict (config.json, a checkpoint's state) with every field (and
+    section) added to the dataclasses since then, at its default: what the code that saved it did
+    (e.g. optim.optimizer adam_atan2, optim.lr_schedule cosine, no report.wandb_project)."""
     defaults = dataclasses.asdict(Config())
-    return {section: {**defaults.get(section, {}), **values} if isinstance(values, dict) else values
-            for section, values in saved.items()}
+    return {**{section: values for section, values in defaults.items() if section not in saved},
+            **{section: {**defaults.get(section, {}), **values} if isinstance(values, dict) else values
+               for section, values in saved.items()}}
 
 
 def config_from_dict(saved: dict) -> Config:
     return Config(data=DataConfig(**saved["data"]), model=TRMConfig(**saved["model"]),
-                  optim=OptimConfig(**saved["optim"]), eval=EvalConfig(**saved["eval"]), run=RunConfig(**saved["run"]))
+                  optim=OptimConfig(**saved["optim"]), eval=EvalConfig(**saved["eval"]), run=RunConfig(**saved["run"]),
+                  report=ReportConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                         for k, v in saved.get("report", {}).items()}))
 
 
 def parse_config(argv: list[str] | None = None) -> Config:

@@ -15,7 +15,8 @@ trouble costs a warning and never holds the loop or the metrics (`Uploads`).
 
 Process 0 also appends each step line's values and each evaluation's to {run_dir}/metrics/ as
 JSON lines (`MetricsFile`: parts rewritten whole, since object stores cannot append), and every
-host copies what it prints to {run_dir}/logs/host_I.launch-TIME.log (`HostLog`).
+host copies what it prints to {run_dir}/logs/host_I.launch-TIME.log (`HostLog`). With
+--report.wandb-project, process 0 hands what TensorBoard gets to the W&B mirror (wandb_mirror.py).
 """
 from __future__ import annotations
 
@@ -426,6 +427,11 @@ class RunLog:
                 if self.tb_local != self.tb_remote else None
         self.memory = None  # whether the runtime reports device memory: asked at the first window
         self.metrics = MetricsFile(config.run.dir) if main_host else None
+        self.mirror = None  # the W&B mirror (process 0, --report.wandb-project): what TensorBoard gets
+        if main_host and config.report.wandb_project:
+            import wandb_mirror
+
+            self.mirror = wandb_mirror.Mirror(config, dataclasses.asdict(config))
 
     def say(self, *parts) -> None:
         if self.main_host:
@@ -520,11 +526,22 @@ class RunLog:
                  f"{row['tflops_per_device']:.3g} TFLOP/s/device{mfu}{memory}  "
                  f"ETA {format_duration((self.total_steps - step) / row['steps_per_s'])}")
         if self.tb:
-            for k, v in row.items():
-                if k != "step":
-                    self.tb.add_scalar(f"train/{k}", v, step)
-            self.tb.add_scalar("xla/compiles", self.sharding.xla_counters()["compiles"], step)
+            self._scalars({**{f"train/{k}": v for k, v in row.items() if k != "step"},
+                           "xla/compiles": self.sharding.xla_counters()["compiles"]}, step)
             self._upload_tb()
+
+    def _scalars(self, scalars: dict[str, float], step: int) -> None:
+        """TensorBoard scalars of a step, and the same to the W&B mirror when there is one (on the
+        reader thread: both get them in order)."""
+        for tag, value in scalars.items():
+            self.tb.add_scalar(tag, value, step)
+        if self.mirror:
+            self.mirror.log(step, scalars)
+
+    def _picture(self, tag: str, picture: np.ndarray, step: int) -> None:
+        self.tb.add_image(tag, picture.transpose(2, 0, 1), step)
+        if self.mirror:
+            self.mirror.log(step, {tag: picture})
 
     def _memory(self) -> dict[str, int] | None:
         """The device's memory now (process 0, when the runtime reports it), or None."""
@@ -546,7 +563,7 @@ class RunLog:
         if self.tb:
             for row in range(min(PICTURE_PUZZLES, len(predictions))):
                 picture = puzzle_picture(host_batch["inputs"][row], predictions[row], host_batch["labels"][row])
-                self._in_order(self.tb.add_image, f"puzzles/{row}", picture.transpose(2, 0, 1), step)
+                self._in_order(self._picture, f"puzzles/{row}", picture, step)
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         """An evaluation's line and eval/... scalars (its metrics, eval/seconds: the
@@ -567,8 +584,7 @@ class RunLog:
             self._in_order(self.metrics.add, {"kind": "eval", "step": step, "time": round(time.time(), 3),
                                               **{k: v for k, v in {**result, **timing}.items() if k != "step"}})
         if self.tb:
-            for k, v in {**result, **timing}.items():
-                self._in_order(self.tb.add_scalar, f"eval/{k}", v, step)
+            self._in_order(self._scalars, {f"eval/{k}": v for k, v in {**result, **timing}.items()}, step)
             self._in_order(self._upload_tb)
 
     def drain(self) -> None:
@@ -578,7 +594,7 @@ class RunLog:
     def close(self) -> None:
         """Wait for the queued reads, then for the last writes of metrics.jsonl and copy of the
         event files, at most CLOSE_TIMEOUT_S (a complete local copy of the event files stays
-        behind when it does not finish)."""
+        behind when it does not finish), then for the W&B mirror (its own bound)."""
         self.reader.shutdown(wait=True)
         if self.metrics:
             last = self.metrics.uploads.request()
@@ -597,6 +613,8 @@ class RunLog:
                 elif self.uploads.failing:
                     print(f"warning: the TensorBoard logs in {self.tb_remote} miss the latest steps (the last "
                           f"copy failed); they are complete in {self.tb_local}", flush=True)
+        if self.mirror:
+            self.mirror.close()  # last, bounded: W&B's copy matters least
 
 
 class Profile:

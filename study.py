@@ -7,6 +7,7 @@ over the whole slice), resumable, compared in one report.
     python study.py run studies/tiny.txt --out runs/tiny-study  # every run, one after another
     python study.py run STUDY --out gs://BUCKET/studies/NAME --host 3 --hosts 8   # host 3's share
     python study.py report runs/tiny-study                      # the table, the plots, HParams
+    python study.py report runs/tiny-study --wandb-project trm  # and the table and plots in W&B
 
 A study file has one run per line, `NAME PRESET [train.py flags...]`; `{a,b,c}` in a flag's
 value makes one run per value and `--seeds K` one per seed (study_plan.py; docs/studies.md).
@@ -222,6 +223,10 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=run)
     p = commands.add_parser("report", help="compare the runs of a study directory: a table, plots, HParams")
     p.add_argument("out", help="the study's directory (local or gs://)")
+    p.add_argument("--wandb-project", default=None,
+                   help="also attach the table (a W&B Table) and the plots to this Weights & Biases project, as a "
+                        "run of the study's group (needs `pip install wandb`; WANDB_MODE=offline honoured)")
+    p.add_argument("--wandb-entity", default=None, help="the W&B entity of --wandb-project (default: the key's)")
     p.set_defaults(handler=report)
     return top
 

@@ -5,7 +5,9 @@ and the hyperparameters of every run for TensorBoard's HParams dashboard.
 
 prints the table and writes DIR/results.md, DIR/results.csv and DIR/plots/*.png; each run's
 hyperparameters and final metrics go into its TensorBoard directory (DIR/NAME/tb), so that
-`tensorboard --logdir DIR` shows the study's table, parallel coordinates and scatter plots.
+`tensorboard --logdir DIR` shows the study's table, parallel coordinates and scatter plots. With
+--wandb-project P the table (a W&B Table) and the plots (images) also go to that W&B project, as
+a run in the study's group (wandb_mirror.attach_study_report; a failure exits 1 after the files).
 
 Intervals: a run's held-out exact accuracy with the Wilson 95% interval of a proportion over its
 test examples (`wilson`); a configuration's mean over seeds with the Student t 95% interval
@@ -276,20 +278,35 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
 def main(args) -> int:
     from study_plots import write_hparams, write_plots, write_timeline
 
-    started = time.time()
+    status, started = 0, time.time()
+    mirror = getattr(args, "wandb_project", None)
+    if mirror:  # before any work: a missing package says how to install it
+        import wandb_mirror
+
+        wandb_mirror.import_wandb()
     results = collect(args.out)
     configs = configurations(results)
     varied = list(results[0].varied) if results else []
     study = goodput.study_time(args.out, {r.run.name: {"host": r.host, "state": r.status} for r in results},
                                {r.run.name: r.ckpt_every for r in results})
-    text = write_outputs(args.out, run_rows(results, study), configuration_rows(configs), varied,
-                         goodput.summary(study))
+    rows = run_rows(results, study) + configuration_rows(configs)
+    text = write_outputs(args.out, rows[:len(results)], rows[len(results):], varied, goodput.summary(study))
     print(text)
     with tempfile.TemporaryDirectory(prefix="trm-report-") as local:
         plots = write_plots(results, configs, varied, local)
         if study.runs:
             plots.append(write_timeline(study, os.path.join(local, "timeline.png"))[0])
         storage.upload_dir(local, storage.join_url(args.out, "plots"))
+        if mirror:
+            try:
+                where = wandb_mirror.attach_study_report(args.out, mirror, args.wandb_entity, rows,
+                                                         list(dict.fromkeys(k for row in rows for k in row)), plots)
+            except Exception as e:  # noqa: BLE001 - the report's files are written either way
+                print(f"error: attaching the report to W&B project {mirror} failed ({type(e).__name__}: {e}); "
+                      f"its files are in {args.out}", flush=True)
+                status = 1
+            else:
+                print(f"W&B: the table and {len(plots)} plots attached to project {mirror} ({where})", flush=True)
     hparams = write_hparams(args.out, results, varied)
     states = {}
     for r in results:
@@ -298,4 +315,4 @@ def main(args) -> int:
           f"{len(configs)} configurations; wrote {args.out}/results.md, results.csv, "
           f"{len(plots)} plots in plots/ ({', '.join(os.path.basename(p) for p in plots)}), and the hparams of "
           f"{hparams} runs for TensorBoard (tensorboard --logdir {args.out}) in {time.time() - started:.0f}s")
-    return 0
+    return status

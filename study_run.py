@@ -141,10 +141,19 @@ class StudyRunner:
         by_name = {r.name: r for r in self.runs}
         return [by_name[name] for name in shares[self.host]]
 
+    def wandb_flags(self, run: StudyRun) -> list[str]:
+        """For a run mirrored to W&B (--report.wandb-project among its flags or the study's): the
+        study's name (its directory's last part) as the W&B group, its configuration as a tag
+        (the run's own flags come after, so they may say otherwise)."""
+        if not any(f.split("=")[0] == "--report.wandb-project" for f in (*run.flags, *self.extra)):
+            return []
+        return ["--report.wandb-group", self.out.rstrip("/").rsplit("/", 1)[-1],
+                "--report.wandb-tags", run.configuration[:64]]  # W&B's longest tag
+
     def launch(self, run: StudyRun) -> tuple[int, str]:
         """train.py for `run`, its output passed through; (exit status, the last line it printed)."""
-        command = [self.python, os.path.join(PROJECT_DIR, "train.py"), run.preset, *run.flags, *self.extra,
-                   "--run.dir", storage.join_url(self.out, run.name)]
+        command = [self.python, os.path.join(PROJECT_DIR, "train.py"), run.preset, *self.wandb_flags(run),
+                   *run.flags, *self.extra, "--run.dir", storage.join_url(self.out, run.name)]
         self.child_signalled.clear()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCH_STARTED_ENV: repr(time.time())},
                    **({} if self.host is None else {STUDY_HOST_ENV: str(self.host)}))  # for its launch record
