@@ -38,11 +38,14 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     `first_predictions(host batch, predicted tokens)` gets this host's rows of the first batch;
     `each_act_step(batch index, host batch, preds, q_halt)` is called after every ACT step with
     its device outputs (predict reads them all; a training run's evaluation does not).
+    With `trainer.trajectories` (ptrm.py), `batches` holds each puzzle's K rows in a row
+    (ptrm.TrajectoryBatches) and the metrics and votes count each puzzle's chosen answer once.
 
     With `arc` and `eval_root`, process 0 saves this evaluation's votes to
     {eval_root}/step_{step}/arc_votes.json.gz; with `aggregate` too, aggregated_pass@k (and the
     submission) are a vote over them and the saved votes of every earlier step."""
     sharding = trainer.sharding
+    every = 1 if trainer.trajectories is None else trainer.trajectories.count
     sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
     started, report_every = time.time(), max(1, len(batches) // 10)
     if arc is not None:
@@ -60,12 +63,15 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
                 if each_act_step is not None:
                     each_act_step(index, host_batch, preds, q_halt)
             if arc is not None or (index == 0 and first_predictions is not None):
-                predicted = sharding.local_rows(preds)[1].numpy()  # this host's rows only
+                # this host's rows only; of K trajectories (ptrm.py), each puzzle's first row
+                # holds its chosen answer
+                predicted = sharding.local_rows(preds)[1].numpy()[::every]
+                puzzles = {k: v[::every] for k, v in host_batch.items()}
                 if index == 0 and first_predictions is not None:
-                    first_predictions(host_batch, predicted)
+                    first_predictions(puzzles, predicted)
                 if arc is not None:  # votes are summarised before crossing hosts
-                    arc.update(host_batch, predicted, sharding.local_rows(q_halt)[1].float().numpy(),
-                               batches.valid(index))
+                    arc.update(puzzles, predicted, sharding.local_rows(q_halt)[1].float().numpy()[::every],
+                               batches.valid(index)[::every])
             done = index + 1
             if between_batches(done):
                 trainer.model.train()

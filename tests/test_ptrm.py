@@ -1,0 +1,184 @@
+"""Test-time scaling by noisy trajectories chosen by the Q-halt head (ptrm.py, issue 37)."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import ptrm
+import train
+from commands import evaluate_command
+from config import parse_config
+from model import TRM, Carry, loss_and_metrics
+from tests.test_model import random_batch, tiny_config
+from tests.test_train import PROJECT_DIR, tiny_args
+
+
+def eval_steps(m: TRM, batch: dict, trajectories=None):
+    """Trainer.eval_step's math for halt_max_steps ACT steps on CPU eager: (metrics, predictions
+    and q_halt of the last step)."""
+    carry = m.initial_carry(batch)
+    with torch.no_grad():
+        for _ in range(m.config.halt_max_steps):
+            carry, outputs = m(carry, batch, perturb=None if trajectories is None else trajectories.perturb)
+            scored_carry, scored = (carry, outputs) if trajectories is None else trajectories.select(carry, outputs)
+            _, metrics = loss_and_metrics(scored_carry, scored, halted_losses=True)
+    return metrics, scored["logits"].argmax(-1), scored["q_halt_logits"]
+
+
+def trained_looking_model(config, seed=0):
+    torch.manual_seed(seed)
+    m = TRM(config).eval()
+    with torch.no_grad():
+        m.q_head.weight.normal_(std=0.5)  # q_halt varies by row
+    return m
+
+
+def test_one_trajectory_without_noise_is_the_evaluation_bit_for_bit():
+    config = tiny_config()
+    m, batch = trained_looking_model(config), random_batch(config, 16, seed=1)
+    reference = eval_steps(m, batch)
+    assert ptrm.trajectories_of(1, 0.0, seed=3) is None  # eval and training do not route it through ptrm
+    # Routed through ptrm anyway, nothing changes.
+    metrics, preds, q = eval_steps(m, batch, ptrm.Trajectories(1, 0.0))
+    assert torch.equal(preds, reference[1]) and torch.equal(q, reference[2])
+    assert all(torch.equal(metrics[name], reference[0][name]) for name in metrics)
+    # K identical trajectories (no noise) choose the first: the answers and counts of K=1.
+    repeated = {k: v.repeat_interleave(4, 0) for k, v in batch.items()}
+    metrics, preds, q = eval_steps(m, repeated, ptrm.Trajectories(4, 0.0))
+    assert torch.equal(preds[::4], reference[1]) and torch.equal(q[::4], reference[2])
+    for name in ("count", "exact_accuracy", "accuracy", "steps"):
+        assert metrics[name] == reference[0][name], name
+
+
+def test_selection_takes_the_highest_q_halt_and_the_lowest_index_on_ties():
+    k = 4
+    planted = torch.tensor([0.1, 2.0, -1.0, 1.9,    # puzzle 0: trajectory 1
+                            -3.0, -3.0, -5.0, -4.0,  # puzzle 1: tie, the first (0)
+                            1.0, 2.0, 3.0, 3.0])     # puzzle 2: tie at the top, trajectory 2
+    chosen = ptrm.Trajectories(k, 0.5).best(planted)
+    assert chosen.view(-1, k).int().argmax(1).tolist() == [1, 0, 2]
+    assert chosen.sum() == 3
+    # select() spreads the chosen row's logits over its puzzle's rows and counts each puzzle once.
+    rows, seq, vocab = 12, 3, 5
+    logits = torch.arange(rows, dtype=torch.float32).view(rows, 1, 1).expand(rows, seq, vocab).clone()
+    labels = torch.full((rows, seq), 2, dtype=torch.int32)
+    carry = Carry(z_H=torch.zeros(rows, 1, 1), z_L=torch.zeros(rows, 1, 1), steps=torch.full((rows,), 4),
+                  halted=torch.ones(rows, dtype=torch.bool), current_data={"labels": labels},
+                  rng_counter=torch.tensor(0))
+    picked, outputs = ptrm.Trajectories(k, 0.5).select(carry, {"logits": logits, "q_halt_logits": planted})
+    assert outputs["logits"][:, 0, 0].tolist() == [1] * 4 + [4] * 4 + [10] * 4
+    assert outputs["q_halt_logits"].tolist() == [2.0] * 4 + [-3.0] * 4 + [3.0] * 4
+    assert picked.halted.tolist() == [True, False, False, False] * 3
+    _, metrics = loss_and_metrics(picked, outputs, halted_losses=True)
+    assert metrics["count"] == 3
+
+
+def test_noise_is_a_function_of_seed_puzzle_trajectory_and_step():
+    config = tiny_config()
+    batch = {k: v.repeat_interleave(4, 0) for k, v in random_batch(config, 6, seed=2).items()}
+    z = torch.zeros(24, config.total_len, config.hidden_size)
+    steps = torch.zeros(24, dtype=torch.int32)
+    t = ptrm.Trajectories(4, 1.0, seed=7)
+    noise = t.perturb(z, batch, steps)
+    assert abs(noise.std().item() - 1.0) < 0.02 and abs(noise.mean().item()) < 0.02
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[4])  # trajectories, puzzles
+    assert not torch.equal(noise, t.perturb(z, batch, steps + 1))
+    assert not torch.equal(noise, dataclasses.replace(t, seed=8).perturb(z, batch, steps))
+    # The same puzzle elsewhere in the batch, or trajectory k at a larger K: the same noise.
+    shifted = {k: v.roll(4, 0) for k, v in batch.items()}
+    assert torch.equal(t.perturb(z, shifted, steps).roll(-4, 0), noise)
+    wider = {k: v.view(6, 4, *v.shape[1:])[:, :2].reshape(12, *v.shape[1:]) for k, v in batch.items()}
+    assert torch.equal(ptrm.Trajectories(2, 1.0, seed=7).perturb(z[:12], wider, steps[:12]),
+                       noise.view(6, 4, *noise.shape[1:])[:, :2].reshape(12, *noise.shape[1:]))
+
+
+def test_noise_and_selection_on_a_sharded_xla_mesh_equal_cpu_eager(spmd_mesh):
+    import torch_xla.debug.metrics as met
+
+    import sharding
+
+    config = tiny_config()
+    m = trained_looking_model(config)
+    batch = {k: v.repeat_interleave(4, 0) for k, v in random_batch(config, 8, seed=3).items()}
+    t = ptrm.Trajectories(4, 0.5, seed=1)
+    cpu = eval_steps(m, batch, t)
+    device = sharding.device()
+    xla_model = TRM(config).eval()
+    xla_model.load_state_dict(m.state_dict())
+    xla_model = xla_model.to(device)
+    xla_batch = {k: sharding.shard_batch_dim(v.to(device), spmd_mesh) for k, v in batch.items()}
+    met.clear_all()
+    xla = eval_steps(xla_model, xla_batch, t)
+    import torch_xla
+    torch_xla.sync()
+    assert not [n for n in met.counter_names() if n.startswith("aten::")]
+    assert met.metric_data("TransferFromDeviceTime") is None, "the steps read a device value"
+    assert torch.equal(xla[1].cpu(), cpu[1])
+    torch.testing.assert_close(xla[2].cpu(), cpu[2], rtol=1e-5, atol=1e-5)
+    assert xla[0]["exact_accuracy"].cpu() == cpu[0]["exact_accuracy"]
+
+
+def test_trajectory_flags_are_checked_and_a_k_that_splits_puzzles_is_refused():
+    assert ptrm.parse_trajectories("1,4,16") == [1, 4, 16]
+    assert ptrm.parse_noises("0,0.3") == [0.0, 0.3]
+    with pytest.raises(SystemExit, match=r"eval.trajectories='1,0' must be .* \(set it with --eval.trajectories\)"):
+        parse_config(["demo", "--eval.trajectories", "1,0"])
+    with pytest.raises(SystemExit, match=r"eval.noise='-1' must be"):
+        parse_config(["demo", "--eval.noise=-1"])
+    with pytest.raises(ValueError, match=r"K=3 must divide the global batch of 128 rows .* pick K among"):
+        ptrm.puzzles_per_batch(128, 3, 1)
+
+
+ONE_DEVICE_EVAL = """
+import json, sys
+sys.path.insert(0, {project!r})
+import sharding
+from commands import evaluate_command
+result = evaluate_command({args!r})
+print("RESULT" + json.dumps({{"curve": result["trajectories"], "xla": sharding.xla_counters()}}))
+"""
+
+
+def test_eval_curve_compiles_one_program_per_k_and_gives_the_same_answers_on_1_and_8_devices(demo_path, tmp_path):
+    """`train.py eval --eval.trajectories 1,2,4`: K=1 without noise is the evaluation's own
+    result; each K compiles one program and reads its metrics once; the curve, its JSON and PNG
+    are saved; the same seed gives the same accuracies on 1 device as on the 8 of the mesh."""
+    run_dir = tmp_path / "run"
+    # float32: the partitioned program rounds differently from the one-device one (test_train).
+    steps = ("--optim.max-steps", "30", "--eval.every-epochs", "1000", "--model.forward-dtype", "float32")
+    train.main(parse_config(tiny_args(demo_path, tmp_path, *steps)))
+    common = ["--init-from", str(run_dir), "--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache"),
+              "--optim.global-batch-size", "32", "--eval.max-examples", "64"]
+    baseline = evaluate_command([*common, "--run.dir", str(tmp_path / "base")])
+    args = [*common, "--run.dir", str(tmp_path / "curve"), "--eval.trajectories", "1,2,4", "--eval.noise", "0,0.5"]
+    result = evaluate_command(args)
+    curve = result["trajectories"]
+    assert [(r["trajectories"], r["noise"]) for r in curve] == [(1, 0), (2, 0), (4, 0), (1, 0.5), (2, 0.5), (4, 0.5)]
+    assert curve[0]["exact_accuracy"] == baseline["exact_accuracy"] and curve[0]["accuracy"] == baseline["accuracy"]
+    for row in curve[1:3]:  # identical trajectories: the first is chosen, K=1's answers
+        assert row["exact_accuracy"] == baseline["exact_accuracy"]
+        assert row["accuracy"] == pytest.approx(baseline["accuracy"], abs=1e-6)
+    # K=1 without noise is the evaluation program compiled for `baseline`; every other K, one.
+    assert [r["compiles"] for r in curve] == [0, 1, 1, 1, 1, 1]
+    assert all(r["transfers"] == 1 for r in curve)  # the metric sums, read after the last batch
+    saved = tmp_path / "curve" / "eval" / "step_30"
+    assert json.loads((saved / ptrm.CURVE_FILE).read_text()) == curve
+    assert (saved / ptrm.CURVE_PLOT).read_bytes()[:4] == b"\x89PNG"
+
+    script = textwrap.dedent(ONE_DEVICE_EVAL.format(project=str(PROJECT_DIR),
+                                                    args=args + ["--run.cpu-devices", "1"]))
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = json.loads(proc.stdout.split("RESULT")[1])
+    assert not one["xla"]["fallbacks"]
+    for a, b in zip(curve, one["curve"]):
+        assert a["exact_accuracy"] == b["exact_accuracy"], (a, b)
+        assert a["accuracy"] == pytest.approx(b["accuracy"], rel=1e-5)
+    assert np.isfinite([r["seconds_per_puzzle"] for r in curve]).all()
