@@ -237,6 +237,11 @@ def check_config(config: Config) -> None:
             parse(getattr(config.eval, name.split(".")[1]))
         except ValueError as e:
             problems.append(f"{e} (set it with {flag(name)})")
+    try:
+        for k in ptrm.parse_trajectories(config.eval.trajectories):
+            ptrm.puzzles_per_batch(config.optim.global_batch_size, k, 1)
+    except ValueError as e:
+        problems.append(f"{e} (set it with {flag('eval.trajectories')})")
     if config.eval.arc_aggregate and not config.eval.arc:
         problems.append("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
                         "pass --eval.arc too (needs an ARC dataset)")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import data
+import ptrm
 import storage
 from arc import REFERENCE_PASS_KS, VOTES_FILE, ArcEvaluator, decode_summary, encode_summary, write_submission
 from batches import EvalBatches
@@ -157,9 +158,11 @@ class Evaluations:
         config, sharding = self.config, self.trainer.sharding
         started = time.time()
         index, count = sharding.data_split()
-        batches = EvalBatches(self.test_set, config.optim.global_batch_size, process_index=index,
-                                   process_count=count, max_examples=None if final else config.eval.max_examples,
-                                   seed=config.run.seed)
+        # Test-time scaling (ptrm.py) if asked for: the last K and noise of eval.trajectories / eval.noise.
+        k, noise = ptrm.parse_trajectories(config.eval.trajectories)[-1], ptrm.parse_noises(config.eval.noise)[-1]
+        self.trainer.set_trajectories(ptrm.trajectories_of(k, noise, config.run.seed))
+        batches = ptrm.eval_batches(self.test_set, config.optim.global_batch_size, k, index, count,
+                                    None if final else config.eval.max_examples, config.run.seed)
 
         def between_batches(done: int) -> bool:  # True: stop (SIGTERM on some host)
             self.watchdog.progress(f"evaluation batch {done}/{len(batches)} at step {step}")

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+import data
+import predict
 import ptrm
 import train
 from commands import evaluate_command
@@ -145,7 +147,8 @@ print("RESULT" + json.dumps({{"curve": result["trajectories"], "xla": sharding.x
 """
 
 
-def test_eval_curve_compiles_one_program_per_k_and_gives_the_same_answers_on_1_and_8_devices(demo_path, tmp_path):
+def test_eval_curve_compiles_one_program_per_k_gives_the_same_answers_on_1_and_8_devices_and_in_predict(demo_path,
+                                                                                                       tmp_path):
     """`train.py eval --eval.trajectories 1,2,4`: K=1 without noise is the evaluation's own
     result; each K compiles one program and reads its metrics once; the curve, its JSON and PNG
     are saved; the same seed gives the same accuracies on 1 device as on the 8 of the mesh."""
@@ -154,7 +157,7 @@ def test_eval_curve_compiles_one_program_per_k_and_gives_the_same_answers_on_1_a
     steps = ("--optim.max-steps", "30", "--eval.every-epochs", "1000", "--model.forward-dtype", "float32")
     train.main(parse_config(tiny_args(demo_path, tmp_path, *steps)))
     common = ["--init-from", str(run_dir), "--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache"),
-              "--optim.global-batch-size", "32", "--eval.max-examples", "64"]
+              "--optim.global-batch-size", "32"]
     baseline = evaluate_command([*common, "--run.dir", str(tmp_path / "base")])
     args = [*common, "--run.dir", str(tmp_path / "curve"), "--eval.trajectories", "1,2,4", "--eval.noise", "0,0.5"]
     result = evaluate_command(args)
@@ -167,9 +170,23 @@ def test_eval_curve_compiles_one_program_per_k_and_gives_the_same_answers_on_1_a
     # K=1 without noise is the evaluation program compiled for `baseline`; every other K, one.
     assert [r["compiles"] for r in curve] == [0, 1, 1, 1, 1, 1]
     assert all(r["transfers"] == 1 for r in curve)  # the metric sums, read after the last batch
+    assert curve[0]["examples"] == 40
     saved = tmp_path / "curve" / "eval" / "step_30"
     assert json.loads((saved / ptrm.CURVE_FILE).read_text()) == curve
     assert (saved / ptrm.CURVE_PLOT).read_bytes()[:4] == b"\x89PNG"
+
+    # predict takes one K and noise and gives the evaluation's answers (the same noise per puzzle).
+    test_set = data.open_dataset(demo_path, "test")
+    digits = lambda tokens: "".join(str(int(t) - 1) for t in tokens)  # noqa: E731
+    csv_file = tmp_path / "test.csv"
+    csv_file.write_text("source,question,answer,rating\n" + "".join(
+        f"demo,{digits(q)},{digits(a)},0\n" for q, a in zip(test_set.inputs, test_set.labels)))
+    predicted = predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle-file", str(csv_file),
+                                         "--eval.trajectories", "4", "--eval.noise", "0.5"])
+    assert predicted["exact_accuracy"] == pytest.approx(curve[-1]["exact_accuracy"])
+    with pytest.raises(SystemExit, match="predict takes one --eval.trajectories K"):
+        predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle-file", str(csv_file),
+                                 "--eval.trajectories", "1,4"])
 
     script = textwrap.dedent(ONE_DEVICE_EVAL.format(project=str(PROJECT_DIR),
                                                     args=args + ["--run.cpu-devices", "1"]))
@@ -182,3 +199,11 @@ def test_eval_curve_compiles_one_program_per_k_and_gives_the_same_answers_on_1_a
         assert a["exact_accuracy"] == b["exact_accuracy"], (a, b)
         assert a["accuracy"] == pytest.approx(b["accuracy"], rel=1e-5)
     assert np.isfinite([r["seconds_per_puzzle"] for r in curve]).all()
+
+
+def test_training_evaluations_may_use_trajectories(demo_path, tmp_path):
+    """--eval.trajectories / --eval.noise in training: its evaluations run the last K and noise,
+    counting each test puzzle once."""
+    trained = train.main(parse_config(tiny_args(demo_path, tmp_path, "--optim.max-steps", "4", "--eval.every-epochs",
+                                                "1000", "--eval.trajectories", "1,2", "--eval.noise", "0.3")))
+    assert trained["final"]["count"] == 40
