@@ -47,7 +47,8 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     submission) are a vote over them and the saved votes of every earlier step."""
     sharding = trainer.sharding
     every = 1 if trainer.trajectories is None else trainer.trajectories.count
-    sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
+    names = EVAL_METRICS + (() if trainer.trajectories is None else ptrm.EXTRA_METRICS)
+    sums = torch.zeros(len(names)).to(trainer.device)
     started, report_every = time.time(), max(1, len(batches) // 10)
     if arc is not None:
         arc.begin()
@@ -83,7 +84,7 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
                     f"ETA {format_duration(elapsed / done * (len(batches) - done))}")
         trainer.model.train()
     # The reference's evaluate divides every sum, the losses included, by count.
-    sums = dict(zip(EVAL_METRICS, sums.cpu().numpy().tolist()))
+    sums = dict(zip(names, sums.cpu().numpy().tolist()))
     result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
     result["num_examples"] = batches.num_examples
     submission = None

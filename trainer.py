@@ -271,8 +271,10 @@ class Trainer:
         ptrm = self.trajectories
         carry, outputs = self.model(self.eval_carry, batch, perturb=None if ptrm is None else ptrm.perturb)
         self.eval_carry = self._sharded_carry(carry)
+        extra = []
         if ptrm is not None:
+            extra = [ptrm.solved_by_any(carry, outputs)]  # EVAL_METRICS + ptrm.EXTRA_METRICS
             carry, outputs = ptrm.select(carry, outputs)
         _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
         predictions = outputs["logits"].argmax(-1)
-        return torch.stack([metrics[k] for k in EVAL_METRICS]), predictions, outputs["q_halt_logits"]
+        return torch.stack([metrics[k] for k in EVAL_METRICS] + extra), predictions, outputs["q_halt_logits"]

@@ -78,7 +78,10 @@ def test_selection_takes_the_highest_q_halt_and_the_lowest_index_on_ties():
     assert outputs["q_halt_logits"].tolist() == [2.0] * 4 + [-3.0] * 4 + [3.0] * 4
     assert picked.halted.tolist() == [True, False, False, False] * 3
     _, metrics = loss_and_metrics(picked, outputs, halted_losses=True)
-    assert metrics["count"] == 3
+    assert metrics["count"] == 3 and metrics["exact_accuracy"] == 0  # the chosen rows predict 1, 4, 10
+    # The oracle: a puzzle counts when any trajectory is right (rows 2 and 7 predict label 2).
+    right = torch.where(torch.arange(rows).view(rows, 1, 1) % 5 == 2, 9.0, 0.0) * (torch.arange(vocab) == 2)
+    assert ptrm.Trajectories(k, 0.5).solved_by_any(carry, {"logits": right}) == 2
 
 
 def test_noise_is_a_function_of_seed_puzzle_trajectory_and_step():
@@ -171,6 +174,7 @@ def test_eval_curve_compiles_one_program_per_k_gives_the_same_answers_on_1_and_8
     assert [r["compiles"] for r in curve] == [0, 1, 1, 1, 1, 1]
     assert all(r["transfers"] == 1 for r in curve)  # the metric sums, read after the last batch
     assert curve[0]["examples"] == 40
+    assert all(r["oracle_exact_accuracy"] >= r["exact_accuracy"] for r in curve)
     saved = tmp_path / "curve" / "eval" / "step_30"
     assert json.loads((saved / ptrm.CURVE_FILE).read_text()) == curve
     assert (saved / ptrm.CURVE_PLOT).read_bytes()[:4] == b"\x89PNG"
