@@ -211,3 +211,40 @@ def test_training_evaluations_may_use_trajectories(demo_path, tmp_path):
     trained = train.main(parse_config(tiny_args(demo_path, tmp_path, "--optim.max-steps", "4", "--eval.every-epochs",
                                                 "1000", "--eval.trajectories", "1,2", "--eval.noise", "0.3")))
     assert trained["final"]["count"] == 40
+
+
+def test_projection_of_an_evaluation_at_k_trajectories():
+    """bench.py --trajectories K / projection: an evaluation batch holds global_batch // K puzzles."""
+    from config import PRESETS
+    from projection import PAPER_DATASETS, flop_record, project_paper_run, slice_spec
+
+    preset = PRESETS["sudoku-mlp"][1]
+    record = flop_record("sudoku-mlp", preset, slice_spec("v4-8"))
+    one = project_paper_run(record, preset, PAPER_DATASETS["sudoku-mlp"], 0.4)
+    at_16 = project_paper_run(record, dataclasses.replace(preset, eval=dataclasses.replace(
+        preset.eval, trajectories="1,16")), PAPER_DATASETS["sudoku-mlp"], 0.4)
+    test_examples = PAPER_DATASETS["sudoku-mlp"].test_examples
+    assert at_16["eval_act_steps"] == 10 * -(-test_examples // 48) * 16  # 768 // 16 puzzles a batch
+    assert at_16["eval_ms_per_puzzle"] == pytest.approx(16 * one["eval_ms_per_puzzle"])
+    assert at_16["test_eval_hours"] == pytest.approx(
+        -(-test_examples // 48) * 16 * at_16["eval_ms_per_act_step"] / 3.6e6)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="libtpu's compile-only client needs Python 3.11+")
+def test_tpu_compile_compiles_the_evaluation_at_k_trajectories(tmp_path):
+    """`tpu_compile.py demo --programs eval_step --eval.trajectories 8`: the evaluation program
+    with its K rows per puzzle compiles for a v4-8 host and tells its device time per puzzle."""
+    out = tmp_path / "k8.json"
+    done = subprocess.run([sys.executable, "tpu_compile.py", "demo", "--slice", "v4-8", "--programs", "eval_step",
+                           "--json", str(out), "--eval.trajectories", "8", "--eval.noise", "0.5"],
+                          cwd=PROJECT_DIR, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, TRM_TPU_COMPILE_CACHE=str(tmp_path / "cache")))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["programs"]
+    assert (result["trajectories"], result["noise"], result["puzzles_per_batch"]) == (8, 0.5, 128 // 8)
+    import tpu_compile
+    per_puzzle = tpu_compile.eval_ms_per_puzzle(result)
+    assert per_puzzle == pytest.approx(result["estimate_ms"] * 4 / 16)  # demo: 4 ACT steps, 16 puzzles a batch
+    assert f"per test puzzle: {per_puzzle:.4f} ms of device time" in done.stdout
+    assert "K=8 trajectories each, noise 0.5" in done.stdout
+    assert result["hbm_bytes"]["total"] < result["hbm_capacity_bytes"]
