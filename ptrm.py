@@ -63,14 +63,35 @@ def puzzle_keys(inputs: torch.Tensor, puzzle_identifiers: torch.Tensor) -> torch
     return mix32(tokens.sum(-1) + puzzle_identifiers.to(torch.int64) * 0x27D4EB2F)
 
 
+def _int32(value: int) -> int:
+    """The int32 of a 32-bit pattern (a multiplier above 2**31 as its negative twin)."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The logical right shift of int32 bit patterns. Shifted only while non-negative: torch_xla
+    rounds `>>` of a negative int32 toward zero, as a division (-5 >> 16 is 0 there, -1 on CPU)."""
+    return ((x & 0x7FFFFFFF) >> bits) | torch.where(x < 0, 1 << (31 - bits), 0).to(torch.int32)
+
+
+def _mix_int32(x: torch.Tensor) -> torch.Tensor:
+    """mix32 in int32 arithmetic, whose products wrap modulo 2**32 on CPU and XLA alike (the same
+    bits as mix32 without int64, which a TPU emulates): for the noise's one hash per element."""
+    for multiplier in (0x7FEB352D, 0x4C8E9CF5, 0x2C1B3C6D):
+        x = (x ^ _shift_right(x, 16)) * multiplier
+    return x ^ _shift_right(x, 16)
+
+
 def hashed_normal(keys: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Standard normal float32 [rows, *shape]: element i of row r is a pure function of
     (keys[r], i), by Box-Muller on two 24-bit uniforms hashed from them."""
     count = math.prod(shape)
-    elements = torch.arange(count, device=keys.device, dtype=torch.int64).view(1, *shape)
-    base = mix32(keys).view(-1, *([1] * len(shape))) * 0x632BE5AB
-    u1 = ((mix32(base + 2 * elements) >> 8) + 1).to(torch.float32) * (1.0 / (1 << 24))  # (0, 1]
-    u2 = (mix32(base + 2 * elements + 1) >> 8).to(torch.float32) * (1.0 / (1 << 24))  # [0, 1)
+    elements = torch.arange(0, 2 * count, 2, device=keys.device, dtype=torch.int32).view(1, *shape)
+    key = mix32(keys)
+    key = torch.where(key >= 1 << 31, key - (1 << 32), key).to(torch.int32)  # the same bits, as int32
+    base = key.view(-1, *([1] * len(shape))) * _int32(0x632BE5AB) + elements
+    u1 = (_shift_right(_mix_int32(base), 8) + 1).to(torch.float32) * (1.0 / (1 << 24))  # (0, 1]
+    u2 = _shift_right(_mix_int32(base + 1), 8).to(torch.float32) * (1.0 / (1 << 24))  # [0, 1)
     return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos((2 * math.pi) * u2)
 
 
