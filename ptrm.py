@@ -236,7 +236,11 @@ def write_curve(out_dir: str, rows: list[dict], title: str) -> tuple[str, str]:
     json_url, png_url = storage.join_url(out_dir, CURVE_FILE), storage.join_url(out_dir, CURVE_PLOT)
     storage.write_bytes(json_url, json.dumps(rows, indent=2).encode())
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for noise in sorted({r["noise"] for r in rows}):
+    for r in rows:
+        if r["noise"] == 0:  # the evaluation without noise, as a level
+            ax.axhline(100 * r["exact_accuracy"], color="gray", linestyle="--", linewidth=1,
+                       label=f"K={r['trajectories']}, no noise")
+    for noise in sorted({r["noise"] for r in rows} - {0}):
         line = sorted((r for r in rows if r["noise"] == noise), key=lambda r: r["trajectories"])
         drawn = ax.plot([r["trajectories"] for r in line], [100 * r["exact_accuracy"] for r in line], "o-",
                         label=f"noise {noise:g}: highest q_halt")
@@ -280,7 +284,8 @@ def evaluate_curve(trainer, test_set, config, ks: list[int], noises: list[float]
 
     rows, results = [], []
     for noise in noises:
-        for k in ks:
+        # Without noise every trajectory is the first: K > 1 would cost K times for K=1's answers.
+        for k in ks if noise else ks[:1]:
             trainer.set_trajectories(trajectories_of(k, noise, config.run.seed))
             batches = eval_batches(test_set, config.optim.global_batch_size, k, data_index, data_count,
                                    config.eval.max_examples, config.run.seed)

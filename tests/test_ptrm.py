@@ -165,13 +165,11 @@ def test_eval_curve_compiles_one_program_per_k_gives_the_same_answers_on_1_and_8
     args = [*common, "--run.dir", str(tmp_path / "curve"), "--eval.trajectories", "1,2,4", "--eval.noise", "0,0.5"]
     result = evaluate_command(args)
     curve = result["trajectories"]
-    assert [(r["trajectories"], r["noise"]) for r in curve] == [(1, 0), (2, 0), (4, 0), (1, 0.5), (2, 0.5), (4, 0.5)]
+    # Without noise only K=1 runs (its trajectories would all be the first, test above).
+    assert [(r["trajectories"], r["noise"]) for r in curve] == [(1, 0), (1, 0.5), (2, 0.5), (4, 0.5)]
     assert curve[0]["exact_accuracy"] == baseline["exact_accuracy"] and curve[0]["accuracy"] == baseline["accuracy"]
-    for row in curve[1:3]:  # identical trajectories: the first is chosen, K=1's answers
-        assert row["exact_accuracy"] == baseline["exact_accuracy"]
-        assert row["accuracy"] == pytest.approx(baseline["accuracy"], abs=1e-6)
     # K=1 without noise is the evaluation program compiled for `baseline`; every other K, one.
-    assert [r["compiles"] for r in curve] == [0, 1, 1, 1, 1, 1]
+    assert [r["compiles"] for r in curve] == [0, 1, 1, 1]
     assert all(r["transfers"] == 1 for r in curve)  # the metric sums, read after the last batch
     assert curve[0]["examples"] == 40
     assert all(r["oracle_exact_accuracy"] >= r["exact_accuracy"] for r in curve)
