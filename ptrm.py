@@ -323,3 +323,23 @@ def evaluate_curve(trainer, test_set, config, ks: list[int], noises: list[float]
                 f"  {row['seconds_per_puzzle']:.5f} s/puzzle", flush=True)
     trainer.set_trajectories(None)
     return rows, results
+
+
+def saved_curve_columns(run_dir: str) -> dict[str, str]:
+    """The study report's columns of a run evaluated at several K (`train.py eval --init-from RUN
+    --run.dir RUN --eval.trajectories ...`): exact accuracy in % of each (K, noise) of the newest
+    eval/step_N/trajectories.json under run_dir, as {"exact_K16_noise0.3_%": "57.00"}; empty if none."""
+    import re
+
+    import storage
+
+    fs, path = storage.filesystem(storage.join_url(run_dir, "eval"))
+    try:
+        found = fs.glob(f"{path.rstrip('/')}/step_*/{CURVE_FILE}")
+    except FileNotFoundError:
+        return {}
+    steps = sorted((int(m.group(1)), f) for f in found if (m := re.search(r"step_(\d+)/", f)))
+    if not steps:
+        return {}
+    rows = json.loads(storage.read_bytes(storage.join_url(run_dir, "eval", f"step_{steps[-1][0]}", CURVE_FILE)))
+    return {f"exact_K{r['trajectories']}_noise{r['noise']:g}_%": f"{100 * r['exact_accuracy']:.2f}" for r in rows}

@@ -176,6 +176,11 @@ def test_eval_curve_compiles_one_program_per_k_gives_the_same_answers_on_1_and_8
     saved = tmp_path / "curve" / "eval" / "step_30"
     assert json.loads((saved / ptrm.CURVE_FILE).read_text()) == curve
     assert (saved / ptrm.CURVE_PLOT).read_bytes()[:4] == b"\x89PNG"
+    # The study report's columns of a run evaluated so (its eval/step_N/trajectories.json).
+    columns = ptrm.saved_curve_columns(str(tmp_path / "curve"))
+    assert list(columns) == ["exact_K1_noise0_%", "exact_K1_noise0.5_%", "exact_K2_noise0.5_%", "exact_K4_noise0.5_%"]
+    assert columns["exact_K4_noise0.5_%"] == f"{100 * curve[-1]['exact_accuracy']:.2f}"
+    assert ptrm.saved_curve_columns(str(tmp_path / "base")) == {}
 
     # predict takes one K and noise and gives the evaluation's answers (the same noise per puzzle).
     test_set = data.open_dataset(demo_path, "test")
@@ -246,3 +251,15 @@ def test_tpu_compile_compiles_the_evaluation_at_k_trajectories(tmp_path):
     assert f"per test puzzle: {per_puzzle:.4f} ms of device time" in done.stdout
     assert "K=8 trajectories each, noise 0.5" in done.stdout
     assert result["hbm_bytes"]["total"] < result["hbm_capacity_bytes"]
+
+
+def test_the_study_report_adds_the_columns_of_runs_evaluated_at_several_k(tmp_path):
+    import study_report
+
+    runs = [{"kind": "run", "name": "a", "status": "done", "exact_K16_noise0.3_%": "57.00"},
+            {"kind": "run", "name": "b", "status": "done"}]
+    configs = [{"kind": "configuration", "name": "a", "status": "1 of 1 seeds done"}]
+    text = study_report.write_outputs(str(tmp_path), runs, configs, [], "")
+    assert "exact_K16_noise0.3_%" in text.splitlines()[0] and "57.00" in text
+    header = (tmp_path / "results.csv").read_text().splitlines()[0]
+    assert "exact_K16_noise0.3_%" in header and "exact_K16_noise0.3_% |" in (tmp_path / "results.md").read_text()
