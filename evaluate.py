@@ -139,6 +139,9 @@ class Evaluations:
         self.scheduled = set(eval_steps[:-1])  # the final one runs after the loop
         self.root = storage.join_url(config.run.dir, "eval")
         self.arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+        # K trajectories must leave each host whole puzzles: said at start-up, not at the first evaluation
+        ptrm.puzzles_per_batch(config.optim.global_batch_size, ptrm.parse_trajectories(config.eval.trajectories)[-1],
+                               trainer.sharding.data_split()[1])
 
     def after_step(self, step: int) -> None:
         if step in self.scheduled:
