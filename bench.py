@@ -144,6 +144,8 @@ class BenchConfig:
     """Model FLOPs utilisation of the paper-run projection with --device-time mfu (device time = dev@peak / mfu)."""
     device_time: Literal["compiled", "mfu"] = "compiled"
     """Device time of the projection: each step compiled for the slice by the TPU compiler (tpu_compile.py) or --mfu."""
+    trajectories: int = 1
+    """Project (and compile) the evaluations at K trajectories per test puzzle (eval.trajectories, ptrm.py)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,7 +163,8 @@ def bench_config(preset: str, args: BenchConfig) -> Config:
     model = tiny_model(config.model) if args.tiny else config.model
     if args.forward_dtype:
         model = dataclasses.replace(model, forward_dtype=args.forward_dtype)
-    return dataclasses.replace(config, model=model,
+    evals = dataclasses.replace(config.eval, trajectories=str(args.trajectories))
+    return dataclasses.replace(config, model=model, eval=evals,
                                run=dataclasses.replace(config.run, device=args.device, cpu_devices=args.cpu_devices,
                                                        capture_step=args.capture_step,
                                                        shard_puzzle_table=args.shard_puzzle_table))

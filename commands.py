@@ -16,6 +16,7 @@ from typing import Annotated
 import tyro
 
 import checkpoint
+import ptrm
 import storage
 from arc import ArcEvaluator, write_submission
 from batches import EvalBatches
@@ -117,6 +118,12 @@ def evaluate_command(argv: list[str]) -> dict:
     say = print if sharding.is_main_process() else (lambda *a, **k: None)
     mesh = sharding.data_mesh()
     trainer = Trainer(config, sharding, mesh, weights)
+    ks, noises = ptrm.parse_trajectories(config.eval.trajectories), ptrm.parse_noises(config.eval.noise)
+    try:
+        for k in ks:
+            ptrm.puzzles_per_batch(config.optim.global_batch_size, k, data_count)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     batches = EvalBatches(test_set, config.optim.global_batch_size, process_index=data_index,
                                process_count=data_count,
                                max_examples=config.eval.max_examples, seed=config.run.seed)
@@ -126,16 +133,30 @@ def evaluate_command(argv: list[str]) -> dict:
         f"on {device_kind} ({len(batches)} batches)", flush=True)
     started = time.time()
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
-    result, submission = evaluate(trainer, batches, sharding.sync, arc, lambda *a: say(*a, flush=True),
-                                  storage.join_url(config.run.dir, "eval"), step, config.eval.arc_aggregate)
     out = storage.join_url(config.run.dir, "eval", f"step_{step}")
+    curve = None
+    if ks == [1] and noises == [0.0]:  # the reference's evaluation
+        result, submission = evaluate(trainer, batches, sharding.sync, arc, lambda *a: say(*a, flush=True),
+                                      storage.join_url(config.run.dir, "eval"), step, config.eval.arc_aggregate)
+    else:  # test-time scaling (ptrm.py): one evaluation per (K, noise); ARC votes are saved, not aggregated
+        say(f"test-time scaling: K = {', '.join(map(str, ks))} trajectories per puzzle, noise "
+            f"{', '.join(f'{n:g}' for n in noises)} on z_L", flush=True)
+        curve, results = ptrm.evaluate_curve(trainer, test_set, config, ks, noises, data_index, data_count, arc,
+                                             lambda *a, **k: say(*a, flush=True),
+                                             storage.join_url(config.run.dir, "eval"), step)
+        result, submission = dict(results[-1], trajectories=curve), None
+        say("accuracy against trajectories per puzzle (" + device_kind + "):\n" + ptrm.curve_table(curve),
+            flush=True)
     if sharding.is_main_process():
         metrics = json.dumps(dict(result, source=source), indent=2).encode()
         storage.write_bytes(storage.join_url(out, "metrics.json"), metrics)
         if submission is not None:
             write_submission(out, submission)
+        if curve is not None:
+            saved = ptrm.write_curve(out, curve, f"{source} (step {step}) on {config.data.path}")
+            say(f"curve saved to {saved[0]} and {saved[1]}", flush=True)
     scores = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()
-                       if k not in ("count", "num_examples"))
+                       if k not in ("count", "num_examples", "trajectories"))
     say(f"eval of {source}: {scores}  ({time.time() - started:.0f}s); saved to {out}", flush=True)
     return result
 

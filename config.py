@@ -21,6 +21,7 @@ from typing import Literal
 import tyro
 
 import data
+import ptrm
 import storage
 from model import TRMConfig
 from optim import DENSE_OPTIMIZERS
@@ -102,6 +103,10 @@ class EvalConfig:
     """Also vote over every evaluation of this run so far (aggregated_pass@k, and the submission),
     as the reference reports ARC scores; `train.py eval` votes over its own and the saved votes
     of earlier steps in {run.dir}/eval/step_N/arc_votes.json.gz. Needs --eval.arc."""
+    trajectories: str = resumable("1")
+    """Test-time scaling (ptrm.py, docs/test-time-scaling.md): K noisy trajectories per puzzle, the answer of the highest q_halt; `train.py eval` takes a comma list (1,4,16) and saves the curve, training's evaluations use the last K."""  # noqa: E501 (one line: tyro keeps line breaks)
+    noise: str = resumable("0")
+    """Standard deviation of the Gaussian noise added to z_L at every ACT step of each trajectory; `train.py eval` takes a comma list (0.1,0.3), training's evaluations use the last."""  # noqa: E501
 
 
 @dataclass
@@ -243,6 +248,16 @@ def check_config(config: Config) -> None:
                                  ("optim.lr_schedule", config.optim.lr_schedule, LR_SCHEDULES)):
         if value not in choices:
             problems.append(f"{name}={value!r} must be one of {', '.join(choices)} (set it with {flag(name)})")
+    for name, parse in (("eval.trajectories", ptrm.parse_trajectories), ("eval.noise", ptrm.parse_noises)):
+        try:
+            parse(getattr(config.eval, name.split(".")[1]))
+        except ValueError as e:
+            problems.append(f"{e} (set it with {flag(name)})")
+    try:
+        for k in ptrm.parse_trajectories(config.eval.trajectories):
+            ptrm.puzzles_per_batch(config.optim.global_batch_size, k, 1)
+    except ValueError as e:
+        problems.append(f"{e} (set it with {flag('eval.trajectories')})")
     if config.eval.arc_aggregate and not config.eval.arc:
         problems.append("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
                         "pass --eval.arc too (needs an ARC dataset)")

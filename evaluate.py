@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import data
+import ptrm
 import storage
 from arc import REFERENCE_PASS_KS, VOTES_FILE, ArcEvaluator, decode_summary, encode_summary, write_submission
 from batches import EvalBatches
@@ -38,12 +39,16 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     `first_predictions(host batch, predicted tokens)` gets this host's rows of the first batch;
     `each_act_step(batch index, host batch, preds, q_halt)` is called after every ACT step with
     its device outputs (predict reads them all; a training run's evaluation does not).
+    With `trainer.trajectories` (ptrm.py), `batches` holds each puzzle's K rows in a row
+    (ptrm.TrajectoryBatches) and the metrics and votes count each puzzle's chosen answer once.
 
     With `arc` and `eval_root`, process 0 saves this evaluation's votes to
     {eval_root}/step_{step}/arc_votes.json.gz; with `aggregate` too, aggregated_pass@k (and the
     submission) are a vote over them and the saved votes of every earlier step."""
     sharding = trainer.sharding
-    sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
+    every = 1 if trainer.trajectories is None else trainer.trajectories.count
+    names = EVAL_METRICS + (() if trainer.trajectories is None else ptrm.EXTRA_METRICS)
+    sums = torch.zeros(len(names)).to(trainer.device)
     started, report_every = time.time(), max(1, len(batches) // 10)
     if arc is not None:
         arc.begin()
@@ -60,12 +65,15 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
                 if each_act_step is not None:
                     each_act_step(index, host_batch, preds, q_halt)
             if arc is not None or (index == 0 and first_predictions is not None):
-                predicted = sharding.local_rows(preds)[1].numpy()  # this host's rows only
+                # this host's rows only; of K trajectories (ptrm.py), each puzzle's first row
+                # holds its chosen answer
+                predicted = sharding.local_rows(preds)[1].numpy()[::every]
+                puzzles = {k: v[::every] for k, v in host_batch.items()}
                 if index == 0 and first_predictions is not None:
-                    first_predictions(host_batch, predicted)
+                    first_predictions(puzzles, predicted)
                 if arc is not None:  # votes are summarised before crossing hosts
-                    arc.update(host_batch, predicted, sharding.local_rows(q_halt)[1].float().numpy(),
-                               batches.valid(index))
+                    arc.update(puzzles, predicted, sharding.local_rows(q_halt)[1].float().numpy()[::every],
+                               batches.valid(index)[::every])
             done = index + 1
             if between_batches(done):
                 trainer.model.train()
@@ -76,7 +84,7 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
                     f"ETA {format_duration(elapsed / done * (len(batches) - done))}")
         trainer.model.train()
     # The reference's evaluate divides every sum, the losses included, by count.
-    sums = dict(zip(EVAL_METRICS, sums.cpu().numpy().tolist()))
+    sums = dict(zip(names, sums.cpu().numpy().tolist()))
     result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
     result["num_examples"] = batches.num_examples
     submission = None
@@ -131,6 +139,9 @@ class Evaluations:
         self.scheduled = set(eval_steps[:-1])  # the final one runs after the loop
         self.root = storage.join_url(config.run.dir, "eval")
         self.arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+        # K trajectories must leave each host whole puzzles: said at start-up, not at the first evaluation
+        ptrm.puzzles_per_batch(config.optim.global_batch_size, ptrm.parse_trajectories(config.eval.trajectories)[-1],
+                               trainer.sharding.data_split()[1])
 
     def after_step(self, step: int) -> None:
         if step in self.scheduled:
@@ -151,9 +162,11 @@ class Evaluations:
         config, sharding = self.config, self.trainer.sharding
         started = time.time()
         index, count = sharding.data_split()
-        batches = EvalBatches(self.test_set, config.optim.global_batch_size, process_index=index,
-                                   process_count=count, max_examples=None if final else config.eval.max_examples,
-                                   seed=config.run.seed)
+        # Test-time scaling (ptrm.py) if asked for: the last K and noise of eval.trajectories / eval.noise.
+        k, noise = ptrm.parse_trajectories(config.eval.trajectories)[-1], ptrm.parse_noises(config.eval.noise)[-1]
+        self.trainer.set_trajectories(ptrm.trajectories_of(k, noise, config.run.seed))
+        batches = ptrm.eval_batches(self.test_set, config.optim.global_batch_size, k, index, count,
+                                    None if final else config.eval.max_examples, config.run.seed)
 
         def between_batches(done: int) -> bool:  # True: stop (SIGTERM on some host)
             self.watchdog.progress(f"evaluation batch {done}/{len(batches)} at step {step}")

@@ -401,7 +401,10 @@ class TRM(nn.Module):
             rng_counter=torch.zeros((), dtype=torch.int64, device=device),
         )
 
-    def forward(self, carry: Carry, batch: dict[str, torch.Tensor]) -> tuple[Carry, dict[str, torch.Tensor]]:
+    def forward(self, carry: Carry, batch: dict[str, torch.Tensor],
+                perturb=None) -> tuple[Carry, dict[str, torch.Tensor]]:
+        """One ACT step. `perturb(z_L, data, steps)`, if given, returns the latent this step's
+        recursion starts from (test-time noise, ptrm.py; `steps` counts the row's earlier steps)."""
         config = self.config
         # Rows that halted at the previous step start over on the new batch's example.
         reset = carry.halted
@@ -410,6 +413,8 @@ class TRM(nn.Module):
         steps = torch.where(reset, 0, carry.steps)
         data = {k: torch.where(reset.view((-1,) + (1,) * (v.ndim - 1)), batch[k], v)
                 for k, v in carry.current_data.items()}
+        if perturb is not None:
+            z_L = perturb(z_L, data, steps)
 
         x = self.embed(data["inputs"], data["puzzle_identifiers"])
         z_H, z_L, logits, q_halt, q_continue = self.recurse(z_H, z_L, x)

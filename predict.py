@@ -9,6 +9,7 @@ confidence; run by evaluate() itself, so that the answers are the evaluation's.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -18,6 +19,7 @@ import tyro
 import build_data
 import compile_cache
 import data
+import ptrm
 import storage
 from arc import Q_SCALE, ArcEvaluator, grid_key, parse_arc_identifier, sigmoid
 from batches import EvalBatches
@@ -95,19 +97,26 @@ def _predict_runtime(config: Config):
     return sharding, device_kind
 
 
-def _predict_batches(split: data.Dataset, config: Config, sharding) -> EvalBatches:
-    """The puzzles in batches of at most optim.global_batch_size, the last padded to a multiple
-    of the device count (as evaluation pads its last batch)."""
+def _predict_batches(split: data.Dataset, config: Config, sharding, k: int = 1):
+    """The puzzles in batches of at most optim.global_batch_size rows, the last padded to a
+    multiple of the device count (as evaluation pads its last batch); with K trajectories
+    (ptrm.py), each puzzle's row K times in a row."""
     num_devices, _ = sharding.device_counts()
     if sharding.process_count() > 1:
         raise SystemExit("error: predict runs on one host (a CPU or one TPU VM, e.g. a v4-8), not on a "
                          f"slice of {sharding.process_count()} hosts")
-    size = min(config.optim.global_batch_size, -(-split.num_examples // num_devices) * num_devices)
+    step = num_devices // math.gcd(k, num_devices)  # puzzles whose K rows fill whole devices
+    size = min(config.optim.global_batch_size // k // step * step if k > 1 else config.optim.global_batch_size,
+               -(-split.num_examples // step) * step)
+    if size < 1:
+        raise SystemExit(f"error: --eval.trajectories {k} leaves no puzzle in a batch of "
+                         f"{config.optim.global_batch_size} rows over {num_devices} devices: lower K or raise "
+                         "--optim.global-batch-size")
     try:
-        check_batch_layout(size, num_devices, 1)
+        check_batch_layout(size * k, num_devices, 1)
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
-    return EvalBatches(split, size)
+    return EvalBatches(split, size) if k == 1 else ptrm.TrajectoryBatches(EvalBatches(split, size), k)
 
 
 def run_predictions(trainer: Trainer, batches: EvalBatches, sync, arc=None):
@@ -117,12 +126,13 @@ def run_predictions(trainer: Trainer, batches: EvalBatches, sync, arc=None):
     outputs after each ACT step."""
     local_rows = trainer.sharding.local_rows
     tokens, logits, steps = [], [], []
+    every = 1 if trainer.trajectories is None else trainer.trajectories.count  # each puzzle's first row
 
     def read(index, host_batch, preds, q_halt):
-        steps.append(local_rows(q_halt)[1].float().numpy())
+        steps.append(local_rows(q_halt)[1].float().numpy()[::every])
         if len(steps) == trainer.config.model.halt_max_steps:  # the batch's last ACT step
-            valid = batches.valid(index)
-            tokens.append(local_rows(preds)[1].numpy()[valid])
+            valid = batches.valid(index)[::every]
+            tokens.append(local_rows(preds)[1].numpy()[::every][valid])
             logits.append(np.stack(steps, axis=1)[valid])
             steps.clear()
 
@@ -138,9 +148,17 @@ def act_steps_used(q_halt_logits):
 
 
 def _model_for_predict(config: Config, weights: dict, sharding, split: data.Dataset):
-    batches = _predict_batches(split, config, sharding)
+    ks, noises = ptrm.parse_trajectories(config.eval.trajectories), ptrm.parse_noises(config.eval.noise)
+    if len(ks) > 1 or len(noises) > 1:
+        raise SystemExit(f"error: predict takes one --eval.trajectories K and one --eval.noise, got "
+                         f"{config.eval.trajectories!r} and {config.eval.noise!r} (a curve is `train.py eval`'s)")
+    batches = _predict_batches(split, config, sharding, ks[0])
     mesh = sharding.data_mesh()
     trainer = Trainer(config, sharding, mesh, weights)
+    trainer.set_trajectories(ptrm.trajectories_of(ks[0], noises[0], config.run.seed))
+    if trainer.trajectories is not None:
+        print(f"test-time scaling: {ks[0]} trajectories per puzzle, noise {noises[0]:g} on z_L; each answer is "
+              "its puzzle's trajectory with the highest q_halt logit", flush=True)
     trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
     sharding.sync()
     return trainer, batches

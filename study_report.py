@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 import goodput
+import ptrm
 import storage
 from config import flat_config
 from study_plan import StudyRun
@@ -87,6 +88,7 @@ class RunResult:
     data_path: str = ""
     host: int | None = None  # the study host it ran on (None: the study ran without --host)
     ckpt_every: int | None = None
+    trajectories: dict = field(default_factory=dict)  # exact % at (K, noise): ptrm.saved_curve_columns
 
 
 def _read_json(url: str):
@@ -139,6 +141,7 @@ def collect(out: str) -> list[RunResult]:
         config = config_from_dict(with_new_fields(saved)) if saved else run.config()
         result.data_path, result.host, result.ckpt_every = config.data.path, status.get("host"), config.run.ckpt_every
         result.parameters = parameter_count(config.model)
+        result.trajectories = ptrm.saved_curve_columns(run_dir)
         records = _records(run_dir)
         trained = [r["step"] for r in records if r.get("kind") == "train"]
         result.steps_done = final["step"] if final else max(trained, default=0)
@@ -220,7 +223,7 @@ def run_rows(results: list[RunResult], study: goodput.StudyTime) -> list[dict]:
             "steps_to_95%_of_final": r.steps_to_95 if r.steps_to_95 is not None else "",
             "mean_act_steps": round(r.final["steps"], 2) if r.final and "steps" in r.final else "",
             "wall_time_s": "" if r.seconds is None else round(r.seconds),
-            **goodput.run_columns(spent),
+            **goodput.run_columns(spent), **r.trajectories,
         })
     return rows
 
@@ -249,10 +252,12 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
 
 def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[str], spent: str) -> str:
     """results.csv, results.md; returns the text printed to the terminal."""
+    # test-time scaling of the runs evaluated at several K (ptrm.saved_curve_columns)
+    scaling = list(dict.fromkeys(k for r in runs for k in r if k.startswith("exact_K")))
     run_columns = ["name", "status", "preset", *varied, "parameters", "steps", "train_flops", "device_hours",
                    "final_exact_%", "final_exact_95%", "best_exact_%", "best_exact_95%", "token_accuracy_%",
                    "arc_aggregated_pass@2_%", "steps_to_95%_of_final", "mean_act_steps", "wall_time_s",
-                   *goodput.COLUMNS]
+                   *goodput.COLUMNS, *scaling]
     config_columns = ["name", "status", "preset", *varied, "parameters", "seeds", "mean_exact_%", "mean_exact_95%",
                       "min_exact_%", "max_exact_%"]
     buffer = io.StringIO()
@@ -269,7 +274,7 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
           "columns after wall_time_s; docs/studies.md says what each counts):\n\n```\n" + spent + "\n```\n")
     storage.write_bytes(storage.join_url(out, "results.md"), md.encode())
     short = ["name", "status", *varied, "parameters", "steps", "final_exact_%", "final_exact_95%", "best_exact_%",
-             "steps_to_95%_of_final", "mean_act_steps", "device_hours", "goodput_%"]
+             "steps_to_95%_of_final", "mean_act_steps", "device_hours", "goodput_%", *scaling]
     return (table_text(runs, short) + "\n\n"
             + table_text(configs, ["name", "status", *varied, "seeds", "mean_exact_%", "mean_exact_95%",
                                    "min_exact_%", "max_exact_%"]) + "\n\n" + spent)

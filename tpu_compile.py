@@ -134,14 +134,23 @@ def program_settings(config: Config) -> str:
     """The settings that shape a run's programs (runs equal in these compile the same programs)."""
     return json.dumps({"model": dataclasses.asdict(config.model), "batch": config.optim.global_batch_size,
                        "optim": [config.optim.optimizer, config.optim.ema_rate],
-                       "table_split": config.run.shard_puzzle_table}, sort_keys=True)
+                       "table_split": config.run.shard_puzzle_table,
+                       "trajectories": list(eval_trajectories(config))}, sort_keys=True)
+
+
+def eval_trajectories(config: Config) -> tuple[int, float]:
+    """(K, noise) of the evaluation program compiled: the last of eval.trajectories and eval.noise,
+    as a training run's evaluations take them (ptrm.py)."""
+    import ptrm
+
+    return ptrm.parse_trajectories(config.eval.trajectories)[-1], ptrm.parse_noises(config.eval.noise)[-1]
 
 
 # The project files whose code shapes a traced program or its figures (the compile cache's key):
 # the traced code (model, optimizers, the captured step, the mesh) and what it imports from the
 # project (tests/test_tpu_compile.py checks), the trainer that builds the step, and this reader.
-PROGRAM_SOURCES = ("model.py", "attention.py", "device_grads.py", "ranges.py", "optim.py", "trainer.py", "capture.py",
-                   "sharding.py", "tpu_compile.py", "hlo_stats.py")
+PROGRAM_SOURCES = ("model.py", "attention.py", "device_grads.py", "ranges.py", "optim.py", "trainer.py",
+                   "capture.py", "sharding.py", "tpu_compile.py", "hlo_stats.py", "ptrm.py")
 
 
 def program_key(config: Config, program: str, topo: Topology) -> str:
@@ -167,6 +176,7 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
                            "trace in a new process (python tpu_compile.py)")
     import torch
 
+    import ptrm
     from capture import program_hlo
     from trainer import EVAL_METRICS, Trainer
 
@@ -185,7 +195,10 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
     if "eval_step" in programs:  # first: the training step below leaves the state pending
         with trainer.ema.swapped_into(trainer.model):
             trainer.model.eval()
-            sums = torch.zeros(len(EVAL_METRICS)).to(trainer.device)
+            # at K trajectories (ptrm.py) the same rows hold global_batch_size // K puzzles
+            trainer.set_trajectories(ptrm.trajectories_of(*eval_trajectories(config), config.run.seed))
+            extra = () if trainer.trajectories is None else ptrm.EXTRA_METRICS
+            sums = torch.zeros(len(EVAL_METRICS) + len(extra)).to(trainer.device)
             outputs = list(trainer.eval_act_step(batch, sums)) + list(trainer.eval_carry.tensors().values())
             traced["eval_step"] = program_hlo(outputs, donated=[])
             trainer.model.train()
@@ -351,10 +364,21 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
             del executable
         Path(CACHE_DIR).mkdir(parents=True, exist_ok=True)
         (Path(CACHE_DIR) / f"{keys[program]}.json").write_text(json.dumps(results[program]))
+    k, noise = eval_trajectories(config)
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
               "global_batch": config.optim.global_batch_size,
               "batch_per_device": config.optim.global_batch_size // topo.devices}
-    return [dict(common, program=p, **results[p]) for p in programs]
+    evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
+                  "puzzles_per_batch": config.optim.global_batch_size // k}
+    return [dict(common, program=p, **(evaluation if p == "eval_step" else {}), **results[p]) for p in programs]
+
+
+def eval_ms_per_puzzle(result: dict) -> float | None:
+    """An evaluation program's device time per test puzzle: halt_max_steps ACT steps of the
+    estimated step time over the batch's puzzles (global_batch_size // K)."""
+    if not result.get("compiled") or "puzzles_per_batch" not in result:
+        return None
+    return result["estimate_ms"] * result["halt_max_steps"] / result["puzzles_per_batch"]
 
 
 def cached_results(config: Config, slice_name: str, programs=PROGRAMS) -> list[dict] | None:
@@ -467,6 +491,10 @@ def format_results(results: list[dict]) -> str:
             f"{est['memory_bound_ms']:.2f}, "
             + (f"XLA's estimate {est['xla_estimate_ms']:.2f}" if est.get("xla_estimate_ms") else "no XLA estimate")
             + f" -> {r['estimate_ms']:.2f} ms ({r['estimate_source']}); MFU ceiling {r['mfu_ceiling']:.0%}",
+        ] + ([f"  per test puzzle: {eval_ms_per_puzzle(r):.4f} ms of device time ({r['halt_max_steps']} ACT steps of "
+              f"{r['estimate_ms']:.2f} ms over {r['puzzles_per_batch']} puzzles a batch: K={r['trajectories']} "
+              f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K)"]
+             if eval_ms_per_puzzle(r) is not None else []) + [
             "  results of shape [..., seq, seq] (attention scores in HBM): "
             + (", ".join(r.get("sequence_square_shapes", [])[:4]) or "none"),
             "  bytes by kind of operation: " + ", ".join(f"{k['kind']} {k['count']}x {_gb(k['bytes'])} GB"

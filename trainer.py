@@ -92,6 +92,7 @@ class Trainer:
         self.ema = EMA(self.model, rate=optim.ema_rate)
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
+        self.trajectories = None  # ptrm.Trajectories of the evaluation ACT step; None: one, no noise
         self.captured_train = self.captured_eval = None  # capture.py's steps, made at first use
         if len(restored_weights) < len(restore):  # a whole checkpoint, not only weights to start from
             problems += self._restore_differences(restore)
@@ -265,12 +266,26 @@ class Trainer:
         metrics, predictions, q_halt = self.eval_step(batch)
         return sums + metrics, predictions, q_halt
 
+    def set_trajectories(self, trajectories) -> None:
+        """Evaluate with K noisy trajectories per puzzle (a ptrm.Trajectories; its batches are
+        ptrm.repeat_rows of the puzzles) or, with None, as the reference does. A new value is a
+        new evaluation program: the captured one is traced again at its next call."""
+        if trajectories != self.trajectories:
+            self.trajectories, self.captured_eval = trajectories, None
+
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One ACT step in eval mode on the persistent eval carry: the metric vector of rows
-        that halted (EVAL_METRICS order), the predicted tokens and the q_halt logits."""
-        carry, outputs = self.model(self.eval_carry, batch)
-        _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
+        that halted (EVAL_METRICS order), the predicted tokens and the q_halt logits. With
+        `trajectories`, every row holds its puzzle's chosen trajectory's outputs and the
+        metrics count each puzzle once (ptrm.Trajectories.select)."""
+        ptrm = self.trajectories
+        carry, outputs = self.model(self.eval_carry, batch, perturb=None if ptrm is None else ptrm.perturb)
         self.eval_carry = self._sharded_carry(carry)
+        extra = []
+        if ptrm is not None:
+            extra = [ptrm.solved_by_any(carry, outputs)]  # EVAL_METRICS + ptrm.EXTRA_METRICS
+            carry, outputs = ptrm.select(carry, outputs)
+        _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
         predictions = outputs["logits"].argmax(-1)
-        return torch.stack([metrics[k] for k in EVAL_METRICS]), predictions, outputs["q_halt_logits"]
+        return torch.stack([metrics[k] for k in EVAL_METRICS] + extra), predictions, outputs["q_halt_logits"]
