@@ -36,24 +36,21 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
                  when other threads (other processes, or XLA's own) compete for the cores, so a
                  host with idle cores (a TPU VM) should see host ms close to it
   data ms        the part of host ms spent waiting for the batch
-  bg data ms     wall time of the background thread's TrainBatches.batch + host_batch_to_global
-                 for one step (it runs while the loop's thread works on the step before, so
-                 both compete for the cores and the GIL; hidden as long as it is shorter than
-                 a step)
+  bg data ms     wall time of the background thread's TrainBatches.batch + host_batch_to_global for one step (it runs
+                 while the loop's thread works on the step before, so both compete for the cores and the GIL; hidden
+                 as long as it is shorter than a step)
   trace ms       the part in Trainer.step; sync ms: the part in torch_xla.sync()
   dev ms         device execution time per step measured here (XLA metric ExecuteReplicatedTime)
-  eval host ms   host time of one evaluation ACT step (Trainer.eval_act_step and sync, measured
-                 like host ms without the data wait; same warmup and step counts): replayed,
-                 or re-traced with --no-capture-step
-  ckpt ms        the training loop's pause for one checkpoint: the longest over the slice's hosts
-                 of Trainer.checkpoint_shards(host, layout), the copy of that host's share of the
-                 state to its memory (the fastest of --checkpoint-repeats, each from an idle
-                 device: the copy's own cost, which other work on the cores only adds to; the
-                 files are written on a background thread; `measure_checkpoint`)
+  eval host ms   host time of one evaluation ACT step (Trainer.eval_act_step and sync, measured like host ms without
+                 the data wait; same warmup and step counts): replayed, or re-traced with --no-capture-step
+  ckpt ms        the training loop's pause for one checkpoint: the longest over the slice's hosts of
+                 Trainer.checkpoint_shards(host, layout), the copy of that host's share of the state to its memory
+                 (the fastest of --checkpoint-repeats, each from an idle device: the copy's own cost, which other
+                 work on the cores only adds to; the files are written on a background thread; `measure_checkpoint`)
   ckpt MB/host   the most bytes one host copies; ckpt MB: the whole checkpoint (state and carry)
-  MB/device      bytes one device holds of the training state (every named_state tensor) and
-                 the ACT carries of the measured batch, from the sharding annotations
-                 (sharding.bytes_per_device); table MB/device: the puzzle-embedding table's part
+  MB/device      bytes one device holds of the training state (every named_state tensor) and the ACT carries of the
+                 measured batch, from the sharding annotations (sharding.bytes_per_device); table MB/device: the
+                 puzzle-embedding table's part
   compiles       graphs compiled for this preset (seconds); none after the warmup (`compiles_in_timed_steps`)
   fallbacks      aten:: CPU fallbacks per timed step; D2H: device-to-host transfers per step
   rows/s/host    rows per second one host gets from TrainBatches alone (its share of the global batch)
