@@ -62,36 +62,28 @@ def test_in_float32_the_per_device_sums_are_autograds_gradients(mlp_t):
     assert worst(ours, plain, list(plain)) < 1e-5
 
 
-def integer_uses(device, side: str, split, devices: int = 8):
+def integer_uses(device, side: str, split, per_device: bool, devices: int = 8):
     """A shared Linear (8 -> 4) used 3 times on 32 rows in bf16, with inputs and output gradients
     of small integers: every device's partial sum of a use's weight gradient is an integer of at
     most 64 * 4 = 256, exact in bf16, and the sums over devices and uses (up to 6144) are exact in
-    float32 but not in bf16. The weight's gradient, and the exact one in float64."""
+    float32 but not in bf16. `split` annotates the rows as split over the mesh. The weight's
+    gradient, by device_grads (`per_device`) or by autograd's own path, and the exact one."""
     gen = torch.Generator().manual_seed(1)
     linear = Linear(8, 4)
     shape = (32, 16, 8) if side == "right" else (32, 8, 16)
     xs = [torch.randint(0, 3, shape, generator=gen) for _ in range(3)]
     out_shape = (32, 16, 4) if side == "right" else (32, 4, 16)
     gs = [torch.randint(0, 3, out_shape, generator=gen) for _ in range(3)]
-    if side == "right":
-        exact = sum(torch.einsum("bso,bsi->oi", g.double(), x.double()) for g, x in zip(gs, xs))
-    else:
-        exact = sum(torch.einsum("boc,bic->oi", g.double(), x.double()) for g, x in zip(gs, xs))
+    spec = "bso,bsi->oi" if side == "right" else "boc,bic->oi"
+    exact = sum(torch.einsum(spec, g.double(), x.double()) for g, x in zip(gs, xs))
     linear = linear.to(device)
-    context = device_grads.per_device_weight_grads(linear, devices, split) if split else torch.enable_grad()
+    context = device_grads.per_device_weight_grads(linear, devices, split) if per_device else torch.enable_grad()
     with context:
-        loss = sum((device_grads.use(linear, split_rows(x.to(device, torch.bfloat16)), side).float()
-                    * split_rows(g.to(device, torch.float32))).sum() for x, g in zip(xs, gs))
+        loss = sum((device_grads.use(linear, split(x.to(device, torch.bfloat16)), side).float()
+                    * split(g.to(device, torch.float32))).sum() for x, g in zip(xs, gs))
         loss.backward()
     sharding.sync()
     return linear.weight.grad.cpu().double(), exact
-
-
-_mesh = None
-
-
-def split_rows(t):
-    return sharding.shard_batch_dim(t, _mesh) if _mesh is not None else t
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -99,14 +91,13 @@ def test_on_the_mesh_each_weight_is_reduced_once_in_float32(side):
     """On the 8-device CPU mesh (XLA's SPMD partitioner), with exact integer sums: device_grads
     gives the exact gradient; autograd's own path, which the partitioner all-reduces after each
     use in bf16, rounds sums above 256 and misses it (checked here, so the test can fail)."""
-    global _mesh
-    _mesh = sharding.data_mesh()
-    try:
-        device = sharding.device()
-        ours, exact = integer_uses(device, side, lambda t: sharding.shard_batch_dim(t, _mesh))
-        before, _ = integer_uses(device, side, None)
-    finally:
-        _mesh = None
+    mesh, device = sharding.data_mesh(), sharding.device()
+
+    def split(t):
+        return sharding.shard_batch_dim(t, mesh)
+
+    ours, exact = integer_uses(device, side, split, per_device=True)
+    before, _ = integer_uses(device, side, split, per_device=False)
     assert exact.abs().max() > 1024
     assert torch.equal(ours, exact)
     assert not torch.equal(before, exact)
