@@ -141,9 +141,9 @@ def evaluate_command(argv: list[str]) -> dict:
     else:  # test-time scaling (ptrm.py): one evaluation per (K, noise); ARC votes are saved, not aggregated
         say(f"test-time scaling: K = {', '.join(map(str, ks))} trajectories per puzzle, noise "
             f"{', '.join(f'{n:g}' for n in noises)} on z_L", flush=True)
-        curve, results = ptrm.evaluate_curve(trainer, test_set, config, ks, noises, data_index, data_count, arc,
-                                             lambda *a, **k: say(*a, flush=True),
-                                             storage.join_url(config.run.dir, "eval"), step)
+        curve, results = evaluate_at_trajectories(trainer, test_set, config, ks, noises, data_index, data_count,
+                                                  arc, lambda *a, **k: say(*a, flush=True),
+                                                  storage.join_url(config.run.dir, "eval"), step)
         result, submission = dict(results[-1], trajectories=curve), None
         say("accuracy against trajectories per puzzle (" + device_kind + "):\n" + ptrm.curve_table(curve),
             flush=True)
@@ -159,6 +159,59 @@ def evaluate_command(argv: list[str]) -> dict:
                        if k not in ("count", "num_examples", "trajectories"))
     say(f"eval of {source}: {scores}  ({time.time() - started:.0f}s); saved to {out}", flush=True)
     return result
+
+
+def evaluate_at_trajectories(trainer, test_set, config, ks: list[int], noises: list[float], data_index: int,
+                             data_count: int, arc=None, say=lambda *a: None, eval_root: str | None = None,
+                             step: int = 0):
+    """`train.py eval` at every (K, sigma) of test-time scaling (ptrm.py): (rows of the curve, the
+    metrics of each). A row holds K, sigma, the exact and token accuracy of the chosen answers
+    (and ARC pass@k), and the seconds per puzzle, wall (the device's, on a TPU) and this process's
+    CPU time, of the batches after the first (whose ACT steps compile the program; with one batch,
+    less the compile time)."""
+    import sharding as runtime
+
+    rows, results = [], []
+    for noise in noises:
+        # Without noise every trajectory is the first: K > 1 would cost K times for K=1's answers.
+        for k in ks if noise else ks[:1]:
+            trainer.set_trajectories(ptrm.trajectories_of(k, noise, config.run.seed))
+            batches = ptrm.eval_batches(test_set, config.optim.global_batch_size, k, data_index, data_count,
+                                   config.eval.max_examples, config.run.seed)
+            before, marks = runtime.xla_counters(), [(time.time(), time.process_time())]
+
+            def after_batch(done: int, marks=marks) -> bool:  # timed from the first batch's end (it compiles)
+                if done == 1:
+                    marks.append((time.time(), time.process_time()))
+                return False
+
+            result, _ = evaluate(trainer, batches, runtime.sync, arc, say, eval_root, step, False,
+                                 between_batches=after_batch)
+            after = runtime.xla_counters()
+            compiled = after["compile_seconds"] - before["compile_seconds"]
+            first_batch = min(ptrm.puzzles_per_batch(config.optim.global_batch_size, k, 1), batches.num_examples)
+            timed = marks[-1] if len(batches) > 1 else marks[0]
+            puzzles = max(batches.num_examples - (first_batch if len(batches) > 1 else 0), 1)
+            wall, cpu = time.time() - timed[0], time.process_time() - timed[1]
+            if len(batches) == 1:
+                wall, cpu = wall - compiled, cpu - compiled
+            row = {"trajectories": k, "noise": noise, "exact_accuracy": result["exact_accuracy"],
+                   "timed_puzzles": puzzles,
+                   "accuracy": result["accuracy"], "q_halt_accuracy": result["q_halt_accuracy"],
+                   "oracle_exact_accuracy": result.get("oracle_exact_accuracy", result["exact_accuracy"]),
+                   "seconds_per_puzzle": max(wall, 0.0) / puzzles, "cpu_seconds_per_puzzle": max(cpu, 0.0) / puzzles,
+                   "compile_seconds": compiled, "examples": batches.num_examples,
+                   # graphs compiled and device-to-host reads of this evaluation (counted as the
+                   # training loop counts them): one program per K, its metrics read once
+                   "compiles": after["compiles"] - before["compiles"],
+                   "transfers": after["transfers"] - before["transfers"]}
+            row.update({name: v for name, v in result.items() if name.startswith("pass@")})
+            rows.append(row)
+            results.append(result)
+            say(f"  K={k} noise={noise:g}: exact_accuracy {row['exact_accuracy']:.4f}  accuracy {row['accuracy']:.4f}"
+                f"  {row['seconds_per_puzzle']:.5f} s/puzzle", flush=True)
+    trainer.set_trajectories(None)
+    return rows, results
 
 
 def usage() -> str:
