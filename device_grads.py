@@ -21,7 +21,7 @@ with the same cast weight.
 
 With one device, or outside `per_device_weight_grads` (evaluation, CPU eager), `model.Linear` takes
 autograd's own path. This file never imports torch_xla: the split over the data axis is the
-`annotate` function the trainer passes (sharding.shard_batch_dim).
+`split` function the trainer passes (sharding.shard_batch_dim).
 """
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ class _Use(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, view, bias, side: str, annotate):
         ctx.save_for_backward(x, w)
-        ctx.side, ctx.annotate, ctx.view_dtype = side, annotate, view.dtype
+        ctx.side, ctx.annotate, ctx.devices, ctx.view_dtype = side, annotate, view.shape[0], view.dtype
         return F.linear(x, w, bias) if side == "right" else torch.matmul(w, x)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        devices = ctx.annotate.devices
+        devices = ctx.devices
         dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
         # Each device's rows: the batch dim split as [devices, rows per device] (a free view of
         # the major dim), contracted over rows and positions as they lie, never merged into one
@@ -62,16 +62,6 @@ class _Use(torch.autograd.Function):
             spec = "dboc,dbic->doi"
         parts = torch.einsum(spec, rows_dy, rows_x)  # [devices, out, in] in x's dtype: rounded as the reference's
         return dx, None, ctx.annotate(parts).to(ctx.view_dtype), dbias, None, None
-
-
-class Annotate:
-    """The data-parallel device count and the function that splits a tensor's dim 0 over it."""
-
-    def __init__(self, devices: int, split: Callable[[torch.Tensor], torch.Tensor]):
-        self.devices, self.split = devices, split
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.split(tensor)
 
 
 def use(module: nn.Module, x: torch.Tensor, side: str = "right", part: int = 0, parts: int = 1) -> torch.Tensor:
@@ -100,10 +90,9 @@ def per_device_weight_grads(model: nn.Module, devices: int, split: Callable[[tor
     The forward and backward of one training step both run inside."""
     linears = [m for m in model.modules() if hasattr(m, "device_view")]
     if devices > 1:
-        annotate = Annotate(devices, split)
         for m in linears:
-            m.device_view = annotate(m.weight.unsqueeze(0).expand(devices, *m.weight.shape))
-            m.device_annotate = annotate
+            m.device_view = split(m.weight.unsqueeze(0).expand(devices, *m.weight.shape))
+            m.device_annotate = split
     try:
         yield
     finally:
