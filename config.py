@@ -248,16 +248,15 @@ def check_config(config: Config) -> None:
                                  ("optim.lr_schedule", config.optim.lr_schedule, LR_SCHEDULES)):
         if value not in choices:
             problems.append(f"{name}={value!r} must be one of {', '.join(choices)} (set it with {flag(name)})")
-    for name, parse in (("eval.trajectories", ptrm.parse_trajectories), ("eval.noise", ptrm.parse_noises)):
+    # Each K must parse and divide the global batch into whole puzzles; each noise must parse.
+    checks = (("eval.trajectories", lambda text: [ptrm.puzzles_per_batch(config.optim.global_batch_size, k, 1)
+                                                  for k in ptrm.parse_trajectories(text)]),
+              ("eval.noise", ptrm.parse_noises))
+    for name, check in checks:
         try:
-            parse(getattr(config.eval, name.split(".")[1]))
+            check(getattr(config.eval, name.split(".")[1]))
         except ValueError as e:
             problems.append(f"{e} (set it with {flag(name)})")
-    try:
-        for k in ptrm.parse_trajectories(config.eval.trajectories):
-            ptrm.puzzles_per_batch(config.optim.global_batch_size, k, 1)
-    except ValueError as e:
-        problems.append(f"{e} (set it with {flag('eval.trajectories')})")
     if config.eval.arc_aggregate and not config.eval.arc:
         problems.append("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
                         "pass --eval.arc too (needs an ARC dataset)")
