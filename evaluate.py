@@ -140,7 +140,7 @@ class Evaluations:
         self.root = storage.join_url(config.run.dir, "eval")
         self.arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
         # K trajectories must leave each host whole puzzles: said at start-up, not at the first evaluation
-        ptrm.puzzles_per_batch(config.optim.global_batch_size, ptrm.parse_trajectories(config.eval.trajectories)[-1],
+        ptrm.puzzles_per_batch(config.optim.global_batch_size, ptrm.training_trajectories(config.eval)[0],
                                trainer.sharding.data_split()[1])
 
     def after_step(self, step: int) -> None:
@@ -163,7 +163,7 @@ class Evaluations:
         started = time.time()
         index, count = sharding.data_split()
         # Test-time scaling (ptrm.py) if asked for: the last K and noise of eval.trajectories / eval.noise.
-        k, noise = ptrm.parse_trajectories(config.eval.trajectories)[-1], ptrm.parse_noises(config.eval.noise)[-1]
+        k, noise = ptrm.training_trajectories(config.eval)
         self.trainer.set_trajectories(ptrm.trajectories_of(k, noise, config.run.seed))
         batches = ptrm.eval_batches(self.test_set, config.optim.global_batch_size, k, index, count,
                                     None if final else config.eval.max_examples, config.run.seed)

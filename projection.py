@@ -216,7 +216,7 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
     capped = min(dataset.test_examples, config.eval.max_examples or dataset.test_examples)
     # At K trajectories per puzzle (ptrm.py; eval.trajectories' last K, as training takes it) a
     # batch of the same rows holds global_batch // K puzzles.
-    trajectories = ptrm.parse_trajectories(config.eval.trajectories)[-1]
+    trajectories = ptrm.training_trajectories(config.eval)[0]
     puzzles_per_batch = global_batch // trajectories
     eval_batches = (len(evaluation_at) - 1) * math.ceil(capped / puzzles_per_batch) \
         + math.ceil(dataset.test_examples / puzzles_per_batch)

@@ -167,6 +167,12 @@ def parse_noises(text: str) -> list[float]:
     return noises
 
 
+def training_trajectories(eval_config) -> tuple[int, float]:
+    """(K, noise) of a training run's evaluations, and of the evaluation program tpu_compile.py
+    compiles: the last of eval.trajectories and of eval.noise (config.EvalConfig)."""
+    return parse_trajectories(eval_config.trajectories)[-1], parse_noises(eval_config.noise)[-1]
+
+
 def trajectories_of(k: int, noise: float, seed: int) -> Trajectories | None:
     """What Trainer.set_trajectories takes for K and sigma: None (the reference's evaluation,
     untouched) for one trajectory without noise."""

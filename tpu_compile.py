@@ -39,6 +39,7 @@ import numpy as np
 import tyro
 
 import hlo_stats
+import ptrm
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config
 from model import TRMConfig
 from projection import PAPER_DATASETS, model_flops, slice_spec
@@ -135,15 +136,7 @@ def program_settings(config: Config) -> str:
     return json.dumps({"model": dataclasses.asdict(config.model), "batch": config.optim.global_batch_size,
                        "optim": [config.optim.optimizer, config.optim.ema_rate],
                        "table_split": config.run.shard_puzzle_table,
-                       "trajectories": list(eval_trajectories(config))}, sort_keys=True)
-
-
-def eval_trajectories(config: Config) -> tuple[int, float]:
-    """(K, noise) of the evaluation program compiled: the last of eval.trajectories and eval.noise,
-    as a training run's evaluations take them (ptrm.py)."""
-    import ptrm
-
-    return ptrm.parse_trajectories(config.eval.trajectories)[-1], ptrm.parse_noises(config.eval.noise)[-1]
+                       "trajectories": list(ptrm.training_trajectories(config.eval))}, sort_keys=True)
 
 
 # The project files whose code shapes a traced program or its figures (the compile cache's key):
@@ -176,7 +169,6 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
                            "trace in a new process (python tpu_compile.py)")
     import torch
 
-    import ptrm
     from capture import program_hlo
     from trainer import EVAL_METRICS, Trainer
 
@@ -196,7 +188,7 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
         with trainer.ema.swapped_into(trainer.model):
             trainer.model.eval()
             # at K trajectories (ptrm.py) the same rows hold global_batch_size // K puzzles
-            trainer.set_trajectories(ptrm.trajectories_of(*eval_trajectories(config), config.run.seed))
+            trainer.set_trajectories(ptrm.trajectories_of(*ptrm.training_trajectories(config.eval), config.run.seed))
             extra = () if trainer.trajectories is None else ptrm.EXTRA_METRICS
             sums = torch.zeros(len(EVAL_METRICS) + len(extra)).to(trainer.device)
             outputs = list(trainer.eval_act_step(batch, sums)) + list(trainer.eval_carry.tensors().values())
@@ -364,7 +356,7 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
             del executable
         Path(CACHE_DIR).mkdir(parents=True, exist_ok=True)
         (Path(CACHE_DIR) / f"{keys[program]}.json").write_text(json.dumps(results[program]))
-    k, noise = eval_trajectories(config)
+    k, noise = ptrm.training_trajectories(config.eval)
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
               "global_batch": config.optim.global_batch_size,
               "batch_per_device": config.optim.global_batch_size // topo.devices}
