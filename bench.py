@@ -466,11 +466,10 @@ def measure_evaluation(trainer, batch: dict, sharding, warmup: int, steps: int, 
     """Run warmup + timed evaluation ACT steps as evaluate.py drives them (EMA weights swapped
     in, Trainer.eval_act_step then torch_xla.sync()); host time per ACT step, measured like a
     training step's (trace, plus sync's CPU time on CPU), each started on an idle device."""
-    import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    sums = torch.zeros(len(trainer_module.EVAL_METRICS)).to(trainer.device)
+    sums = trainer.eval_sums()
     samples = []
     with trainer.ema.swapped_into(trainer.model):
         trainer.model.eval()

@@ -101,26 +101,26 @@ def bound(state, values):
 class _CapturedStep:
     """What both captured steps share: the computation's inputs are the tensors of `state`
     (StateTensors, bound while tracing), a carry's and a batch's tensors (each by sorted name)
-    and one more tensor, flattened in that order."""
+    and the step's other tensors, flattened in that order."""
 
     def __init__(self, trainer, state, name: str):
         self.trainer, self.state = trainer, state
         self.carry_keys = self.batch_keys = None
         self.computation = CapturedComputation(name, self._traced)
 
-    def _run(self, carry: Carry, batch, extra) -> list:
+    def _run(self, carry: Carry, batch, extras: list) -> list:
         """The computation's outputs for these inputs (the state as it is now)."""
         tensors = carry.tensors()
         if self.carry_keys is None:
             self.carry_keys, self.batch_keys = sorted(tensors), sorted(batch)
         return self.computation([s.get() for s in self.state] + [tensors[k] for k in self.carry_keys]
-                                + [batch[k] for k in self.batch_keys] + [extra])
+                                + [batch[k] for k in self.batch_keys] + list(extras))
 
-    def _inputs(self, work) -> tuple:
-        """(carry, batch, extra) of a flat input list; its first tensors are the state's."""
+    def _inputs(self, work, extras: int) -> tuple:
+        """(carry, batch, the `extras` last tensors) of a flat input list; its first tensors are the state's."""
         n_state, n_carry = len(self.state), len(self.carry_keys)
         return (self._carry(work[n_state:n_state + n_carry]),
-                dict(zip(self.batch_keys, work[n_state + n_carry:-1])), work[-1])
+                dict(zip(self.batch_keys, work[n_state + n_carry:len(work) - extras])), work[len(work) - extras:])
 
     def _carry(self, tensors) -> Carry:
         return Carry.from_tensors(dict(zip(self.carry_keys, tensors)))
@@ -146,7 +146,7 @@ class CapturedTrainStep(_CapturedStep):
         saved_carry, saved_lrs = trainer.carry, trainer.lrs()
         try:
             with bound(self.state, work):
-                trainer.carry, batch, lrs = self._inputs(work)
+                trainer.carry, batch, (lrs,) = self._inputs(work, 1)
                 trainer.set_lrs(lrs[0], lrs[1])
                 metrics = trainer.train_step(batch)
                 new_carry = trainer.carry.tensors()
@@ -157,7 +157,7 @@ class CapturedTrainStep(_CapturedStep):
             trainer.clear_gradients()
 
     def __call__(self, batch, lrs):
-        outs = self._run(self.trainer.carry, batch, lrs)
+        outs = self._run(self.trainer.carry, batch, [lrs])
         n = len(self.written)
         for s, new in zip(self.written, outs[1:1 + n]):
             donate(s.get())
@@ -174,8 +174,9 @@ class CapturedEvalStep(_CapturedStep):
 
     The computation's inputs are, in order: the model's tensors of `trainer.state_tensors()`
     (parameters and buffers), the eval carry's tensors, the batch's tensors (both by sorted
-    name) and sums. Its outputs: the new sums, the predicted tokens, the q_halt logits, the new
-    eval carry. It writes no state and donates nothing.
+    name), sums and `trainer.first_halt` (halting.py). Its outputs: the new sums, the predicted
+    tokens, the q_halt logits, the new first_halt, the new eval carry. It writes no state and
+    donates nothing.
     """
 
     def __init__(self, trainer):
@@ -184,19 +185,20 @@ class CapturedEvalStep(_CapturedStep):
 
     def _traced(self, work):
         trainer = self.trainer
-        saved_carry = trainer.eval_carry
+        saved_carry, saved_first_halt = trainer.eval_carry, trainer.first_halt
         try:
             with bound(self.state, work):
-                trainer.eval_carry, batch, sums = self._inputs(work)
+                trainer.eval_carry, batch, (sums, trainer.first_halt) = self._inputs(work, 2)
                 metrics, preds, q_halt = trainer.eval_step(batch)
                 new_carry = trainer.eval_carry.tensors()
-                return [sums + metrics, preds, q_halt] + [new_carry[k] for k in self.carry_keys]
+                return [sums + metrics, preds, q_halt, trainer.first_halt] + [new_carry[k] for k in self.carry_keys]
         finally:
-            trainer.eval_carry = saved_carry
+            trainer.eval_carry, trainer.first_halt = saved_carry, saved_first_halt
 
     def __call__(self, batch, sums):
-        outs = self._run(self.trainer.eval_carry, batch, sums)
-        self.trainer.eval_carry = self._carry(outs[3:])
+        outs = self._run(self.trainer.eval_carry, batch, [sums, self.trainer.first_halt])
+        self.trainer.first_halt = outs[3]
+        self.trainer.eval_carry = self._carry(outs[4:])
         return outs[0], outs[1], outs[2]
 
 

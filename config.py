@@ -85,6 +85,12 @@ class OptimConfig:
     """Decoupled weight decay of the puzzle embedding."""
     ema_rate: float = ranged(0.999, ge=0, lt=1, note="0 evaluates the trained weights as they are")
     """EMA rate of the weights used for evaluation and export."""
+    curriculum_epochs: int = ranged(0, ge=0, note="0 = off")
+    """Recursion curriculum (schedule.py): cycles grow from the start values to the model's over these epochs."""
+    curriculum_start_H_cycles: int = ranged(1, ge=1)
+    """H_cycles at the curriculum's start (at most model.H_cycles)."""
+    curriculum_start_L_cycles: int = ranged(2, ge=1)
+    """L_cycles at the curriculum's start (at most model.L_cycles)."""
 
 
 @dataclass
@@ -257,6 +263,11 @@ def check_config(config: Config) -> None:
             check(getattr(config.eval, name.split(".")[1]))
         except ValueError as e:
             problems.append(f"{e} (set it with {flag(name)})")
+    for level in ("H", "L") if config.optim.curriculum_epochs else ():
+        start, end = getattr(config.optim, f"curriculum_start_{level}_cycles"), getattr(config.model, f"{level}_cycles")
+        if start > end:
+            problems.append(f"optim.curriculum_start_{level}_cycles={start} exceeds model.{level}_cycles={end}, "
+                            f"where the curriculum ends: lower {flag(f'optim.curriculum_start_{level}_cycles')}")
     if config.eval.arc_aggregate and not config.eval.arc:
         problems.append("eval.arc_aggregate votes over ARC evaluations but eval.arc is off: "
                         "pass --eval.arc too (needs an ARC dataset)")

@@ -12,16 +12,15 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
-import torch
-
 import data
+import halting
 import ptrm
 import storage
 from arc import REFERENCE_PASS_KS, VOTES_FILE, ArcEvaluator, decode_summary, encode_summary, write_submission
 from batches import EvalBatches
 from lifecycle import Preempted
 from report import format_duration
-from trainer import EVAL_METRICS, Trainer
+from trainer import Trainer
 
 if TYPE_CHECKING:
     from config import Config
@@ -33,8 +32,9 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
              eval_root: str | None = None, step: int = 0, aggregate: bool = False,
              between_batches=lambda done: False, first_predictions=None, each_act_step=None):
     """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
-    metrics over real (non-padding) examples, plus ARC pass@k when `arc` (an ArcEvaluator)
-    is given. Returns (metrics, ARC submission or None), or (None, None) when
+    metrics over real (non-padding) examples, the halting-step distribution (halting.py:
+    halted_at_S and never_halted, fractions, and mean_halt_step), plus ARC pass@k when `arc`
+    (an ArcEvaluator) is given. Returns (metrics, ARC submission or None), or (None, None) when
     `between_batches(batches done)`, called after every batch, returns True (a SIGTERM).
     `first_predictions(host batch, predicted tokens)` gets this host's rows of the first batch;
     `each_act_step(batch index, host batch, preds, q_halt)` is called after every ACT step with
@@ -47,8 +47,7 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     submission) are a vote over them and the saved votes of every earlier step."""
     sharding = trainer.sharding
     every = 1 if trainer.trajectories is None else trainer.trajectories.count
-    names = EVAL_METRICS + (() if trainer.trajectories is None else ptrm.EXTRA_METRICS)
-    sums = torch.zeros(len(names)).to(trainer.device)
+    names, sums = trainer.eval_metric_names(), trainer.eval_sums()
     started, report_every = time.time(), max(1, len(batches) // 10)
     if arc is not None:
         arc.begin()
@@ -86,6 +85,7 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     # The reference's evaluate divides every sum, the losses included, by count.
     sums = dict(zip(names, sums.cpu().numpy().tolist()))
     result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
+    halting.summarize(result, trainer.config.model.halt_max_steps)  # mean_halt_step
     result["num_examples"] = batches.num_examples
     submission = None
     if arc is not None:

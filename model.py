@@ -25,6 +25,7 @@ from torch import nn
 
 from attention import ATTENTIONS, attend
 from device_grads import use
+from halting import exploration_prob
 from ranges import range_problems, ranged
 
 IGNORE_LABEL_ID = -100
@@ -65,6 +66,10 @@ class TRMConfig:
     """ACT steps after which a sequence always halts (and the exact count in evaluation)."""
     halt_exploration_prob: float = ranged(0.1, ge=0, le=1, note="a probability")
     """Probability that a training sequence gets a random minimum of 2..halt_max_steps steps."""
+    halt_exploration_final: float | None = ranged(None, ge=0, le=1, note="a probability; leave it out for none")
+    """Anneal the exploration probability linearly to this (halting.py); None: no anneal."""
+    halt_exploration_anneal_steps: int = ranged(0, ge=0, note="0 = the run's training steps")
+    """Training steps the anneal to halt_exploration_final takes (0: the whole run)."""
     no_ACT_continue: bool = True
     """Halt on sigmoid(q_halt) > 0.5 only; False adds the reference's Q-continue target and loss."""
     forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
@@ -428,7 +433,7 @@ class TRM(nn.Module):
                 # Exploration: some rows must run a random minimum of 2..halt_max_steps steps.
                 rows = torch.arange(steps.shape[0], device=steps.device)
                 seed, counter = self.exploration_seed, carry.rng_counter
-                explore = hashed_uniform(seed, counter, rows, 0) < config.halt_exploration_prob
+                explore = hashed_uniform(seed, counter, rows, 0) < exploration_prob(config, counter)
                 draw = hashed_uniform(seed, counter, rows, 1)
                 min_steps = 2 + (draw * (config.halt_max_steps - 1)).to(torch.int32)
                 halted = halted & (steps >= torch.where(explore, min_steps, 0))

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+import halting
 import storage
 from projection import model_flops, peak_tflops_per_device
 from trainer import TRAIN_METRICS
@@ -543,6 +544,11 @@ class RunLog:
         if self.mirror:
             self.mirror.log(step, {tag: picture})
 
+    def _histogram(self, tag: str, histogram: dict, step: int) -> None:
+        self.tb.add_histogram_raw(tag, global_step=step, **histogram)
+        if self.mirror:
+            self.mirror.log(step, {tag: histogram})
+
     def _memory(self) -> dict[str, int] | None:
         """The device's memory now (process 0, when the runtime reports it), or None."""
         if not self.memory:
@@ -567,7 +573,8 @@ class RunLog:
 
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         """An evaluation's line and eval/... scalars (its metrics, eval/seconds: the
-        evaluation's wall time, eval/examples_per_s); the history keeps only its metrics."""
+        evaluation's wall time, eval/examples_per_s) and the eval/halt_step histogram (of the
+        first halting steps, halting.py); the history keeps only its metrics."""
         self.evals.append(dict(result, step=step))
         arc = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith(("pass@", "aggregated_pass@")))
         if "aggregated_evaluations" in result:
@@ -576,15 +583,19 @@ class RunLog:
         self.say(f"eval @ step {step}: exact_accuracy {result['exact_accuracy']:.4f}  "
                  f"accuracy {result['accuracy']:.4f}  q_halt_accuracy {result['q_halt_accuracy']:.4f}  "
                  f"steps {result['steps']:.2f}  lm_loss {result['lm_loss']:.4f}  "
-                 f"q_halt_loss {result['q_halt_loss']:.4f}  {arc + '  ' if arc else ''}"
+                 f"q_halt_loss {result['q_halt_loss']:.4f}  mean_halt_step {result.get('mean_halt_step', 0):.2f}  "
+                 f"{arc + '  ' if arc else ''}"
                  f"on {result['num_examples']} examples in {seconds:.0f}s "
                  f"({result['num_examples'] / max(seconds, 1e-9):.0f} ex/s)")
         timing = {"seconds": seconds, "examples_per_s": result["num_examples"] / max(seconds, 1e-9)}
         if self.metrics:  # in order with the train records (the reader adds those)
             self._in_order(self.metrics.add, {"kind": "eval", "step": step, "time": round(time.time(), 3),
                                               **{k: v for k, v in {**result, **timing}.items() if k != "step"}})
-        if self.tb:
-            self._in_order(self._scalars, {f"eval/{k}": v for k, v in {**result, **timing}.items()}, step)
+        if self.tb:  # the halting buckets as one histogram (halting.py), not a scalar each
+            self._in_order(self._scalars, {f"eval/{k}": v for k, v in {**result, **timing}.items()
+                                           if not halting.is_bucket(k)}, step)
+            if halting.histogram(result):
+                self._in_order(self._histogram, "eval/halt_step", halting.histogram(result), step)
             self._in_order(self._upload_tb)
 
     def drain(self) -> None:

@@ -1,8 +1,9 @@
 """The run's schedules, pure functions of the configuration, the dataset's size and the step:
-how many steps the run trains, the steps after which it evaluates, and the learning rate of
-each step."""
+how many steps the run trains, the steps after which it evaluates, the learning rate of each
+step, the recursion curriculum's cycles of each step, and the halting anneal's span."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from batches import total_train_steps
@@ -60,3 +61,51 @@ def run_schedule(metadata, optim: OptimConfig, eval_every_epochs: int) -> tuple[
                           "--optim.global-batch-size")
     total_steps = full_steps if optim.max_steps is None else min(full_steps, optim.max_steps)
     return total_steps, evaluation_steps(full_steps, optim.epochs, eval_every_epochs, total_steps)
+
+
+class Curriculum:
+    """The recursion curriculum (the seeds' contrib01_curriculum; optim.curriculum_epochs, off at
+    0): the (H_cycles, L_cycles) that training step `step` (counted from 1) recurses with. Each
+    grows linearly from optim.curriculum_start_*_cycles to the model's over the first
+    curriculum_epochs epochs, floored as the seeds' int(start + progress * (end - start)) is, with
+    progress = the epochs trained before the step / curriculum_epochs (capped at 1) in exact
+    integers: a pure function of the step, so a resumed run lands in its stage. Each stage is a
+    program of its own (trainer.Trainer.step). Evaluation always recurses with the model's cycles.
+    `full_steps`: the steps that train optim.epochs (batches.total_train_steps)."""
+
+    def __init__(self, config, full_steps: int):
+        self.optim, self.model, self.full_steps = config.optim, config.model, max(1, full_steps)
+
+    def at(self, step: int) -> tuple[int, int]:
+        optim, model = self.optim, self.model
+        done, span = (step - 1) * optim.epochs, self.full_steps * optim.curriculum_epochs
+        if not optim.curriculum_epochs or done >= span:
+            return model.H_cycles, model.L_cycles
+        return (optim.curriculum_start_H_cycles + (model.H_cycles - optim.curriculum_start_H_cycles) * done // span,
+                optim.curriculum_start_L_cycles + (model.L_cycles - optim.curriculum_start_L_cycles) * done // span)
+
+    def stages(self, last_step: int) -> list[tuple[int, tuple[int, int]]]:
+        """(first step, (H_cycles, L_cycles)) of each stage the steps 1..last_step train in."""
+        optim, span = self.optim, self.full_steps * self.optim.curriculum_epochs
+        starts = {1}
+        for start, end in ((optim.curriculum_start_H_cycles, self.model.H_cycles),
+                           (optim.curriculum_start_L_cycles, self.model.L_cycles)):
+            for k in range(1, end - start + 1) if optim.curriculum_epochs else ():
+                # the first step whose (step - 1) * epochs * (end - start) >= k * span
+                starts.add(1 + -(-k * span // ((end - start) * optim.epochs)))
+        out = []
+        for step in sorted(s for s in starts if s <= last_step):
+            if not out or out[-1][1] != self.at(step):
+                out.append((step, self.at(step)))
+        return out
+
+
+def resolve_anneal(config, full_steps: int):
+    """`config` (config.Config) with model.halt_exploration_anneal_steps 0 (the whole run) made
+    `full_steps`, the steps of optim.epochs (not of a shorter optim.max_steps: the span stays the
+    same when a resumed run changes it); unchanged without an anneal (halting.py)."""
+    model = config.model
+    if model.halt_exploration_final is None or model.halt_exploration_anneal_steps:
+        return config
+    annealed = dataclasses.replace(model, halt_exploration_anneal_steps=max(1, full_steps))
+    return dataclasses.replace(config, model=annealed)

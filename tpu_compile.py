@@ -167,10 +167,9 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
     if sharding.device_counts()[0] != devices:
         raise RuntimeError(f"this process's CPU runtime has {sharding.device_counts()[0]} devices, not {devices}: "
                            "trace in a new process (python tpu_compile.py)")
-    import torch
 
     from capture import program_hlo
-    from trainer import EVAL_METRICS, Trainer
+    from trainer import Trainer
 
     mesh = sharding.data_mesh()
     trainer = Trainer(config, sharding, mesh)
@@ -189,9 +188,8 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
             trainer.model.eval()
             # at K trajectories (ptrm.py) the same rows hold global_batch_size // K puzzles
             trainer.set_trajectories(ptrm.trajectories_of(*ptrm.training_trajectories(config.eval), config.run.seed))
-            extra = () if trainer.trajectories is None else ptrm.EXTRA_METRICS
-            sums = torch.zeros(len(EVAL_METRICS) + len(extra)).to(trainer.device)
-            outputs = list(trainer.eval_act_step(batch, sums)) + list(trainer.eval_carry.tensors().values())
+            outputs = list(trainer.eval_act_step(batch, trainer.eval_sums())) + [trainer.first_halt] + \
+                list(trainer.eval_carry.tensors().values())
             traced["eval_step"] = program_hlo(outputs, donated=[])
             trainer.model.train()
         del outputs

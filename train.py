@@ -43,7 +43,7 @@ import compile_cache
 import data
 import predict
 import storage
-from batches import PrefetchedBatches, TrainBatches
+from batches import PrefetchedBatches, TrainBatches, total_train_steps
 from checkpoint import Checkpoints
 from config import PRESETS, Config, ConfigError, parse_config, settings_lines
 from evaluate import Evaluations
@@ -51,7 +51,7 @@ from launches import Launch
 from lifecycle import EXIT_RETRYABLE, Preempted, Preemption, ShutdownDeadline, Watchdog, check_devices, start
 from report import HostLog, Profile, RunLog
 from restore import resume_or_start
-from schedule import lr_at, run_schedule
+from schedule import Curriculum, lr_at, resolve_anneal, run_schedule
 
 
 def main(config: Config, preset: str | None = None) -> dict:
@@ -82,11 +82,16 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
         total_steps, eval_steps = run_schedule(train_set.metadata, optim, config.eval.every_epochs)
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
+    full_steps = total_train_steps(train_set.metadata, optim.epochs, optim.global_batch_size)
+    config, curriculum = resolve_anneal(config, full_steps), Curriculum(config, full_steps)
     log = RunLog(config, total_steps, sharding.is_main_process(), sharding)
     log.say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
             f"global batch {optim.global_batch_size}, {total_steps} steps, {len(eval_steps)} evaluations "
             f"(steps {', '.join(map(str, eval_steps[:3]))}{', ...' if len(eval_steps) > 4 else ''}"
             f"{', ' + str(eval_steps[-1]) if len(eval_steps) > 3 else ''})")
+    if optim.curriculum_epochs:  # each stage compiles its own training step
+        log.say("recursion curriculum: " + ", ".join(f"H_cycles {h} L_cycles {l_} from step {s}"
+                                                     for s, (h, l_) in curriculum.stages(total_steps)))
 
     # 2. Resume from the newest committed checkpoint (one decision for all hosts), or start
     # (optionally from given weights).
@@ -125,7 +130,8 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
             batch = batches.get(step)
             lr = lr_at(step, optim.lr, optim, total_steps)
             profile.before_step(step)
-            log.add_step(trainer.step(batch, lr, lr_at(step, optim.puzzle_emb_lr, optim, total_steps)))
+            log.add_step(trainer.step(batch, lr, lr_at(step, optim.puzzle_emb_lr, optim, total_steps),
+                                      curriculum.at(step)))
             sharding.sync()
             watchdog.progress(f"step {step}")
             profile.after_step(step)

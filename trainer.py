@@ -12,12 +12,15 @@ with capture off they are traced again every step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+import halting
+import ptrm
 from checkpoint import IncompleteCheckpointError, Shard, assign_owners, state_differences
 from device_grads import per_device_weight_grads
 from model import TRM, Carry, loss_and_metrics
@@ -92,8 +95,10 @@ class Trainer:
         self.ema = EMA(self.model, rate=optim.ema_rate)
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
+        self.first_halt: torch.Tensor | None = None  # [B] int32: each eval row's first halting step (halting.py)
         self.trajectories = None  # ptrm.Trajectories of the evaluation ACT step; None: one, no noise
         self.captured_train = self.captured_eval = None  # capture.py's steps, made at first use
+        self.captured_cycles = None  # the (H_cycles, L_cycles) captured_train recurses with
         if len(restored_weights) < len(restore):  # a whole checkpoint, not only weights to start from
             problems += self._restore_differences(restore)
         if problems:
@@ -187,23 +192,43 @@ class Trainer:
         sync) so that every step, the first included, traces the same graph."""
         self.carry = self.restored_carry or self._sharded_carry(self.model.initial_carry(batch))
         self.eval_carry = self._sharded_carry(self.model.initial_carry(batch))
+        self.first_halt = self.sharding.shard_batch_dim(self.eval_carry.steps.clone(), self.mesh)
 
     def _sharded_carry(self, carry: Carry) -> Carry:
         return Carry.from_tensors({k: self.sharding.shard_batch_dim(v, self.mesh)
                                    for k, v in carry.tensors().items()})
 
-    def step(self, batch: dict[str, torch.Tensor], lr: float, puzzle_emb_lr: float) -> torch.Tensor:
-        """One training step at these learning rates; returns the metric vector (lazy)."""
+    def step(self, batch: dict[str, torch.Tensor], lr: float, puzzle_emb_lr: float,
+             cycles: tuple[int, int] | None = None) -> torch.Tensor:
+        """One training step at these learning rates; returns the metric vector (lazy). `cycles`
+        (H_cycles, L_cycles), the recursion curriculum's stage (schedule.Curriculum): the model
+        recurses with these instead of its own; each stage is a program of its own (captured
+        anew, and the last stage's dropped, when the stage changes)."""
         # Uploaded as graph inputs (device data), so a new value does not change the graph.
         lrs = torch.tensor([lr, puzzle_emb_lr], dtype=torch.float32).to(self.device)
-        if self.config.run.capture_step:
-            if self.captured_train is None:
-                from capture import CapturedTrainStep  # imports torch_xla: not at module import
+        cycles = cycles or (self.config.model.H_cycles, self.config.model.L_cycles)
+        with self.recursing(cycles):
+            if self.config.run.capture_step:
+                if self.captured_train is None or self.captured_cycles != cycles:
+                    from capture import CapturedTrainStep  # imports torch_xla: not at module import
 
-                self.captured_train = CapturedTrainStep(self)
-            return self.captured_train(batch, lrs)
-        self.set_lrs(lrs[0], lrs[1])
-        return self.train_step(batch)
+                    self.captured_train, self.captured_cycles = CapturedTrainStep(self), cycles
+                return self.captured_train(batch, lrs)
+            self.set_lrs(lrs[0], lrs[1])
+            return self.train_step(batch)
+
+    @contextlib.contextmanager
+    def recursing(self, cycles: tuple[int, int]):
+        """Within the block the model recurses with (H_cycles, L_cycles) = `cycles`."""
+        config = self.model.config
+        if cycles == (config.H_cycles, config.L_cycles):
+            yield
+            return
+        self.model.config = dataclasses.replace(config, H_cycles=cycles[0], L_cycles=cycles[1])
+        try:
+            yield
+        finally:
+            self.model.config = config
 
     def set_lrs(self, lr: torch.Tensor, puzzle_emb_lr: torch.Tensor) -> None:
         for group in self.dense.param_groups:
@@ -252,6 +277,16 @@ class Trainer:
         self.carry = self._sharded_carry(carry)
         return torch.stack([metrics[k] for k in TRAIN_METRICS])
 
+    def eval_metric_names(self) -> tuple[str, ...]:
+        """The names of the evaluation step's metric vector, in its order: EVAL_METRICS, ptrm's
+        extra ones with trajectories, then the halting buckets (halting.metric_names)."""
+        extra = () if self.trajectories is None else ptrm.EXTRA_METRICS
+        return EVAL_METRICS + extra + halting.metric_names(self.config.model.halt_max_steps)
+
+    def eval_sums(self) -> torch.Tensor:
+        """Zero sums of the evaluation step's metric vector, on the devices."""
+        return torch.zeros(len(self.eval_metric_names())).to(self.device)
+
     def eval_act_step(self, batch: dict[str, torch.Tensor],
                       sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One evaluation ACT step (`eval_step`) with its metric vector added to `sums`:
@@ -276,7 +311,8 @@ class Trainer:
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One ACT step in eval mode on the persistent eval carry: the metric vector of rows
-        that halted (EVAL_METRICS order), the predicted tokens and the q_halt logits. With
+        that halted (`eval_metric_names` order), the predicted tokens and the q_halt logits; each
+        row's first halting step (`first_halt`) follows the carry. With
         `trajectories`, every row holds its puzzle's chosen trajectory's outputs and the
         metrics count each puzzle once (ptrm.Trajectories.select)."""
         ptrm = self.trajectories
@@ -287,5 +323,10 @@ class Trainer:
             extra = [ptrm.solved_by_any(carry, outputs)]  # EVAL_METRICS + ptrm.EXTRA_METRICS
             carry, outputs = ptrm.select(carry, outputs)
         _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
+        model = self.config.model
+        first_halt, halts = halting.first_halt_counts(self.first_halt, carry, outputs, model.halt_max_steps,
+                                                      model.no_ACT_continue)
+        self.first_halt = self.sharding.shard_batch_dim(first_halt, self.mesh)
         predictions = outputs["logits"].argmax(-1)
-        return torch.stack([metrics[k] for k in EVAL_METRICS] + extra), predictions, outputs["q_halt_logits"]
+        vector = torch.cat([torch.stack([metrics[k] for k in EVAL_METRICS] + extra), halts])
+        return vector, predictions, outputs["q_halt_logits"]

@@ -182,7 +182,7 @@ class Mirror:
         import wandb
 
         try:
-            run.log({k: wandb.Image(v) if getattr(v, "ndim", 0) == 3 else v for k, v in values.items()}, step=step)
+            run.log({k: as_media(wandb, v) for k, v in values.items()}, step=step)
         except BaseException as e:  # noqa: BLE001
             self.failed += 1
             self._warn(f"failed to log step {step}", e)
@@ -196,6 +196,15 @@ class Mirror:
                 self.recorded = step
             except Exception as e:  # noqa: BLE001 - the next step's write tries again
                 self._warn(f"could not write {self.record_url}", e)
+
+
+def as_media(wandb, value):
+    """A value as W&B logs it: an image for a picture [H, W, 3], a histogram for report.py's
+    histogram (add_histogram_raw's arguments), else the value."""
+    if isinstance(value, dict):
+        limits = value["bucket_limits"]
+        return wandb.Histogram(np_histogram=(value["bucket_counts"], [limits[0] - 1, *limits]))
+    return wandb.Image(value) if getattr(value, "ndim", 0) == 3 else value
 
 
 def attach_study_report(out: str, project: str, entity: str | None, rows: list[dict], columns: list[str],
