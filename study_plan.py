@@ -10,7 +10,9 @@ A study file is plain text, one run per line (a line ending in a backslash goes 
 
 A flag value with {a,b,c} in it expands the line into one run per value, the value appended to
 the name (hidden-256, hidden-384, ...); several on one line give every combination. `--seeds K`
-expands it into K runs with --run.seed 0..K-1, named NAME-s0 ... NAME-s{K-1}. $VARIABLES in
+expands it into K runs with --run.seed 0..K-1, named NAME-s0 ... NAME-s{K-1}. `@paper NAME 87.4`
+gives configuration NAME's published accuracy (in %), which the report shows beside its mean (and
+`@dataset` lines declare a dataset's sizes for `plan`). $VARIABLES in
 flags come from the environment (gs://$TRM_BUCKET/data/...). Any flag of
 `python train.py PRESET --help` works, except --run.dir (the study gives each run its own).
 `parse_study` refuses the whole file, every problem with its line number, before anything runs:
@@ -165,17 +167,40 @@ def declared_datasets(text: str) -> dict[str, PaperDataset]:
                                 if line.lstrip().startswith("@dataset"))}
 
 
+def _declared_paper(number: int, line: str) -> tuple[str, float]:
+    """`@paper CONFIGURATION PERCENT`: the published result a configuration (a run name without
+    its seed suffix) is compared with; the report shows it as paper_% beside the mean."""
+    words = shlex.split(line, comments=True)
+    try:
+        if len(words) != 3 or not 0 <= float(words[2]) <= 100:
+            raise ValueError
+    except ValueError:
+        raise StudyError(f"line {number}: expected @paper CONFIGURATION PERCENT (a published accuracy, 0-100), "
+                         f"got {line.strip()!r}") from None
+    return words[1], float(words[2])
+
+
+def declared_papers(text: str) -> dict[str, float]:
+    """{configuration: published accuracy in %} of the study file's `@paper` lines."""
+    return dict(_declared_paper(n, line) for n, line in _lines(text) if line.lstrip().startswith("@paper"))
+
+
 def parse_study(text: str, source: str = "study") -> list[StudyRun]:
     """Every run of a study file, checked: StudyError lists each problem as SOURCE:LINE: ..."""
-    runs, problems = [], []
+    runs, problems, papers = [], [], []
     for number, line in _lines(text):
         try:
             if line.lstrip().startswith("@dataset"):
                 _declared_dataset(number, line)
+            elif line.lstrip().startswith("@paper"):
+                papers.append((number, _declared_paper(number, line)[0]))
             else:
                 runs += expand_line(number, line)
         except StudyError as e:
             problems.append(f"{source}:{e}")
+    configurations = {run.configuration for run in runs}
+    problems += [f"{source}:line {number}: @paper {name}: no configuration of that name (configurations: "
+                 f"{', '.join(sorted(configurations))})" for number, name in papers if name not in configurations]
     seen = {}
     for run in runs:
         if run.name in seen:

@@ -29,7 +29,7 @@ import goodput
 import ptrm
 import storage
 from config import flat_config
-from study_plan import StudyRun
+from study_plan import StudyRun, declared_papers
 from study_run import read_status
 
 Z95 = 1.959963984540054
@@ -168,6 +168,12 @@ def collect(out: str) -> list[RunResult]:
     return results
 
 
+def study_papers(out: str) -> dict[str, float]:
+    """The published accuracies (study_plan.declared_papers) of the study file as run (OUT/study.txt)."""
+    url = storage.join_url(out, "study.txt")
+    return declared_papers(storage.read_bytes(url).decode()) if storage.exists(url) else {}
+
+
 def configurations(results: list[RunResult]) -> list[dict]:
     """One row per configuration (runs that differ only by seed): seeds, and over the finished
     ones the mean final exact accuracy with its 95% interval over seeds, min and max."""
@@ -222,18 +228,28 @@ def run_rows(results: list[RunResult], study: goodput.StudyTime) -> list[dict]:
             "arc_aggregated_pass@2_%": _pct(r.final.get("aggregated_pass@2")) if r.final else "",
             "steps_to_95%_of_final": r.steps_to_95 if r.steps_to_95 is not None else "",
             "mean_act_steps": round(r.final["steps"], 2) if r.final and "steps" in r.final else "",
+            "mean_halt_step": round(r.final["mean_halt_step"], 2) if r.final and "mean_halt_step" in r.final else "",
             "wall_time_s": "" if r.seconds is None else round(r.seconds),
             **goodput.run_columns(spent), **r.trajectories,
         })
     return rows
 
 
-def configuration_rows(configs: list[dict]) -> list[dict]:
-    return [{"kind": "configuration", "name": c["configuration"], "configuration": c["configuration"],
-             "status": f"{c['seeds']} of {c['runs']} seeds done", "preset": c["preset"], **c["varied"],
-             "parameters": c["parameters"], "seeds": c["seeds"], "mean_exact_%": _pct(c["mean"]),
-             "mean_exact_95%": f"{_pct(c['low'])}-{_pct(c['high'])}" if c["low"] is not None else "",
-             "min_exact_%": _pct(c["min"]), "max_exact_%": _pct(c["max"])} for c in configs]
+def configuration_rows(configs: list[dict], papers: dict[str, float] | None = None) -> list[dict]:
+    """One row per configuration; paper_%: its published accuracy (the study file's @paper lines);
+    mean_halt_step: the mean over its finished runs of their final evaluation's (halting.py)."""
+    papers = papers or {}
+    rows = []
+    for c in configs:
+        halts = [r.final["mean_halt_step"] for r in c["results"] if r.final and "mean_halt_step" in r.final]
+        rows.append({"kind": "configuration", "name": c["configuration"], "configuration": c["configuration"],
+                     "status": f"{c['seeds']} of {c['runs']} seeds done", "preset": c["preset"], **c["varied"],
+                     "parameters": c["parameters"], "seeds": c["seeds"], "mean_exact_%": _pct(c["mean"]),
+                     "mean_exact_95%": f"{_pct(c['low'])}-{_pct(c['high'])}" if c["low"] is not None else "",
+                     "paper_%": papers.get(c["configuration"], ""), "min_exact_%": _pct(c["min"]),
+                     "max_exact_%": _pct(c["max"]),
+                     "mean_halt_step": round(sum(halts) / len(halts), 2) if halts else ""})
+    return rows
 
 
 def table_text(rows: list[dict], columns: list[str]) -> str:
@@ -256,10 +272,10 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
     scaling = list(dict.fromkeys(k for r in runs for k in r if k.startswith("exact_K")))
     run_columns = ["name", "status", "preset", *varied, "parameters", "steps", "train_flops", "device_hours",
                    "final_exact_%", "final_exact_95%", "best_exact_%", "best_exact_95%", "token_accuracy_%",
-                   "arc_aggregated_pass@2_%", "steps_to_95%_of_final", "mean_act_steps", "wall_time_s",
-                   *goodput.COLUMNS, *scaling]
+                   "arc_aggregated_pass@2_%", "steps_to_95%_of_final", "mean_act_steps", "mean_halt_step",
+                   "wall_time_s", *goodput.COLUMNS, *scaling]
     config_columns = ["name", "status", "preset", *varied, "parameters", "seeds", "mean_exact_%", "mean_exact_95%",
-                      "min_exact_%", "max_exact_%"]
+                      "paper_%", "min_exact_%", "max_exact_%", "mean_halt_step"]
     buffer = io.StringIO()
     all_columns = ["kind", "configuration"] + list(dict.fromkeys(run_columns + config_columns))
     writer = csv.DictWriter(buffer, fieldnames=all_columns, extrasaction="ignore")
@@ -274,10 +290,10 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
           "columns after wall_time_s; docs/studies.md says what each counts):\n\n```\n" + spent + "\n```\n")
     storage.write_bytes(storage.join_url(out, "results.md"), md.encode())
     short = ["name", "status", *varied, "parameters", "steps", "final_exact_%", "final_exact_95%", "best_exact_%",
-             "steps_to_95%_of_final", "mean_act_steps", "device_hours", "goodput_%", *scaling]
+             "steps_to_95%_of_final", "mean_halt_step", "device_hours", "goodput_%", *scaling]
     return (table_text(runs, short) + "\n\n"
-            + table_text(configs, ["name", "status", *varied, "seeds", "mean_exact_%", "mean_exact_95%",
-                                   "min_exact_%", "max_exact_%"]) + "\n\n" + spent)
+            + table_text(configs, ["name", "status", *varied, "seeds", "mean_exact_%", "mean_exact_95%", "paper_%",
+                                   "min_exact_%", "max_exact_%", "mean_halt_step"]) + "\n\n" + spent)
 
 
 def main(args) -> int:
@@ -294,7 +310,7 @@ def main(args) -> int:
     varied = list(results[0].varied) if results else []
     study = goodput.study_time(args.out, {r.run.name: {"host": r.host, "state": r.status} for r in results},
                                {r.run.name: r.ckpt_every for r in results})
-    rows = run_rows(results, study) + configuration_rows(configs)
+    rows = run_rows(results, study) + configuration_rows(configs, study_papers(args.out))
     text = write_outputs(args.out, rows[:len(results)], rows[len(results):], varied, goodput.summary(study))
     print(text)
     with tempfile.TemporaryDirectory(prefix="trm-report-") as local:

@@ -2,6 +2,9 @@
 evaluation, the annealed halting exploration, and the recursion curriculum's stages and resume."""
 import dataclasses
 import math
+import os
+import re
+import types
 
 import pytest
 import torch
@@ -158,3 +161,52 @@ def test_a_resume_across_a_curriculum_stage_equals_the_uninterrupted_run_and_hal
     assert [result[name] for name in halting.metric_names(4)] == pytest.approx(by_hand, abs=1e-6)
     assert sum(1 for f in by_hand if f > 0) >= 2, by_hand  # the case tests something
     assert not math.isnan(result["mean_halt_step"])
+
+
+ARCHS_FLAGS = ("--model.arch", "--model.separate-H-L", "--model.one-step-grad")
+
+
+def test_the_paper_ablations_study_plans_before_its_datasets_exist_with_the_papers_numbers(tmp_path, monkeypatch):
+    """studies/paper-ablations.txt: 17 configurations, 47 runs, each Sudoku and Maze one over 3
+    seeds, every @paper line naming one of them; `plan` prints every run without any dataset.
+    The architecture options come with issue 36's model side: until train.py has them, the rest
+    of the file is planned (study.py refuses their lines by number)."""
+    import study_report
+    from study_plan import StudyError, declared_papers, parse_study
+    from tests.study_fixtures import study
+
+    monkeypatch.setenv("TRM_BUCKET", "my-bucket")
+    text = open(os.path.join(os.path.dirname(__file__), "..", "studies", "paper-ablations.txt")).read()
+    papers = declared_papers(text)
+    assert papers["trm"] == 87.4 and papers["hrm"] == 55.0 and papers["hrm-arc1"] == 40.3 and len(papers) == 15
+    lines = [n for n, line in enumerate(text.splitlines(), 1)
+             if any(f in line for f in ARCHS_FLAGS) and not line.startswith("#")]
+    expected = (47, 17)
+    if "arch" not in {f.name for f in dataclasses.fields(model.TRMConfig)}:  # before the model side's merge
+        dropped = {text.splitlines()[n - 1].split()[0] for n in lines}
+        text = "\n".join(line for number, line in enumerate(text.splitlines(), 1) if number not in lines
+                         and not (line.startswith("@paper") and line.split()[1] in dropped))
+        expected = (28, 10)
+    path = tmp_path / "paper-ablations.txt"
+    path.write_text(text)
+    done = study("plan", str(path), "--slice", "v4-8", "--mfu", "0.4")
+    out = done.communicate(timeout=300)[0]
+    assert done.returncode == 0, out
+    assert f"{expected[0]} runs of {expected[1]} configurations" in out
+    names = [line.split()[0] for line in out.splitlines() if re.match(r"[a-zA-Z0-9-]+-s\d ", line)]
+    assert len(names) == expected[0] and {n.rsplit("-", 1)[0] for n in names} >= set(declared_papers(text))
+    assert sum(n.startswith("trm-arc1") for n in names) == 1 and sum(n.startswith("trm-s") for n in names) == 3
+
+    with pytest.raises(StudyError, match=r"line 3: expected @paper CONFIGURATION PERCENT .*\n"
+                                         r"s:line 2: @paper b: no configuration of that name \(configurations: a\)"):
+        parse_study("a demo --seeds 2\n@paper b 50\n@paper a 150\n", "s")
+
+    # The report's configuration rows carry the paper's number and the runs' mean halting step.
+    run = types.SimpleNamespace(final={"exact_accuracy": 0.8, "mean_halt_step": 6.0})
+    config = {"configuration": "trm", "runs": 2, "seeds": 2, "preset": "sudoku-mlp", "varied": {}, "parameters": 1,
+              "mean": 0.8, "low": None, "high": None, "min": 0.8, "max": 0.8,
+              "results": [run, types.SimpleNamespace(final={"exact_accuracy": 0.8, "mean_halt_step": 9.0})]}
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "study.txt").write_text(text)
+    (row,) = study_report.configuration_rows([config], study_report.study_papers(str(tmp_path / "out")))
+    assert row["paper_%"] == 87.4 and row["mean_halt_step"] == 7.5 and row["mean_exact_%"] == "80.00"
