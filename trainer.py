@@ -315,13 +315,14 @@ class Trainer:
         row's first halting step (`first_halt`) follows the carry. With
         `trajectories`, every row holds its puzzle's chosen trajectory's outputs and the
         metrics count each puzzle once (ptrm.Trajectories.select)."""
-        ptrm = self.trajectories
-        carry, outputs = self.model(self.eval_carry, batch, perturb=None if ptrm is None else ptrm.perturb)
+        trajectories = self.trajectories
+        carry, outputs = self.model(self.eval_carry, batch,
+                                    perturb=None if trajectories is None else trajectories.perturb)
         self.eval_carry = self._sharded_carry(carry)
         extra = []
-        if ptrm is not None:
-            extra = [ptrm.solved_by_any(carry, outputs)]  # EVAL_METRICS + ptrm.EXTRA_METRICS
-            carry, outputs = ptrm.select(carry, outputs)
+        if trajectories is not None:
+            extra = [trajectories.solved_by_any(carry, outputs)]  # EVAL_METRICS + ptrm.EXTRA_METRICS
+            carry, outputs = trajectories.select(carry, outputs)
         _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
         model = self.config.model
         first_halt, halts = halting.first_halt_counts(self.first_halt, carry, outputs, model.halt_max_steps,
