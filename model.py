@@ -68,8 +68,8 @@ class TRMConfig:
     """Probability that a training sequence gets a random minimum of 2..halt_max_steps steps."""
     halt_exploration_final: float | None = ranged(None, ge=0, le=1, note="a probability; leave it out for none")
     """Anneal the exploration probability linearly to this (halting.py); None: no anneal."""
-    halt_exploration_anneal_steps: int = ranged(0, ge=0, note="0 = the run's training steps")
-    """Training steps the anneal to halt_exploration_final takes (0: the whole run)."""
+    halt_exploration_anneal_steps: int = ranged(0, ge=0, note="0 = the steps of optim.epochs")
+    """Training steps the anneal to halt_exploration_final takes (0: the steps of optim.epochs)."""
     no_ACT_continue: bool = True
     """Halt on sigmoid(q_halt) > 0.5 only; False adds the reference's Q-continue target and loss."""
     forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
