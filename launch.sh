@@ -8,14 +8,14 @@
 # TPU's name too. On the workers, each step runs worker.sh, which this script sends with every ssh
 # call (see the top of worker.sh) and which answers in lines TRM|WORKER|KEY|VALUE read here. Its
 # parts: launch_help.sh (each command's usage), launch_run.sh (train, study, --retry) and
-# launch_smoke.sh (the per-host probe, smoke).
+# launch_smoke.sh (smoke).
 #
 # How to use it, from nothing to a running v4-64 job: README.md; what each command does:
 # docs/pod.md; studies: docs/studies.md. `bash launch.sh COMMAND --help` lists a command's flags.
 #
 #   bash launch.sh create --accelerator v4-64 --spot && bash launch.sh setup && bash launch.sh deploy
 #   bash launch.sh train --retry sudoku-1 sudoku-mlp --data.path gs://BUCKET/data/sudoku-extreme-1k-aug-1000
-#   bash launch.sh study --retry sudoku-scaling studies/sudoku-scaling.txt   # one run per host
+#   bash launch.sh study --retry sudoku-scaling studies/sudoku-scaling.txt   # runs claimed one at a time
 #   bash launch.sh status; bash launch.sh logs 0; bash launch.sh stop; bash launch.sh delete
 #
 # Exit status: 0 success, 1 failure (explained on stderr), 2 usage error.
@@ -47,7 +47,6 @@ LINES=100
 PORT=6006
 LOG_RUN=""
 STUDY=""          # tensorboard --study
-MODE=""           # study: per-host or whole-slice
 FROM_BUCKET=0
 HELP=0
 CMD=""
@@ -580,10 +579,6 @@ do_deploy() {
 cmd_deploy() { require tpu zone project; do_deploy; }
 
 cmd_check() {
-  case $MODE in
-    per-host) cmd_check_per_host; return ;;
-    whole-slice) usage_error "check takes --per-host (the per-host probe alone), not --whole-slice" ;;
-  esac
   require tpu zone project bucket
   local out problems=() w ws n v first expected want_torch want_xla procs ips host0 port=${TRM_CHECK_PORT:-12355}
   describe_tpu READY || die "could not read TPU $TPU"
@@ -806,7 +801,7 @@ parse_args() {
           --steps) SMOKE_STEPS=$val ;;
         esac
         shift ;;
-      --spot|--queued|--retry|--dry-run|--kill|--no-follow|--from-bucket|--start|--per-host|--whole-slice|-h|--help)
+      --spot|--queued|--retry|--dry-run|--kill|--no-follow|--from-bucket|--start|-h|--help)
         [ "$has" = 0 ] || usage_error "$opt takes no value"
         case $opt in
           --spot) SPOT=1 ;;
@@ -817,9 +812,6 @@ parse_args() {
           --no-follow) FOLLOW=0 ;;
           --from-bucket) FROM_BUCKET=1 ;;
           --start) START=1 ;;
-          --per-host|--whole-slice)
-            [ -z "$MODE" ] || [ "$MODE" = "${opt#--}" ] || usage_error "--per-host or --whole-slice, not both"
-            MODE=${opt#--} ;;
           -h|--help) HELP=1 ;;
         esac
         shift ;;

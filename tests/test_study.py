@@ -17,7 +17,7 @@ import pytest
 
 import claims
 import storage
-from study_plan import StudyError, parse_study
+from study_plan import StudyError, fleet_schedule, parse_study
 from study_report import seed_interval, t95, wilson
 from tests.study_fixtures import LEASE_S, PROJECT_DIR, study, wait_for
 
@@ -130,16 +130,25 @@ def test_plan_prints_steps_cost_and_makespans(demo_path, tmp_path):
     path = tmp_path / "plan.txt"
     path.write_text(f"w demo --data.path {demo_path} --model.hidden-size {{32,64}} --model.puzzle-emb-ndim 32 "
                     "--seeds 2\n")
-    done = study("plan", str(path), "--slice", "v4-16", "--mfu", "0.5")
+    # An hour of start-up each: the runs' own minutes do not reach the printed tenth of an hour.
+    done = study("plan", str(path), "--slice", "v4-16", "--fleet", "v4-8x3", "--mfu", "0.5", "--startup-minutes", "60")
     out = done.communicate(timeout=120)[0]
     assert done.returncode == 0, out
-    assert "4 runs of 2 configurations; projected on v4-16 (2 host(s) of 4 chips" in out and "50% MFU" in out
+    assert "4 runs of 2 configurations; projected on a fleet of 3 v4-8 VM(s) (4 chips each) and on one v4-16 " \
+           "(8 chips)" in out and "50% MFU" in out
     # The demo's 200 epochs of the test data's 100 groups (one 1-example puzzle drawn from each) in
     # batches of 128: 156 steps.
     rows = [line.split() for line in out.splitlines() if line.startswith("w-")]
     assert [r[0] for r in rows] == ["w-32-s0", "w-32-s1", "w-64-s0", "w-64-s1"] and {r[2] for r in rows} == {"156"}
     assert "--model.hidden-size 32 --model.puzzle-emb-ndim 32" in out and "--run.seed 1" in out
-    assert "makespan on v4-16, one run per host" in out and "one run at a time on the whole slice" in out
+    # Longest first: the two w-64 runs on VMs 0 and 1, then both w-32 runs on VM 2 (2 h); one at a
+    # time on the v4-16: 4 h.
+    assert "makespan on 3 v4-8 VM(s), each claiming the longest run left: 2.0 h (the busiest VM's 2 run(s))" in out
+    assert re.search(r"makespan on v4-16, one run at a time on the whole slice.*: 4\.0 h", out)
+    assert fleet_schedule({"a": 9.0, "b": 7.0, "c": 6.0, "d": 5.0, "e": 4.0, "f": 4.0, "g": 1.0}, 3) == [
+        ["a", "f"], ["b", "e", "g"], ["c", "d"]]  # each run to the VM that frees first (ties: the lower VM)
+    bad = study("plan", str(path), "--fleet", "v4-8*8").communicate(timeout=120)[0]
+    assert "error: --fleet: 'v4-8*8': expected TYPExN" in bad
 
 
 def test_a_failed_run_is_recorded_with_its_last_line_and_the_study_goes_on(demo_path, tmp_path):
