@@ -7,8 +7,8 @@
 # slice as a queued resource and wait until it is ACTIVE; delete removes a queued resource of the
 # TPU's name too. On the workers, each step runs worker.sh, which this script sends with every ssh
 # call (see the top of worker.sh) and which answers in lines TRM|WORKER|KEY|VALUE read here. Its
-# parts: launch_help.sh (each command's usage), launch_run.sh (train, study, --retry) and
-# launch_smoke.sh (smoke).
+# parts: launch_help.sh (each command's usage), launch_run.sh (train, study, --retry),
+# launch_smoke.sh (smoke) and launch_fleet.sh (--count N, --fleet: every command on several VMs).
 #
 # How to use it, from nothing to a running v4-64 job: README.md; what each command does:
 # docs/pod.md; studies: docs/studies.md. `bash launch.sh COMMAND --help` lists a command's flags.
@@ -75,6 +75,8 @@ source "$REPO/launch_help.sh"
 source "$REPO/launch_run.sh"
 # shellcheck source=launch_smoke.sh
 source "$REPO/launch_smoke.sh"
+# shellcheck source=launch_fleet.sh
+source "$REPO/launch_fleet.sh"
 
 # ----------------------------------------------------------------------------------------------
 # Small helpers (laptop)
@@ -777,7 +779,7 @@ parse_args() {
       --*=*) val=${opt#*=}; opt=${opt%%=*}; has=1 ;;
     esac
     case $opt in
-      --tpu|--zone|--project|--bucket|--accelerator|--runtime-version|--data|--poll|--max-restarts|--wait|--lines|-n|--port|--run|--study|--steps)
+      --tpu|--zone|--project|--bucket|--accelerator|--runtime-version|--data|--poll|--max-restarts|--wait|--lines|-n|--port|--run|--study|--steps|--count|--fleet)
         if [ "$has" = 0 ]; then
           [ $# -ge 2 ] || usage_error "$opt needs a value"
           val=$2
@@ -799,6 +801,8 @@ parse_args() {
           --run) LOG_RUN=$val ;;
           --study) STUDY=$val ;;
           --steps) SMOKE_STEPS=$val ;;
+          --count) COUNT=$val ;;
+          --fleet) FLEET_SPEC=$val ;;
         esac
         shift ;;
       --spot|--queued|--retry|--dry-run|--kill|--no-follow|--from-bucket|--start|-h|--help)
@@ -852,9 +856,15 @@ main() {
     [ "$HELP" = 1 ] && exit 0
     exit 2
   fi
+  if [ -n "${TRM_FLEET_VM:-}" ]; then   # one VM of a fleet (launch_fleet.sh): its name and zone
+    TPU=$TRM_FLEET_VM FLEET_SPEC="" COUNT=""
+    [ -z "${TRM_FLEET_ZONE:-}" ] || ZONE=$TRM_FLEET_ZONE
+  fi
   case $CMD in
     create|delete|setup|deploy|check|smoke|train|study|status|logs|stop|tensorboard)
       if [ "$HELP" = 1 ]; then "usage_$CMD"; exit 0; fi
+      fleet_members
+      if [ ${#FLEET[@]} -gt 0 ]; then fleet_run "$@"; return; fi
       case $CMD in setup|deploy|check|smoke|train|study|status|logs|stop) load_worker_script ;; esac
       "cmd_$CMD" ;;
     help) usage_main ;;

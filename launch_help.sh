@@ -24,6 +24,9 @@ Settings (flags before the run name, or environment variables):
   --tpu NAME (TRM_TPU)   --zone ZONE (TRM_ZONE)   --project ID (TRM_PROJECT)
   --bucket NAME (TRM_BUCKET)   --data gs://... (TRM_DATA)
   --dry-run      print every gcloud command instead of running it
+A fleet (any command, each VM in turn, a line per VM; study/train --retry and logs: all at once):
+  --count N      the VMs TPU-0 ... TPU-(N-1) (create makes them)
+  --fleet NAME[@ZONE],... (TRM_FLEET)   named VMs, in their own zones, of any accelerator type
 
 `bash launch.sh COMMAND --help` lists a command's flags. README.md walks through a first run,
 docs/pod.md says what each command does, docs/studies.md runs a study.
@@ -32,7 +35,7 @@ EOF
 
 usage_create() {
   cat <<'EOF'
-usage: bash launch.sh create [--accelerator TYPE] [--runtime-version V] [--spot] [--queued] [--dry-run]
+usage: bash launch.sh create [--accelerator TYPE] [--runtime-version V] [--spot] [--queued] [--count N] [--dry-run]
 
 The bucket gs://BUCKET and the TPU VM slice TPU, each if missing (a preempted TPU is replaced).
 
@@ -157,14 +160,14 @@ EOF
 usage_study() {
   cat <<'EOF'
 usage: bash launch.sh study [--retry] [--queued] [--poll SECONDS] [--max-restarts N] [--dry-run]
-                            STUDY_NAME STUDY_FILE
+                            [--count N | --fleet NAME[@ZONE],...] STUDY_NAME STUDY_FILE
 
 A study's runs (STUDY_FILE: one run per line, NAME PRESET [train.py flags...]; docs/studies.md)
 into gs://BUCKET/studies/STUDY_NAME/NAME, with `study.py run --holder TPU` on every worker: the VM
 claims the next unfinished run (longest first) in the study directory, trains it over the whole
-slice (on a multi-host slice worker 0 claims), and claims the next. Several VMs (TRM_TPU set to
-each in turn) running the same STUDY_NAME share its runs; a VM's run whose lease goes stale
-(preempted) is taken over by another. The study file goes with the command. The same STUDY_NAME
+slice (on a multi-host slice worker 0 claims), and claims the next. The VMs of a fleet
+(--count N, --fleet) running the same STUDY_NAME share its runs; a VM's run whose lease goes
+stale (preempted) is taken over by another, and --retry watches each VM on its own. The study file goes with the command. The same STUDY_NAME
 again skips finished runs and resumes started ones.
 
   --retry              watch and relaunch as train --retry does (a preempted slice is created

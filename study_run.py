@@ -44,7 +44,7 @@ from launches import LAUNCH_STARTED_ENV, STUDY_HOST_ENV
 from lifecycle import EXIT_RETRYABLE  # train.py's: a relaunch may help
 from projection import slice_spec
 from report import format_duration
-from study_plan import StudyError, StudyRun, dataset_sizes, projected_hours
+from study_plan import StudyRun, dataset_sizes, projected_hours
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 FORWARD_AFTER_S = 2.0
@@ -71,7 +71,8 @@ def finished(out: str, name: str) -> bool:
 
 def run_costs(runs: list[StudyRun]) -> dict[str, float]:
     """Each run's projected hours on one v4 host at full speed: what orders the claims, longest
-    first (only their ratios matter). Reads every run's dataset sizes."""
+    first (only their ratios matter). Reads every run's dataset sizes; a run whose dataset cannot
+    be read costs 0, claimed last (its train.py then fails, naming the dataset)."""
     spec, sizes, costs = slice_spec("v4-8"), {}, {}
     for run in runs:
         config = run.config()
@@ -80,10 +81,10 @@ def run_costs(runs: list[StudyRun]) -> dict[str, float]:
         if path not in sizes:
             try:
                 sizes[path] = dataset_sizes(path)
-            except Exception as e:  # noqa: BLE001 - the same refusal whatever the cause
-                raise StudyError(f"run {run.name}: cannot read the size of its dataset {path} ({e}); every "
-                                 "process needs every run's size to claim the longest first") from None
-        costs[run.name] = projected_hours(run, spec, 1.0, sizes[path])["hours"]
+            except Exception as e:  # noqa: BLE001 - the same answer whatever the cause
+                sizes[path] = None
+                print(f"study: cannot read the size of dataset {path} ({e}): its runs are claimed last", flush=True)
+        costs[run.name] = 0.0 if sizes[path] is None else projected_hours(run, spec, 1.0, sizes[path])["hours"]
     return costs
 
 
@@ -265,6 +266,9 @@ class StudyRunner:
         role = f"worker {self.worker} of slice {self.holder}, following worker 0's claims" if self.worker else \
             f"holder {self.holder}"
         self.say(f"{role}: {len(self.runs)} runs in {self.out}, claimed longest first, lease {self.lease_s:g} s")
+        before = [r.name for r in order if finished(self.out, r.name)]
+        if before:
+            self.say(f"finished before, skipped: {', '.join(before)}")
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         waiting_said = None
         try:

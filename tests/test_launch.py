@@ -29,7 +29,8 @@ FAKE_GCLOUD = PROJECT_DIR / "tests" / "launch_fake_gcloud"
 SUBCOMMANDS = ["create", "delete", "setup", "deploy", "check", "smoke", "train", "status", "logs", "stop",
                "tensorboard"]
 TPU = "trm-test"
-LAUNCH_PARTS = ("launch.sh", "launch_help.sh", "launch_run.sh", "launch_smoke.sh")   # launch.sh sources the others
+# launch.sh sources the others
+LAUNCH_PARTS = ("launch.sh", "launch_help.sh", "launch_run.sh", "launch_smoke.sh", "launch_fleet.sh")
 
 STUB_TRAIN = r'''
 import json, os, re, signal, sys, time
@@ -362,16 +363,43 @@ def test_every_dry_run_call_parses_in_the_real_gcloud(pod, tmp_path):
                  ("setup",), ("deploy",), ("check",), ("train", "run-1", *TRICKY_ARGS),
                  ("train", "--retry", "r", "demo"), ("status",), ("logs", "1", "--no-follow"),
                  ("logs", "all", "--run", "r", "--from-bucket"), ("stop",), ("delete",), ("delete", "--queued"),
-                 ("study", "s", str(STUDY_FILE)), ("study", "--retry", "s", str(STUDY_FILE))):
+                 ("study", "s", str(STUDY_FILE)), ("study", "--retry", "s", str(STUDY_FILE)),
+                 # a fleet: each VM's calls (launch_fleet.sh), one VM in another zone
+                 ("create", "--count", "1", "--spot", "--accelerator", "v4-8"),
+                 ("create", "--count", "1", "--queued", "--spot", "--accelerator", "v4-8"),
+                 ("setup", "--fleet", "other@europe-west4-a"),
+                 ("study", "--count", "1", "--retry", "s", str(STUDY_FILE)),
+                 ("delete", "--count", "1", "--queued")):
         dry = pod.run("--dry-run", *args)
         later = "\n".join(line[len("#   "):] for line in dry.stdout.splitlines() if line.startswith("#   gcloud "))
         calls += dry_run_commands(dry.stdout) + dry_run_commands(later)
+    calls = [list(c) for c in dict.fromkeys(map(tuple, calls))]  # each distinct call once
+    assert any(c[4:6] == ["create", f"{TPU}-0"] for c in calls)
+    assert any(c[4:6] == ["ssh", "other"] and "--zone=europe-west4-a" in c for c in calls)
     kinds = {" ".join(c[1:5]) for c in calls}
     assert {"compute tpus tpu-vm describe", "compute tpus tpu-vm ssh", "compute tpus tpu-vm create",
             "compute tpus queued-resources create", "compute tpus tpu-vm scp"} <= kinds, kinds
     assert real_gcloud_verdicts(calls, tmp_path) == {}
     # The check catches a wrong flag.
     assert real_gcloud_verdicts([calls[0] + ["--no-such-flag"]], tmp_path)
+
+
+def test_a_fleet_is_named_together_and_goes_on_past_a_failing_vm(pod):
+    dry = pod.run("--dry-run", "create", "--count", "8", "--accelerator", "v4-8", "--spot")
+    made = [c for c in dry_run_commands(dry.stdout) if c[1:5] == ["compute", "tpus", "tpu-vm", "create"]]
+    assert [c[5] for c in made] == [f"{TPU}-{i}" for i in range(8)] and all("--spot" in c for c in made)
+    assert f"fleet: create on 8 VMs: {' '.join(f'{TPU}-{i}' for i in range(8))}" in dry.stderr
+    assert f"[{TPU}-7] TPU {TPU}-7 is ready" in dry.stderr and "fleet: create ok on all 8 VMs" in dry.stderr
+    # Named VMs of other zones: a VM that fails is named, the others still run (the stand-in knows one TPU).
+    pod.ready()
+    done = pod.run("stop", "--fleet", f"ghost@europe-west4-a,{TPU}", expect=1)
+    assert f"[{TPU}] stopped." in done.stderr and "[ghost] launch.sh: some trainers did not stop" in done.stderr
+    assert "fleet: stop ok on 1 of 2 VMs; failed on: ghost (exit 1)" in done.stderr
+    sshed = [(c[5], next(a for a in c if a.startswith("--zone="))) for c in pod.calls() if c[4] == "ssh"]
+    assert sshed[0] == ("ghost", "--zone=europe-west4-a") and sshed[-1] == (TPU, "--zone=us-central2-b")
+    for bad, said in ((("--count", "0"), "--count takes a number of VMs"), (("--fleet", "A,b"), "is not NAME"),
+                      (("--count", "2", "--fleet", "a"), "--count or --fleet, not both")):
+        assert said in pod.run("status", *bad, expect=2).stderr
 
 
 def test_create_and_delete_are_idempotent(pod):

@@ -160,17 +160,18 @@ def test_a_failed_run_is_recorded_with_its_last_line_and_the_study_goes_on(demo_
     done = study("run", str(path), "--out", str(out), "--", "--run.log-every", "7")
     said = done.communicate(timeout=600)[0]
     assert done.returncode == 0, said
-    assert "study: [1/2] missing: starting (attempt 1): train.py demo --data.path" in said
+    # The run whose dataset cannot be read is claimed last.
+    assert said.index("study: fine: starting") < said.index("study: missing: starting (attempt 1): train.py demo")
     assert "--run.log-every 7" in said  # the flags after -- go to every run
     status = json.loads((out / "study" / "status" / "missing.json").read_text())
     assert status["state"] == "failed" and status["exit"] == 1
     assert status["last_line"].startswith("error: Dataset root") and "does not exist" in status["last_line"]
-    assert "study: [1/2] missing: failed (exit 1), going on with the next run; its last line: error: Dataset" in said
+    assert "study: missing: failed (exit 1), going on with the next run; its last line: error: Dataset" in said
     assert json.loads((out / "study" / "status" / "fine.json").read_text())["state"] == "done"
     assert "done in" in said and "1 done, 1 failed, 0 skipped" in said
     # Run again: the finished run is skipped, the failed one tried again.
     again = study("run", str(path), "--out", str(out)).communicate(timeout=600)[0]
-    assert "fine: finished before, skipped" in again and "missing: resuming or starting (attempt 2)" in again
+    assert "finished before, skipped: fine" in again and "missing: resuming or starting (attempt 2)" in again
 
 
 # -- a study claimed by three processes -------------------------------------------------------------
@@ -338,7 +339,7 @@ def test_sigterm_stops_the_study_after_its_run_saved_whether_or_not_the_run_got_
         assert proc.returncode == 0, said
         assert said.count("SIGTERM: stopping (saving a checkpoint first") == 1  # the run got one signal
         assert "second SIGTERM" not in said and "stop requested (SIGTERM or Ctrl-C): saved checkpoint" in said
-        assert "study: [1/1] long: stopped (exit 0); it resumes from its checkpoint" in said
+        assert "study: long: stopped (exit 0); handed back: it resumes from its checkpoint" in said
         assert "study: stopped (SIGTERM): 0 done, 0 failed, 0 skipped; run the same command again" in said
         status = json.loads((out / "study" / "status" / "long.json").read_text())
         assert status["state"] == "stopped" and status["attempts"] == launch
