@@ -113,6 +113,8 @@ class StudyRunner:
         self.claim_lock = threading.Lock()  # the lease's renewals and the claim's last write, one at a time
         self.ended = threading.Event()  # the run under way ended: no more renewals
         self.tried: set[str] = set()  # failed runs this process tried again
+        self.since = 0  # the generation of the claim under way's first write by this process
+        self.followed: set[tuple] = set()  # (run, since) of worker 0's claims this worker trained
         self.counts = {"done": 0, "failed": 0, "skipped": 0}
 
     def say(self, text: str) -> None:
@@ -124,6 +126,8 @@ class StudyRunner:
         storage.write_bytes(url, json.dumps(record, indent=2).encode())
 
     def record(self, run: StudyRun, state: str, **fields) -> None:
+        if self.worker > 0:  # worker 0 records the slice's runs
+            return
         previous = read_status(self.out, run.name) or {}
         record = {**previous, "name": run.name, "state": state, "host": self.holder, "time": time.time(), **fields}
         self._write(status_url(self.out, run.name), record)
@@ -168,22 +172,24 @@ class StudyRunner:
             current = self.claims.current(run.name)
             generation, record = current or (0, {"state": "free"})
             state, holder = record["state"], record.get("holder")
-            if self.whole_slice and self.worker > 0:  # follow worker 0's claims
-                if state == "running" and holder == self.holder:
+            if self.whole_slice and self.worker > 0:  # follow worker 0's claims, each once
+                key = (run.name, record.get("since"))
+                if state == "running" and holder == self.holder and key not in self.followed:
+                    self.followed.add(key)
                     return run, generation
-                held += state == "running"
+                held += not (state == "done" or (state == "failed" and record["time"] > self.started))
                 continue
             if state == "done" or (state == "failed" and (record["time"] > self.started or run.name in self.tried)):
                 continue
             take = (state in ("free", "released", "failed") or holder == self.holder  # this VM's earlier process
                     or self.claims.stale(run.name, generation))
-            if take and self.claims.write(run.name, generation, "running", took_from=holder):
+            if take and self.claims.write(run.name, generation, "running", took_from=holder, since=generation + 1):
                 if state == "failed":
                     self.tried.add(run.name)
                 if state == "running":
                     self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, "
                              f"{'was this holder' if holder == self.holder else 'went stale'})")
-                self.generation = generation + 1
+                self.generation = self.since = generation + 1
                 return run, generation + 1
             held += 1
         return None, held
@@ -198,7 +204,7 @@ class StudyRunner:
                 with self.claim_lock:
                     if done.is_set():
                         return
-                    won = self.claims.write(run.name, self.generation, "running")
+                    won = self.claims.write(run.name, self.generation, "running", since=self.since)
                 if won:
                     self.generation += 1
                     renewed = time.monotonic()

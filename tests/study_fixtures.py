@@ -19,8 +19,8 @@ STUDY_LINE = ("cycles demo --data.path {data} --model.hidden-size 32 --model.puz
 def study(*args, env=None, **popen):
     return subprocess.Popen([sys.executable, os.path.join(PROJECT_DIR, "study.py"), *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=PROJECT_DIR,
-                            env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", PYTHONUNBUFFERED="1",
-                                     **(env or {})), **popen)
+                            env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PYTHONUNBUFFERED": "1",
+                                 **(env or {})}, **popen)
 
 
 def wait_for(proc, pattern, lines, timeout=300):

@@ -174,6 +174,36 @@ def test_a_failed_run_is_recorded_with_its_last_line_and_the_study_goes_on(demo_
     assert "finished before, skipped: fine" in again and "missing: resuming or starting (attempt 2)" in again
 
 
+def test_on_a_multi_host_slice_worker_0_claims_and_the_slice_trains_each_run_whole(demo_path, tmp_path):
+    import sharding
+
+    path, out = tmp_path / "slice.txt", tmp_path / "out"
+    path.write_text(f"w demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
+                    "--optim.global-batch-size 32 --optim.max-steps 3 --eval.every-epochs 1000\n")
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    workers = [study("run", str(path), "--out", str(out), "--holder", "vm", "--whole-slice", "--worker", str(w),
+                     env={sharding.SIMULATED_SLICE_ENV: f"{w}/2@{address}", "CPU_NUM_DEVICES": "4"})
+               for w in (1, 0)][::-1]  # worker 1 first: it waits for worker 0's claim
+    said = [w.communicate(timeout=600)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], said
+    assert "worker 1 of slice vm, following worker 0's claims" in said[1]
+    # One launch on both hosts (4 devices on 2 hosts), claimed once by the slice; worker 1 waited
+    # for worker 0's claim and ended once the run was done.
+    [launch] = [json.loads(p.read_text()) for p in (out / "w" / "launches").glob("launch-*.json")]
+    assert launch["hosts"] == 2 and launch["devices"] == 4 and launch["ended"] == "finished"
+    assert [len(re.findall(r"study: w: (?:resuming or )?starting \(attempt", text)) for text in said] == [1, 1]
+    generation, claim = claims.Claims(str(out), "test", 1.0).current("w")
+    assert claim["state"] == "done" and claim["holder"] == "vm" and "study: vm: every run is over" in said[1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # -- a study claimed by three processes -------------------------------------------------------------
 
 def test_three_holders_train_every_run_once_and_a_killed_holders_run_is_taken_over(finished_study, demo_path,
