@@ -7,15 +7,15 @@
 # slice as a queued resource and wait until it is ACTIVE; delete removes a queued resource of the
 # TPU's name too. On the workers, each step runs worker.sh, which this script sends with every ssh
 # call (see the top of worker.sh) and which answers in lines TRM|WORKER|KEY|VALUE read here. Its
-# parts: launch_help.sh (each command's usage), launch_run.sh (train, study, --retry) and
-# launch_smoke.sh (the per-host probe, smoke).
+# parts: launch_help.sh (each command's usage), launch_run.sh (train, study, --retry),
+# launch_smoke.sh (smoke) and launch_fleet.sh (--count N, --fleet: every command on several VMs).
 #
 # How to use it, from nothing to a running v4-64 job: README.md; what each command does:
 # docs/pod.md; studies: docs/studies.md. `bash launch.sh COMMAND --help` lists a command's flags.
 #
 #   bash launch.sh create --accelerator v4-64 --spot && bash launch.sh setup && bash launch.sh deploy
 #   bash launch.sh train --retry sudoku-1 sudoku-mlp --data.path gs://BUCKET/data/sudoku-extreme-1k-aug-1000
-#   bash launch.sh study --retry sudoku-scaling studies/sudoku-scaling.txt   # one run per host
+#   bash launch.sh study --retry sudoku-scaling studies/sudoku-scaling.txt   # runs claimed one at a time
 #   bash launch.sh status; bash launch.sh logs 0; bash launch.sh stop; bash launch.sh delete
 #
 # Exit status: 0 success, 1 failure (explained on stderr), 2 usage error.
@@ -47,7 +47,6 @@ LINES=100
 PORT=6006
 LOG_RUN=""
 STUDY=""          # tensorboard --study
-MODE=""           # study: per-host or whole-slice
 FROM_BUCKET=0
 HELP=0
 CMD=""
@@ -76,6 +75,8 @@ source "$REPO/launch_help.sh"
 source "$REPO/launch_run.sh"
 # shellcheck source=launch_smoke.sh
 source "$REPO/launch_smoke.sh"
+# shellcheck source=launch_fleet.sh
+source "$REPO/launch_fleet.sh"
 
 # ----------------------------------------------------------------------------------------------
 # Small helpers (laptop)
@@ -580,10 +581,6 @@ do_deploy() {
 cmd_deploy() { require tpu zone project; do_deploy; }
 
 cmd_check() {
-  case $MODE in
-    per-host) cmd_check_per_host; return ;;
-    whole-slice) usage_error "check takes --per-host (the per-host probe alone), not --whole-slice" ;;
-  esac
   require tpu zone project bucket
   local out problems=() w ws n v first expected want_torch want_xla procs ips host0 port=${TRM_CHECK_PORT:-12355}
   describe_tpu READY || die "could not read TPU $TPU"
@@ -782,7 +779,7 @@ parse_args() {
       --*=*) val=${opt#*=}; opt=${opt%%=*}; has=1 ;;
     esac
     case $opt in
-      --tpu|--zone|--project|--bucket|--accelerator|--runtime-version|--data|--poll|--max-restarts|--wait|--lines|-n|--port|--run|--study|--steps)
+      --tpu|--zone|--project|--bucket|--accelerator|--runtime-version|--data|--poll|--max-restarts|--wait|--lines|-n|--port|--run|--study|--steps|--count|--fleet)
         if [ "$has" = 0 ]; then
           [ $# -ge 2 ] || usage_error "$opt needs a value"
           val=$2
@@ -804,9 +801,11 @@ parse_args() {
           --run) LOG_RUN=$val ;;
           --study) STUDY=$val ;;
           --steps) SMOKE_STEPS=$val ;;
+          --count) COUNT=$val ;;
+          --fleet) FLEET_SPEC=$val ;;
         esac
         shift ;;
-      --spot|--queued|--retry|--dry-run|--kill|--no-follow|--from-bucket|--start|--per-host|--whole-slice|-h|--help)
+      --spot|--queued|--retry|--dry-run|--kill|--no-follow|--from-bucket|--start|-h|--help)
         [ "$has" = 0 ] || usage_error "$opt takes no value"
         case $opt in
           --spot) SPOT=1 ;;
@@ -817,9 +816,6 @@ parse_args() {
           --no-follow) FOLLOW=0 ;;
           --from-bucket) FROM_BUCKET=1 ;;
           --start) START=1 ;;
-          --per-host|--whole-slice)
-            [ -z "$MODE" ] || [ "$MODE" = "${opt#--}" ] || usage_error "--per-host or --whole-slice, not both"
-            MODE=${opt#--} ;;
           -h|--help) HELP=1 ;;
         esac
         shift ;;
@@ -860,9 +856,15 @@ main() {
     [ "$HELP" = 1 ] && exit 0
     exit 2
   fi
+  if [ -n "${TRM_FLEET_VM:-}" ]; then   # one VM of a fleet (launch_fleet.sh): its name and zone
+    TPU=$TRM_FLEET_VM FLEET_SPEC="" COUNT=""
+    [ -z "${TRM_FLEET_ZONE:-}" ] || ZONE=$TRM_FLEET_ZONE
+  fi
   case $CMD in
     create|delete|setup|deploy|check|smoke|train|study|status|logs|stop|tensorboard)
       if [ "$HELP" = 1 ]; then "usage_$CMD"; exit 0; fi
+      fleet_members
+      if [ ${#FLEET[@]} -gt 0 ]; then fleet_run "$@"; return; fi
       case $CMD in setup|deploy|check|smoke|train|study|status|logs|stop) load_worker_script ;; esac
       "cmd_$CMD" ;;
     help) usage_main ;;

@@ -11,10 +11,9 @@ Run TRM on a Cloud TPU slice from your laptop (gcloud). Commands, in the order o
   setup        install the pinned requirements (torch_xla[tpu]) in ~/trm-venv on every worker
   deploy       ship the tracked code to ~/trm on every worker and compare code hashes
   check        preflight on every worker: TPU, versions, device count, bucket, dataset
-               (--per-host: the per-host probe alone)
   smoke        smoke [PRESET]: minutes on the slice that check what a CPU could not, one table
   train        train RUN_NAME PRESET [train.py flags...]: start train.py on every worker
-  study        study STUDY_NAME STUDY_FILE: a study's runs, one per worker (--whole-slice: over the slice)
+  study        study STUDY_NAME STUDY_FILE: claim a study's runs one at a time (several VMs: one study)
   status       the TPU's state and each worker's trainer
   logs         logs [WORKER|all]: follow one worker's log (--from-bucket: the copies in the bucket)
   stop         SIGTERM the trainers (they save a checkpoint, then exit)
@@ -25,6 +24,9 @@ Settings (flags before the run name, or environment variables):
   --tpu NAME (TRM_TPU)   --zone ZONE (TRM_ZONE)   --project ID (TRM_PROJECT)
   --bucket NAME (TRM_BUCKET)   --data gs://... (TRM_DATA)
   --dry-run      print every gcloud command instead of running it
+A fleet (any command, each VM in turn, a line per VM; study/train --retry and logs: all at once):
+  --count N      the VMs TPU-0 ... TPU-(N-1) (create makes them)
+  --fleet NAME[@ZONE],... (TRM_FLEET)   named VMs, in their own zones, of any accelerator type
 
 `bash launch.sh COMMAND --help` lists a command's flags. README.md walks through a first run,
 docs/pod.md says what each command does, docs/studies.md runs a study.
@@ -33,7 +35,7 @@ EOF
 
 usage_create() {
   cat <<'EOF'
-usage: bash launch.sh create [--accelerator TYPE] [--runtime-version V] [--spot] [--queued] [--dry-run]
+usage: bash launch.sh create [--accelerator TYPE] [--runtime-version V] [--spot] [--queued] [--count N] [--dry-run]
 
 The bucket gs://BUCKET and the TPU VM slice TPU, each if missing (a preempted TPU is replaced).
 
@@ -83,19 +85,13 @@ EOF
 
 usage_check() {
   cat <<'EOF'
-usage: bash launch.sh check [--per-host] [--data gs://...] [--dry-run]
+usage: bash launch.sh check [--data gs://...] [--dry-run]
 
 Preflight on every worker: TPU, versions, device count, bucket, dataset (--data or TRM_DATA), code,
 and TCP from every worker to worker 0's port 12355, where the trainers' host group meets (torch's
 MASTER_PORT; TRM_CHECK_PORT checks another, for TRM_CHECK_WAIT seconds, default 60). Skipped while
 a trainer runs.
-
-  --per-host   only the per-host probe, a column per worker: on every worker at once, probe.py
-               starts the TPU runtime as a slice of its own (worker.sh r_single_host_env), checks
-               it shows the host's 4 chips and 1 process, runs one all-reduce over them, within
-               TRM_PROBE_WAIT seconds (default 240). Exit 1 when a worker fails: a study then runs
-               --whole-slice. Needs deployed code.
-Needs --tpu, --zone, --project, --bucket (--per-host: no bucket).
+Needs --tpu, --zone, --project, --bucket.
 More: docs/pod.md, "What each command does".
 EOF
 }
@@ -123,7 +119,6 @@ answers to gs://BUCKET/smoke/TIME/smoke.md and smoke.json (attach them to a bug 
   compile          what the compile cache did and the compile time (train.py's lines)
   stop and resume  run B gets SIGTERM half way (launch.sh stop), saves, resumes: FAIL when no
                    save, no resume, or its next 5 losses differ from run A's (not deterministic)
-  per-host probe   as check --per-host: "note" when a worker fails (studies run --whole-slice)
   bucket           each worker writes, reads and removes TRM_SMOKE_MB MB (default 64) in the
                    bucket at once: MB/s, or FAIL with the error
 Needs --tpu, --zone, --project, --bucket, deployed code, no run on the slice.
@@ -164,26 +159,22 @@ EOF
 
 usage_study() {
   cat <<'EOF'
-usage: bash launch.sh study [--per-host | --whole-slice] [--retry] [--queued] [--poll SECONDS]
-                            [--max-restarts N] [--dry-run] STUDY_NAME STUDY_FILE
+usage: bash launch.sh study [--retry] [--queued] [--poll SECONDS] [--max-restarts N] [--dry-run]
+                            [--count N | --fleet NAME[@ZONE],...] STUDY_NAME STUDY_FILE
 
 A study's runs (STUDY_FILE: one run per line, NAME PRESET [train.py flags...]; docs/studies.md)
-into gs://BUCKET/studies/STUDY_NAME/NAME, with `study.py run` on every worker. The study file goes
-with the command. The same STUDY_NAME again skips finished runs and resumes started ones.
+into gs://BUCKET/studies/STUDY_NAME/NAME, with `study.py run --holder TPU` on every worker: the VM
+claims the next unfinished run (longest first) in the study directory, trains it over the whole
+slice (on a multi-host slice worker 0 claims), and claims the next. The VMs of a fleet
+(--count N, --fleet) running the same STUDY_NAME share its runs; a VM's run whose lease goes
+stale (preempted) is taken over by another, and --retry watches each VM on its own. The study file goes with the command. The same STUDY_NAME
+again skips finished runs and resumes started ones.
 
-  --per-host           worker I runs its share of the runs (study.py --host I --hosts N), each on
-                       its own 4 chips: its TPU runtime is started as a slice of its own
-                       (worker.sh r_single_host_env), so the hosts train as many runs at once.
-                       The per-host probe (check --per-host) runs first on every worker; if any
-                       fails, the study stops, naming them, with the --whole-slice command
-  (neither)            on a slice of several hosts: the probe first; per-host when every worker
-                       passes it, else --whole-slice, saying which workers failed and how
-  --whole-slice        every worker runs every run, one at a time, over the whole slice
   --retry              watch and relaunch as train --retry does (a preempted slice is created
                        again; finished runs are skipped, started ones resume)
   --queued, --poll, --max-restarts: as for train
 
-Each worker's study.py exits 0 when its share is done (failed runs are recorded, not retried),
+Each worker's study.py exits 0 when every run is done or failed (failed runs are recorded),
 75 when a run kept exiting 75, 1 for a study file it cannot run. Progress: bash launch.sh status
 (the run each worker is on), logs WORKER; results: python study.py report gs://BUCKET/studies/STUDY_NAME.
 Needs --tpu, --zone, --project, --bucket.

@@ -79,7 +79,7 @@ launch() {
     info "train: run $RUN on every worker of $TPU: train.py $(quote_cmd "${TRAIN_ARGS[@]}")"
   else
     study_launch
-    info "study: $RUN on every worker of $TPU (${LAUNCH[2]}, ${LAUNCH[3]} hosts): study.py run $STUDY_FILE --out gs://$BUCKET/studies/$RUN"
+    info "study: $RUN on every worker of $TPU (${LAUNCH[3]} host(s), claiming as ${LAUNCH[2]}): study.py run $STUDY_FILE --out gs://$BUCKET/studies/$RUN"
   fi
   out=$TMPD/launch.out
   ssh_capture "$out" all "${LAUNCH[@]}" || die "$WHAT did not start on every worker (above)"
@@ -132,7 +132,7 @@ hosts_of() {  # hosts of an accelerator type: 4 chips a host (v2, v3, v4 and v5p
 
 cmd_study() {
   require tpu zone project bucket
-  [ ${#POS[@]} -eq 2 ] || usage_error "study needs STUDY_NAME and STUDY_FILE: study [--per-host|--whole-slice] [--retry] STUDY_NAME STUDY_FILE"
+  [ ${#POS[@]} -eq 2 ] || usage_error "study needs STUDY_NAME and STUDY_FILE: study [--retry] STUDY_NAME STUDY_FILE"
   RUN=${POS[0]} STUDY_FILE=${POS[1]}
   case $RUN in
     -*|''|.*|*[!A-Za-z0-9._-]*) usage_error "study name '$RUN': use letters, digits, '.', '_' and '-' (it names gs://BUCKET/studies/STUDY_NAME)" ;;
@@ -148,13 +148,12 @@ cmd_study() {
 }
 
 # study_launch: LAUNCH for the study on the slice just described (T_ACC; --accelerator under
-# --dry-run), its mode decided by study_mode (the per-host probe): worker.sh writes the study
-# file, starts each worker's runtime alone (per-host), and
-# runs study.py run FILE --out gs://BUCKET/studies/RUN [--host W --hosts N | --whole-slice] -- --run.device tpu.
+# --dry-run): worker.sh writes the study file and runs study.py run FILE --out
+# gs://BUCKET/studies/RUN --holder TPU [--whole-slice --worker W on a multi-host slice] -- --run.device tpu:
+# the VM claims the study's runs one at a time (claims.py), its name the holder of its claims.
 study_launch() {
   local acc=${T_ACC:-$ACCELERATOR}
-  study_mode   # launch_smoke.sh: the probe decides per-host
-  LAUNCH=(remote_study "$RUN" "$STUDY_MODE" "$(hosts_of "$acc")" "$BUCKET" "$(base64 < "$STUDY_FILE" | tr -d '\n')" "$acc")
+  LAUNCH=(remote_study "$RUN" "$TPU" "$(hosts_of "$acc")" "$BUCKET" "$(base64 < "$STUDY_FILE" | tr -d '\n')")
 }
 
 # stop_all WAIT KILL(0/1): stop what is left of the run on every worker (SIGTERM; with KILL=1,

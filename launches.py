@@ -37,7 +37,7 @@ PHASES = ("startup", "training", "evaluation", "checkpoint", "closing", "compili
 LAUNCH_STARTED_ENV = "TRM_LAUNCH_STARTED"
 """study.py sets it to the time it started train.py (more exact than the process's start in /proc)."""
 STUDY_HOST_ENV = "TRM_STUDY_HOST"
-"""study.py sets it to the study's host index (--host) the run trains on."""
+"""study.py sets it to the study's holder (the VM, or HOSTNAME-PID) that trains the run."""
 WRITE_EVERY_S = 60.0
 """Between logging windows, the record is rewritten at most this often."""
 
@@ -73,7 +73,7 @@ class Launch:
         self.record = {
             "process_start": started, "loop_start": None, "start_step": start_step, "resumed": resumed,
             "step": start_step, "previous_reached": previous_reached, "devices": sharding.device_counts()[0],
-            "hosts": sharding.process_count(), "study_host": int(host) if host.isdigit() else None,
+            "hosts": sharding.process_count(), "study_host": host or None,
             "seconds": dict.fromkeys(PHASES, 0.0), "evaluations": 0, "checkpoint_pauses": 0, "compiles": 0,
             "time": started, "ended": None}
         self.phase, self.mark, self.compile_mark = "startup", started, 0.0  # the counters start with the process

@@ -21,9 +21,6 @@ from config import Config, ConfigError, check_against_dataset, check_batch_layou
 from restore import check_same_identifiers
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
-SINGLE_HOST_ENV = "TRM_SINGLE_HOST_RUNTIME"
-"""Set to 1 where this host's TPU runtime must be a slice of its own (a study run per host):
-start() stops at once when the runtime joined other hosts instead."""
 # Exit status when a relaunch may help (EX_TEMPFAIL): a hang (the watchdog), a lost peer host,
 # storage failing beyond its retries. launch.sh train --retry relaunches on it; 1 means a failure
 # that a relaunch would repeat.
@@ -57,11 +54,6 @@ def start(config: Config, weights_rows: int | None = None, weights_identifiers: 
     compile_cache.restore_run(config.run)  # the bucket's copy, before the runtime reads the cache
     device_kind = sharding.start_runtime(config.run.device, config.run.cpu_devices, compile_cache.local_dir(config.run))
     num_devices, _ = sharding.device_counts()
-    if os.environ.get(SINGLE_HOST_ENV) == "1" and sharding.process_count() != 1:
-        raise SystemExit(f"error: this host was to start its TPU runtime alone ({SINGLE_HOST_ENV}=1: launch.sh study "
-                         f"--per-host) but it joined a slice of {sharding.process_count()} processes and "
-                         f"{num_devices} devices: the TPU_* variables of worker.sh's r_single_host_env did not take "
-                         "on this slice; run the study with --whole-slice (docs/studies.md)")
     try:
         check_batch_layout(config.optim.global_batch_size, num_devices, sharding.process_count())
     except ConfigError as e:

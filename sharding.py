@@ -444,20 +444,6 @@ def check_row_placement(mesh: xs.Mesh) -> float:
     return time.perf_counter() - started
 
 
-def host_all_reduce() -> tuple[float, float]:
-    """One all-reduce over this host's own devices (the per-host probe): a vector with one
-    element per device, element i = i + 1, split over a mesh of the devices this host's runtime
-    lists, summed on the devices. Returns (the sum read back, n(n+1)/2, what it must be)."""
-    ids = _own_device_ids()
-    n = len(ids)
-    mesh = xs.Mesh(np.array(ids), (n,), ("data",))
-    values = torch.arange(1, n + 1, dtype=torch.float32).to(device())
-    xs.mark_sharding(values, mesh, ("data",))
-    total = values.sum()
-    sync()
-    return float(total.cpu()), n * (n + 1) / 2
-
-
 def bytes_per_device(tensor: torch.Tensor) -> int:
     """Bytes that one device holds for this XLA tensor, read from its sharding annotation (no
     copy to the host). Replicated or unannotated (SPMD places an unannotated tensor whole on

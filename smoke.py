@@ -1,6 +1,6 @@
 """The worker's side of `launch.sh smoke`: the bucket's read and write rates, and the smoke report.
 
-launch.sh smoke (launch_smoke.sh) runs, on the user's slice: the per-host probe, this file's
+launch.sh smoke (launch_smoke.sh) runs, on the user's slice: this file's
 `rates` on every worker, a real-size run of the preset (A), the same run stopped by SIGTERM half
 way and resumed (B), then this file's `report` on worker 0, which reads both runs' records and
 worker 0's logs and sets *what was assumed* beside *what this slice shows*, one row per check:
@@ -12,7 +12,7 @@ worker 0's logs and sets *what was assumed* beside *what this slice shows*, one 
 
 `rates` prints KEY<TAB>VALUE lines (write_mb_s, read_mb_s, or rates ERROR ...). `report` writes
 smoke.md and smoke.json under --out, prints the table, and exits 1 when a check failed. --facts
-holds the laptop's answers (lines TRM|WORKER|KEY|VALUE: the probe's, the rates', the compiler's
+holds the laptop's answers (lines TRM|WORKER|KEY|VALUE: the rates', the compiler's
 estimate). What each row verifies and what a failure means: docs/pod.md, "smoke".
 
 Test-only: TRM_TEST_SMOKE_SHIFT_RESUMED=X adds X to the resumed run's losses before they are
@@ -147,13 +147,7 @@ def build_rows(args, a: dict[int, dict], b: dict[int, dict], log_a: str, log_b: 
                     "(pytorch/xla#9094)", "; ".join(m.group(0) for m in (cache, xla) if m) or "no compile line",
                     "ok" if xla else "FAIL"))
     rows.append(resume_row(args, a, b, log_b))
-    # The per-host probe and the bucket, per worker.
-    probes = {w: known[w].get("probe", "") for w in workers}
-    bad = {w: p for w, p in probes.items() if p != "ok"}
-    rows.append(row("per-host probe", "each host's runtime starts alone (worker.sh r_single_host_env)",
-                    "all workers ok: a study may run per-host" if probes and not bad else
-                    "; ".join(f"worker {w}: {p or 'no answer'}" for w, p in bad.items())
-                    + ": studies run --whole-slice", "ok" if probes and not bad else "note"))
+    # The bucket, per worker.
     rate_rows = {w: known[w] for w in workers}
     failed = {w: k.get("rates", "no answer") for w, k in rate_rows.items() if k.get("rates") != "ok"}
     if rate_rows and not failed:

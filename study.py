@@ -1,20 +1,20 @@
-"""A study: many TRM runs from one study file, run one per TPU host of a slice (or one at a time
-over the whole slice), resumable, compared in one report.
+"""A study: many TRM runs from one study file, claimed from the study directory by any number of
+processes (one per TPU VM of a fleet), resumable, compared in one report.
 
     python study.py plan studies/tiny.txt                       # the runs, their steps and cost
-    python study.py plan studies/sudoku-scaling.txt --slice v4-64   # each program compiled for a TPU
+    python study.py plan studies/sudoku-scaling.txt --slice v4-64 --fleet v4-8x8   # compiled for both
     python study.py plan studies/sudoku-scaling.txt --slice v4-64 --mfu 0.3   # at an MFU a TPU measured
     python study.py run studies/tiny.txt --out runs/tiny-study  # every run, one after another
-    python study.py run STUDY --out gs://BUCKET/studies/NAME --host 3 --hosts 8   # host 3's share
+    python study.py run STUDY --out gs://BUCKET/studies/NAME    # on each VM of a fleet: claims runs
     python study.py report runs/tiny-study                      # the table, the plots, HParams
     python study.py report runs/tiny-study --wandb-project trm  # and the table and plots in W&B
 
 A study file has one run per line, `NAME PRESET [train.py flags...]`; `{a,b,c}` in a flag's
 value makes one run per value and `--seeds K` one per seed (study_plan.py; docs/studies.md).
-Each run trains in OUT/NAME with `python train.py` (study_run.py). On a pod,
-`bash launch.sh study STUDY_NAME STUDY_FILE` runs each worker's share on that worker alone.
+Each run trains in OUT/NAME with `python train.py` (study_run.py), claimed under a lease
+(claims.py). On a fleet, `bash launch.sh study STUDY_NAME STUDY_FILE` starts this on every VM.
 
-Exit status of `run`: 0 every run of the share done or recorded as failed (or stopped on SIGTERM:
+Exit status of `run`: 0 every run done or recorded as failed (or stopped on SIGTERM:
 run it again to go on), 1 a study or flags that cannot run, 75 a run kept exiting 75 (storage
 down, a hang: relaunching resumes it), as train.py's.
 """
@@ -31,10 +31,10 @@ from study_plan import (
     changed_flags,
     dataset_sizes,
     declared_datasets,
+    fleet_schedule,
     parse_study,
     projected_hours,
     resolved_config,
-    split_over_hosts,
 )
 
 
@@ -50,20 +50,20 @@ def read_study(url: str) -> tuple[list, str]:
         raise SystemExit("error: " + str(e).replace("\n", "\nerror: "))
 
 
-def one_host(spec: SliceSpec) -> SliceSpec:
-    """One host of a slice, as a slice of its own (the unit of a study's one-run-per-host mode)."""
-    chips = spec.chips // spec.hosts
-    return SliceSpec(f"one host of {spec.name}", spec.generation, chips, 1, spec.peak_tflops_per_chip)
+def fleet_of(text: str | None, spec: SliceSpec) -> tuple[SliceSpec, int]:
+    """(one VM's slice, the number of VMs) of a fleet named TYPExN (v4-8x8: eight v4-8 VMs); by
+    default, the single-host VMs that hold as many chips as `spec` (v4-64 -> v4-8x8)."""
+    if text is None:
+        chips = spec.chips // spec.hosts
+        return slice_spec(f"{spec.generation}-{2 * chips if spec.generation in ('v4', 'v5p') else chips}"), spec.hosts
+    vm, _, count = text.strip().lower().rpartition("x")
+    if not vm or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"{text!r}: expected TYPExN, N VMs of one slice type (e.g. v4-8x8, v6e-4x2)")
+    return slice_spec(vm), int(count)
 
 
 def _hours(hours: float) -> str:
     return f"{hours:,.1f}" if hours >= 10 else f"{hours:.2f}" if hours >= 0.1 else f"{hours:.2g}"
-
-
-def host_slice(spec: SliceSpec) -> str:
-    """The slice name of one host of `spec` (v4-64 -> v4-8, v5e-64 -> v5e-4), for the compiler."""
-    chips = one_host(spec).chips
-    return f"{spec.generation}-{2 * chips if spec.generation in ('v4', 'v5p') else chips}"
 
 
 def compiled_device_times(jobs: list[tuple], slice_name: str) -> dict[str, dict]:
@@ -88,8 +88,12 @@ def plan(args) -> int:
         spec = slice_spec(args.slice)
     except ValueError as e:
         raise SystemExit(f"error: --slice: {e}")
+    try:
+        host, vms = fleet_of(args.fleet, spec)  # one VM of the fleet, and how many
+    except ValueError as e:
+        raise SystemExit(f"error: --fleet: {e}")
     compiled = args.mfu is None  # the device time of each step from its compiled program, else at --mfu
-    host, mfu = one_host(spec), args.mfu or 0.4
+    mfu = args.mfu or 0.4
     whole_mfu = args.whole_slice_mfu or mfu
     declared = declared_datasets(text)
     sizes, known, rows = {}, [], []
@@ -110,7 +114,7 @@ def plan(args) -> int:
         import tpu_compile
 
         try:
-            device = {"host": compiled_device_times(known, host_slice(spec)),
+            device = {"host": compiled_device_times(known, host.name),
                       "whole": compiled_device_times(known, spec.name)}
         except tpu_compile.CompileError as e:
             raise SystemExit(f"error: {e}; or project at a stated MFU: --mfu 0.4")
@@ -123,13 +127,13 @@ def plan(args) -> int:
             continue
         rows.append((run, projected_hours(run, host, mfu, sizes[path], device["host"].get(run.name)),
                      projected_hours(run, spec, whole_mfu, sizes[path], device["whole"].get(run.name))))
-    how = ("each step's device time from its program compiled for one host and for the whole slice (the TPU "
+    how = ("each step's device time from its program compiled for one fleet VM and for the whole slice (the TPU "
            "compiler's estimate)" if compiled else f"{100 * mfu:g}% MFU")
     width = max(len(r.name) for r in runs)
     print(f"study {args.study}: {len(runs)} runs of {len({r.configuration for r in runs})} configurations; "
-          f"projected on {spec.name} ({spec.hosts} host(s) of {host.chips} chips, {spec.peak_tflops_per_chip:g} "
-          f"TFLOP/s bf16 each) at {how}")
-    print(f"{'run'.ljust(width)}  {'preset':<10}  {'steps':>9}  {'host h':>7}  {'device-h':>8}  "
+          f"projected on a fleet of {vms} {host.name} VM(s) ({host.chips} chips each) and on one {spec.name} "
+          f"({spec.chips} chips), {spec.peak_tflops_per_chip:g} TFLOP/s bf16 a chip, at {how}")
+    print(f"{'run'.ljust(width)}  {'preset':<10}  {'steps':>9}  {'VM h':>7}  {'device-h':>8}  "
           "flags beyond the preset")
     for run, on_host, _ in rows:
         steps = "?" if on_host is None else f"{on_host['steps']:,}"
@@ -140,12 +144,13 @@ def plan(args) -> int:
     projected = [(run, h, w) for run, h, w in rows if h is not None]
     startup = args.startup_minutes / 60
     loads = {run.name: h["hours"] + startup for run, h, _ in projected}
-    per_host = split_over_hosts(loads, spec.hosts)
-    per_host_h = max((sum(loads[n] for n in share) for share in per_host), default=0.0)
+    shares = fleet_schedule(loads, vms)
+    fleet_h = max((sum(loads[n] for n in share) for share in shares), default=0.0)
     whole_h = sum(w["hours"] + startup for _, _, w in projected)
     print(f"total: {sum(h['device_hours'] for _, h, _ in projected):,.1f} device-hours (chip-hours of training and "
-          f"evaluation, one run per host, at {how}; checkpoints and restarts not counted)")
-    print(f"makespan on {spec.name}, one run per host ({spec.hosts} at once, longest first): {per_host_h:.1f} h")
+          f"evaluation, each run on one {host.name}, at {how}; checkpoints and restarts not counted)")
+    print(f"makespan on {vms} {host.name} VM(s), each claiming the longest run left: {fleet_h:.1f} h"
+          f" (the busiest VM's {max((len(s) for s in shares), default=0)} run(s))")
     print(f"makespan on {spec.name}, one run at a time on the whole slice"
           + ("" if compiled else f" at {100 * whole_mfu:g}% MFU (a small batch per device usually runs at a "
                                  "lower MFU: --whole-slice-mfu)") + f": {whole_h:.1f} h")
@@ -158,7 +163,7 @@ def plan(args) -> int:
             names = [r.name for r, h, _ in rows if h is None and paths[r.name] == path]
             print(f"not projected: {len(names)} run(s) of {path}: its size cannot be read ({error}); build it first, "
                   f"or declare its sizes in the study file: @dataset {path} groups=G examples=E test=T")
-    for key, where in (("host", host_slice(spec)), ("whole", spec.name)):
+    for key, where in (("host", host.name), ("whole", spec.name)):
         for name, fields in device[key].items():
             if "compiled_ms_per_train_step" not in fields:
                 print(f"not projected: {name} does not compile for {where}: {fields['compiled_source']}")
@@ -169,16 +174,16 @@ def run(args) -> int:
     from study_run import StudyRunner
 
     runs, text = read_study(args.study)
-    if (args.host is None) != (args.hosts is None):
-        raise SystemExit("error: --host and --hosts go together (host I of N: --host 0 --hosts 8)")
-    if args.hosts is not None and not 0 <= args.host < args.hosts:
-        raise SystemExit(f"error: --host {args.host} must be in 0..{args.hosts - 1} (--hosts {args.hosts})")
+    if args.lease_s <= 0:
+        raise SystemExit(f"error: --lease-s {args.lease_s:g} must be above 0 (seconds; default 120)")
+    if args.worker < 0 or (args.worker and not args.whole_slice):
+        raise SystemExit(f"error: --worker {args.worker}: a worker number of a multi-host slice, with --whole-slice")
     try:
         storage.check_url(args.out, "--out")
     except storage.StorageError as e:
         raise SystemExit(f"error: {e}")
-    runner = StudyRunner(runs, args.out, text, args.host, args.hosts, tuple(args.train_flags), args.retries,
-                         whole_slice=args.whole_slice)
+    runner = StudyRunner(runs, args.out, text, args.holder, args.lease_s, tuple(args.train_flags), args.retries,
+                         whole_slice=args.whole_slice, worker=args.worker)
     try:
         return runner.run()
     except StudyError as e:
@@ -201,23 +206,32 @@ def parser() -> argparse.ArgumentParser:
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = commands.add_parser("plan", help="the expanded runs, their steps and projected cost, the makespans")
     p.add_argument("study", help="the study file (local or gs://)")
-    p.add_argument("--slice", default="v4-64", help="the TPU slice of the projection (default v4-64)")
+    p.add_argument("--slice", default="v4-64",
+                   help="the TPU slice of the one-run-at-a-time projection, each run over it whole (default v4-64)")
+    p.add_argument("--fleet", default=None,
+                   help="the fleet of the study: N VMs of one type, TYPExN (default: single-host VMs of as many chips "
+                        "as --slice, v4-64 -> v4-8x8), each VM claiming the longest run left")
     p.add_argument("--mfu", type=float, default=None,
-                   help="project at this model FLOPs utilisation of a run on one host (a TPU's measured MFU) instead "
-                        "of compiling each program for the slice with the TPU compiler (the default)")
+                   help="project at this model FLOPs utilisation of a run on one fleet VM (a TPU's measured MFU) "
+                        "instead of compiling each program for the slice with the TPU compiler (the default)")
     p.add_argument("--whole-slice-mfu", type=float, default=None,
                    help="with --mfu: the MFU of a run on the whole slice (default: --mfu)")
     p.add_argument("--startup-minutes", type=float, default=3.0,
                    help="start-up of each run: runtime, compiles, the dataset's copy (default 3)")
     p.set_defaults(handler=plan)
-    p = commands.add_parser("run", help="run the study's runs (this host's share with --host/--hosts)")
+    p = commands.add_parser("run", help="claim the study's unfinished runs, longest first, and train them")
     p.add_argument("study", help="the study file (local or gs://)")
     p.add_argument("--out", required=True, help="the study's directory: OUT/NAME per run (local or gs://)")
-    p.add_argument("--host", type=int, default=None, help="this host's index I (with --hosts N): its share only")
-    p.add_argument("--hosts", type=int, default=None, help="the number of hosts the study is split over")
+    p.add_argument("--holder", default=None,
+                   help="this process's name in the claims (default HOSTNAME-PID; launch.sh gives the VM's name: a "
+                        "relaunch on the same VM takes its own claim back at once)")
+    p.add_argument("--lease-s", type=float, default=120.0,
+                   help="a claim not renewed for this long (seconds, by the observer's clock) may be taken over: "
+                        "the run resumes from its checkpoint (default 120; renewed every quarter of it)")
     p.add_argument("--whole-slice", action="store_true",
-                   help="every host of a slice runs this command: each run spans the slice (launch.sh study "
-                        "--whole-slice); a run exiting other than 0 or 1 stops the study with 75")
+                   help="every host of a multi-host slice runs this command with the same --holder: worker 0 claims "
+                        "and the slice trains each run whole; a run exiting other than 0 or 1 stops the study with 75")
+    p.add_argument("--worker", type=int, default=0, help="with --whole-slice: this host's worker number (0 claims)")
     p.add_argument("--retries", type=int, default=2, help="launches again of a run that exits 75 (default 2)")
     p.epilog = "Flags after -- go to every run's train.py, e.g. -- --run.device tpu."
     p.set_defaults(handler=run)

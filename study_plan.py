@@ -1,5 +1,5 @@
 """A study file and its plan: the runs it expands to, their checks, their projected cost on a TPU
-slice, and the split of the runs over the slice's hosts.
+slice, and the makespan of the runs on a fleet of VMs that claim them longest first.
 
 A study file is plain text, one run per line (a line ending in a backslash goes on):
 
@@ -247,7 +247,7 @@ def changed_flags(run: StudyRun) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Projected cost and the split over hosts
+# Projected cost and the fleet makespan
 
 
 def dataset_sizes(url: str) -> PaperDataset:
@@ -282,13 +282,13 @@ def projected_hours(run: StudyRun, spec: SliceSpec, mfu: float, sizes: PaperData
     return {"steps": projected["train_steps"], "hours": hours, "device_hours": hours * spec.chips}
 
 
-def split_over_hosts(costs: dict[str, float], hosts: int) -> list[list[str]]:
-    """The runs of each host: longest first, each onto the host with the least work so far (ties:
-    the lower host, names in order). A pure function of the costs and the number of hosts, so
-    every host, and every relaunch, computes the same split without talking to the others."""
-    loads, shares = [0.0] * hosts, [[] for _ in range(hosts)]
+def fleet_schedule(costs: dict[str, float], vms: int) -> list[list[str]]:
+    """The runs each VM of a fleet trains when every VM, once free, claims the longest run left
+    (study_run.py's claims): longest first, each onto the VM that frees first (ties: the lower VM,
+    names in order). Its longest share is the study's makespan on the fleet."""
+    loads, shares = [0.0] * vms, [[] for _ in range(vms)]
     for name in sorted(costs, key=lambda n: (-costs[n], n)):
-        host = min(range(hosts), key=lambda h: (loads[h], h))
-        shares[host].append(name)
-        loads[host] += costs[name]
+        vm = min(range(vms), key=lambda h: (loads[h], h))
+        shares[vm].append(name)
+        loads[vm] += costs[name]
     return shares

@@ -198,7 +198,7 @@ def write_timeline(study, path: str) -> tuple[str, dict]:
     Returns (path, what it drew: the hosts in order and each bar, span and mark)."""
     plt = _pyplot()
     hosts = sorted(study.hosts, key=str)
-    labels = [f"host {h}" if isinstance(h, int) else "no --host" for h in hosts]
+    labels = [str(h) if h not in (None, "all") else "the study's host" for h in hosts]
     unit, per = ("hours", 3600) if study.end - study.start >= 7200 else ("minutes", 60)
     hours = lambda t: (t - study.start) / per  # noqa: E731
     drawn = {"hosts": labels, "bars": [], "idle": [], "down": [], "ended": [], "relaunched": []}

@@ -1,38 +1,50 @@
-"""Running a study: its runs one after another, each as `python train.py PRESET FLAGS --run.dir
-OUT/NAME` in a process of its own, and the study directory that records how each went:
+"""Running a study: each `study.py run` process (one per VM of a fleet, any number, started at any
+time) claims the next unfinished run, longest first, in the study directory (claims.py), trains it
+as `python train.py PRESET FLAGS --run.dir OUT/NAME` in a process of its own under a lease it
+renews, and claims the next, until every run is done or failed:
 
-    OUT/study.txt                the study file as run
-    OUT/study/runs.json          every run of the study (name, preset, flags, configuration, line)
-    OUT/study/status/NAME.json   a started run: running, done, failed or stopped; the host, the
-                                 attempts, the exit status, the last line train.py printed, times
-    OUT/study/hosts/host_I.json  host I's share of the runs, the run it is on, how many are done
-    OUT/NAME/                    the run's own directory (train.py's: config, checkpoints, metrics,
-                                 TensorBoard, logs, final.json once it finished)
+    OUT/study.txt                 the study file as run
+    OUT/study/runs.json           every run of the study (name, preset, flags, configuration, line)
+    OUT/study/claims/NAME/G.json  generation G of the run's claim: its holder and state (claims.py)
+    OUT/study/status/NAME.json    a started run: running, done, failed or stopped; its holder, the
+                                  attempts, the exit status, the last line train.py printed, times
+    OUT/study/holders/HOLDER.json a holder (a VM, or a process): the run it is on, how many it did
+    OUT/NAME/                     the run's own directory (train.py's: config, checkpoints, metrics,
+                                  TensorBoard, logs, final.json once it finished)
 
-A run whose final.json exists is skipped; a started one resumes from its checkpoint (train.py's
-own resume); one that exits 75 (a relaunch may help: storage down, a hang) is launched again up
-to `retries` times, then the study exits 75 too, so that `launch.sh study --retry` relaunches
-it; any other failure is recorded as failed with its last line, and the study goes on. SIGTERM
-or Ctrl-C stops the study after the run under way has saved its checkpoint (train.py gets the
-signal, from the study if not already from the system), and a relaunch carries on from there.
+A run whose final.json exists is skipped; a run taken over (its holder's lease went stale: the
+holder was killed or preempted) or handed back resumes from its checkpoint (train.py's own
+resume). A run that exits 75 (a relaunch may help: storage down, a hang) is launched again up to
+`retries` times, then handed back and the study exits 75 too, so that `launch.sh study --retry`
+relaunches it; any other failure is recorded as failed with its last line, and the study goes on
+(a process started later tries a failed run once more). SIGTERM or Ctrl-C stops the study after
+the run under way has saved its checkpoint (train.py gets the signal, from the study if not
+already from the system) and hands the run back, and a relaunch carries on from there. A process
+with nothing left to claim waits while other holders train, to take over a run whose lease goes
+stale, and ends when every run is done or failed.
+
+On a multi-host slice every host runs the study (`whole_slice`): worker 0 claims, and the other
+workers train the run their slice's holder (the same name on every host) holds.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 
 import storage
+from claims import Claims
 from config import ensure_demo_data
 from launches import LAUNCH_STARTED_ENV, STUDY_HOST_ENV
 from lifecycle import EXIT_RETRYABLE  # train.py's: a relaunch may help
 from projection import slice_spec
 from report import format_duration
-from study_plan import StudyError, StudyRun, dataset_sizes, projected_hours, split_over_hosts
+from study_plan import StudyRun, dataset_sizes, projected_hours
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 FORWARD_AFTER_S = 2.0
@@ -58,8 +70,9 @@ def finished(out: str, name: str) -> bool:
 
 
 def run_costs(runs: list[StudyRun]) -> dict[str, float]:
-    """Each run's projected hours on one v4 host at full speed: what the split balances (only
-    their ratios matter). Reads every run's dataset sizes."""
+    """Each run's projected hours on one v4 host at full speed: what orders the claims, longest
+    first (only their ratios matter). Reads every run's dataset sizes; a run whose dataset cannot
+    be read costs 0, claimed last (its train.py then fails, naming the dataset)."""
     spec, sizes, costs = slice_spec("v4-8"), {}, {}
     for run in runs:
         config = run.config()
@@ -68,25 +81,40 @@ def run_costs(runs: list[StudyRun]) -> dict[str, float]:
         if path not in sizes:
             try:
                 sizes[path] = dataset_sizes(path)
-            except Exception as e:  # noqa: BLE001 - the same refusal whatever the cause
-                raise StudyError(f"run {run.name}: cannot read the size of its dataset {path} ({e}); every "
-                                 "host needs every run's size to split the study the same way") from None
-        costs[run.name] = projected_hours(run, spec, 1.0, sizes[path])["hours"]
+            except Exception as e:  # noqa: BLE001 - the same answer whatever the cause
+                sizes[path] = None
+                print(f"study: cannot read the size of dataset {path} ({e}): its runs are claimed last", flush=True)
+        costs[run.name] = 0.0 if sizes[path] is None else projected_hours(run, spec, 1.0, sizes[path])["hours"]
     return costs
 
 
-class StudyRunner:
-    """Runs `runs` (this host's share with host/hosts) into `out`, one after another."""
+def default_holder() -> str:
+    """This process's holder name when none is given: the machine and the process id."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
-    def __init__(self, runs: list[StudyRun], out: str, study_text: str, host: int | None = None,
-                 hosts: int | None = None, extra_flags: tuple[str, ...] = (), retries: int = 2,
-                 whole_slice: bool = False, python: str = sys.executable):
+
+class StudyRunner:
+    """Claims and trains `runs` into `out` as `holder`, one at a time, until every run is over."""
+
+    def __init__(self, runs: list[StudyRun], out: str, study_text: str, holder: str | None = None,
+                 lease_s: float = 120.0, extra_flags: tuple[str, ...] = (), retries: int = 2,
+                 whole_slice: bool = False, worker: int = 0, python: str = sys.executable):
         self.runs, self.out, self.text = runs, out, study_text
-        self.host, self.hosts, self.extra, self.retries = host, hosts, tuple(extra_flags), retries
-        self.whole_slice, self.python = whole_slice, python
+        self.holder = holder or default_holder()
+        self.lease_s, self.extra, self.retries = lease_s, tuple(extra_flags), retries
+        self.whole_slice, self.worker, self.python = whole_slice, worker, python
+        self.claims = Claims(out, self.holder, lease_s)
+        self.started = time.time()
         self.stopping: str | None = None  # the signal that asked the study to stop
         self.child: subprocess.Popen | None = None
         self.child_signalled = threading.Event()  # the run under way said it got a signal
+        self.lost = threading.Event()  # the lease of the run under way went to another holder
+        self.generation = 0  # the newest generation this process wrote of the run under way's claim
+        self.claim_lock = threading.Lock()  # the lease's renewals and the claim's last write, one at a time
+        self.ended = threading.Event()  # the run under way ended: no more renewals
+        self.tried: set[str] = set()  # failed runs this process tried again
+        self.since = 0  # the generation of the claim under way's first write by this process
+        self.followed: set[tuple] = set()  # (run, since) of worker 0's claims this worker trained
         self.counts = {"done": 0, "failed": 0, "skipped": 0}
 
     def say(self, text: str) -> None:
@@ -98,23 +126,24 @@ class StudyRunner:
         storage.write_bytes(url, json.dumps(record, indent=2).encode())
 
     def record(self, run: StudyRun, state: str, **fields) -> None:
+        if self.worker > 0:  # worker 0 records the slice's runs
+            return
         previous = read_status(self.out, run.name) or {}
-        record = {**previous, "name": run.name, "state": state, "host": self.host, "time": time.time(), **fields}
+        record = {**previous, "name": run.name, "state": state, "host": self.holder, "time": time.time(), **fields}
         self._write(status_url(self.out, run.name), record)
 
-    def where(self, share: list[StudyRun], current: str | None) -> None:
-        """This host's place in the study: in the study directory and, for worker.sh, locally."""
-        state = {"out": self.out, "host": self.host, "hosts": self.hosts, "runs": len(share), "current": current,
-                 **self.counts, "time": time.time()}
-        if self.host is not None:
-            self._write(storage.join_url(self.out, "study", "hosts", f"host_{self.host}.json"),
-                        dict(state, share=[r.name for r in share]))
+    def where(self, current: str | None) -> None:
+        """This holder's place in the study: in the study directory and, for worker.sh, locally."""
+        if self.worker == 0:
+            self._write(storage.join_url(self.out, "study", "holders", f"{self.holder}.json"),
+                        {"out": self.out, "holder": self.holder, "current": current, **self.counts,
+                         "time": time.time()})
         local = os.environ.get(STATE_ENV)
         if local:
-            on = f"on {current} ({[r.name for r in share].index(current) + 1} of {len(share)}), " if current else ""
             with open(local, "w") as f:
-                f.write(f"{on}{self.counts['done']} done, {self.counts['failed']} failed, "
-                        f"{self.counts['skipped']} finished before, of {len(share)} runs\n")
+                f.write(f"{'on ' + current + ', ' if current else ''}{self.counts['done']} done, "
+                        f"{self.counts['failed']} failed, {self.counts['skipped']} finished before, of "
+                        f"{len(self.runs)} runs ({self.holder})\n")
 
     # -- signals -----------------------------------------------------------------------------------
 
@@ -132,14 +161,76 @@ class StudyRunner:
         if not self.child_signalled.wait(FORWARD_AFTER_S) and self.child and self.child.poll() is None:
             self.child.send_signal(signal.SIGTERM if signum == signal.SIGINT else signum)
 
-    # -- running -------------------------------------------------------------------------------------
+    # -- claims ------------------------------------------------------------------------------------
 
-    def share(self) -> list[StudyRun]:
-        if self.hosts is None:
-            return list(self.runs)
-        shares = split_over_hosts(run_costs(self.runs), self.hosts)
-        by_name = {r.name: r for r in self.runs}
-        return [by_name[name] for name in shares[self.host]]
+    def claim_next(self, order: list[StudyRun]) -> tuple[StudyRun | None, int]:
+        """(the run this process now holds, None if none, the number of runs other holders hold)."""
+        held = 0
+        for run in order:
+            if finished(self.out, run.name):
+                continue
+            current = self.claims.current(run.name)
+            generation, record = current or (0, {"state": "free"})
+            state, holder = record["state"], record.get("holder")
+            if self.whole_slice and self.worker > 0:  # follow worker 0's claims, each once
+                key = (run.name, record.get("since"))
+                if state == "running" and holder == self.holder and key not in self.followed:
+                    self.followed.add(key)
+                    return run, generation
+                held += not (state == "done" or (state == "failed" and record["time"] > self.started))
+                continue
+            if state == "done" or (state == "failed" and (record["time"] > self.started or run.name in self.tried)):
+                continue
+            take = (state in ("free", "released", "failed") or holder == self.holder  # this VM's earlier process
+                    or self.claims.stale(run.name, generation))
+            if take and self.claims.write(run.name, generation, "running", took_from=holder, since=generation + 1):
+                if state == "failed":
+                    self.tried.add(run.name)
+                if state == "running":
+                    self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, "
+                             f"{'was this holder' if holder == self.holder else 'went stale'})")
+                self.generation = self.since = generation + 1
+                return run, generation + 1
+            held += 1
+        return None, held
+
+    def _renew(self, run: StudyRun, done: threading.Event) -> None:
+        """Renew the lease on `run` every lease_s/4 until `done`; on a lost lease (another holder
+        wrote the claim, or no renewal succeeded for lease_s) kill the run at once, unsaved: its
+        new holder resumes it from the last checkpoint."""
+        renewed = time.monotonic()
+        while not done.wait(self.lease_s / 4):
+            try:
+                with self.claim_lock:
+                    if done.is_set():
+                        return
+                    won = self.claims.write(run.name, self.generation, "running", since=self.since)
+                if won:
+                    self.generation += 1
+                    renewed = time.monotonic()
+                    continue
+                why = "another holder took it over"
+            except storage.StorageError as e:
+                if time.monotonic() - renewed < self.lease_s:
+                    continue
+                why = f"it could not be renewed for {self.lease_s:g} s ({e})"
+            self.lost.set()
+            self.say(f"{run.name}: lease lost ({why}): stopping its train.py at once, without saving")
+            if self.child and self.child.poll() is None:
+                self.child.kill()
+            return
+
+    def release(self, run: StudyRun, state: str) -> None:
+        """The claim's last write by this holder: done, failed or released (anyone may take it)."""
+        with self.claim_lock:
+            self.ended.set()  # no renewal after this write
+            if (self.whole_slice and self.worker > 0) or self.lost.is_set():
+                return
+            won = self.claims.write(run.name, self.generation, state)
+        if not won:
+            self.say(f"{run.name}: its claim moved on while it ended (another holder took it over)")
+
+    # -- running -------------------------------------------------------------------------------------
 
     def wandb_flags(self, run: StudyRun) -> list[str]:
         """For a run mirrored to W&B (--report.wandb-project among its flags or the study's): the
@@ -155,8 +246,8 @@ class StudyRunner:
         command = [self.python, os.path.join(PROJECT_DIR, "train.py"), run.preset, *self.wandb_flags(run),
                    *run.flags, *self.extra, "--run.dir", storage.join_url(self.out, run.name)]
         self.child_signalled.clear()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCH_STARTED_ENV: repr(time.time())},
-                   **({} if self.host is None else {STUDY_HOST_ENV: str(self.host)}))  # for its launch record
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCH_STARTED_ENV: repr(time.time()),
+                                                        STUDY_HOST_ENV: self.holder})  # for its launch record
         self.child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                       cwd=PROJECT_DIR)
         last = ""
@@ -170,48 +261,71 @@ class StudyRunner:
         return self.child.wait(), last
 
     def run(self) -> int:
-        """Run this host's share; the exit status (0: every run done or recorded failed, or stopped
-        on a signal; EXIT_RETRYABLE: a run kept exiting 75)."""
+        """Claim and train runs until none is left; the exit status (0: every run done or recorded
+        failed, or stopped on a signal; EXIT_RETRYABLE: a run kept exiting 75)."""
         storage.write_bytes(storage.join_url(self.out, "study.txt"), self.text.encode())
         self._write(storage.join_url(self.out, "study", "runs.json"),
                     {"runs": [{"name": r.name, "preset": r.preset, "flags": list(r.flags), "line": r.line,
                                "configuration": r.configuration} for r in self.runs]})
-        share = self.share()
-        where = "" if self.hosts is None else f"host {self.host} of {self.hosts}: "
-        self.say(f"{where}{len(share)} of {len(self.runs)} runs into {self.out}: "
-                 + ", ".join(r.name for r in share))
+        costs = run_costs(self.runs)
+        order = sorted(self.runs, key=lambda r: (-costs[r.name], r.name))
+        role = f"worker {self.worker} of slice {self.holder}, following worker 0's claims" if self.worker else \
+            f"holder {self.holder}"
+        self.say(f"{role}: {len(self.runs)} runs in {self.out}, claimed longest first, lease {self.lease_s:g} s")
+        before = [r.name for r in order if finished(self.out, r.name)]
+        if before:
+            self.say(f"finished before, skipped: {', '.join(before)}")
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        started = time.time()
+        waiting_said = None
         try:
-            for index, run in enumerate(share, start=1):
-                if self.stopping:
+            while not self.stopping:
+                run, held = self.claim_next(order)
+                if run is None and not held:
                     break
-                status = self.run_one(run, f"[{index}/{len(share)}] {run.name}", share)
+                if run is None:
+                    if waiting_said != held:
+                        self.say(f"waiting: {held} run(s) held by other holders (taken over if a lease goes "
+                                 f"stale for {self.lease_s:g} s)")
+                        waiting_said = held
+                    time.sleep(min(self.lease_s / 4, 10.0))
+                    continue
+                waiting_said = None
+                status = self.run_one(run)
                 if status is not None:
                     return status
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            self.where(share, None)
+            self.where(None)
+        self.counts["skipped"] = sum(finished(self.out, r.name) for r in self.runs) - self.counts["done"]
         counts = ", ".join(f"{v} {k}" for k, v in self.counts.items())
         if self.stopping:
             self.say(f"stopped ({self.stopping}): {counts}; run the same command again to go on")
         else:
-            self.say(f"{where}done in {format_duration(time.time() - started)}: {counts}"
-                     + (f" (their last lines are in {self.out}/study/status/)" if self.counts["failed"] else ""))
+            self.say(f"{self.holder}: every run is over in {format_duration(time.time() - self.started)}: "
+                     f"{counts} by this holder or before"
+                     + (f" (failed runs' last lines are in {self.out}/study/status/)" if self.counts["failed"] else ""))
         return 0
 
-    def run_one(self, run: StudyRun, label: str, share: list[StudyRun]) -> int | None:
-        """Run one run to its end; an exit status when the study must stop with it, else None."""
-        if finished(self.out, run.name):
-            self.counts["skipped"] += 1
-            self.say(f"{label}: finished before, skipped")
-            return None
+    def run_one(self, run: StudyRun) -> int | None:
+        """Train the run this process holds to its end, renewing its lease; an exit status when the
+        study must stop with it, else None."""
+        self.lost.clear()
+        self.ended = threading.Event()
+        if not (self.whole_slice and self.worker > 0):
+            threading.Thread(target=self._renew, args=(run, self.ended), daemon=True).start()
+        try:
+            return self._train(run)
+        finally:
+            self.ended.set()
+
+    def _train(self, run: StudyRun) -> int | None:
+        label = run.name
         before = read_status(self.out, run.name) or {}
         attempts, seconds_total = before.get("attempts", 0), before.get("seconds_total", 0.0)
         for retry in range(self.retries + 1):
             attempts += 1
-            self.where(share, run.name)
+            self.where(run.name)
             self.record(run, "running", attempts=attempts, started=time.time())
             self.say(f"{label}: {'resuming or starting' if attempts > 1 else 'starting'} (attempt {attempts}): "
                      f"train.py {' '.join([run.preset, *run.flags, *self.extra])}")
@@ -220,10 +334,14 @@ class StudyRunner:
             seconds_total += time.time() - began
             fields = dict(attempts=attempts, exit=status, last_line=last, seconds=time.time() - began,
                           seconds_total=seconds_total)
+            if self.lost.is_set():
+                self.say(f"{label}: stopped, its lease lost (exit {status}); its new holder resumes it")
+                return None
             if status == 0 and finished(self.out, run.name):
                 self.counts["done"] += 1
                 final = json.loads(storage.read_bytes(storage.join_url(self.out, run.name, "final.json")))
                 self.record(run, "done", **fields)
+                self.release(run, "done")
                 self.say(f"{label}: done in {format_duration(fields['seconds'])}: exact accuracy "
                          f"{100 * final['metrics'].get('exact_accuracy', float('nan')):.2f}%")
                 return None
@@ -231,7 +349,9 @@ class StudyRunner:
                 self.stopping = self.stopping or "the run was stopped"
             if self.stopping:
                 self.record(run, "stopped", **fields)
-                self.say(f"{label}: stopped (exit {status}); it resumes from its checkpoint when the study runs again")
+                self.release(run, "released")
+                self.say(f"{label}: stopped (exit {status}); handed back: it resumes from its checkpoint when "
+                         "a study process claims it")
                 return None
             if status == EXIT_RETRYABLE or (self.whole_slice and status != 1):
                 self.record(run, "retrying", **fields)
@@ -239,11 +359,13 @@ class StudyRunner:
                     self.say(f"{label}: exit {status} (a relaunch may help): launching it again; last line: {last}")
                     time.sleep(5)
                     continue
+                self.release(run, "released")
                 self.say(f"{label}: exit {status}; last line: {last}; stopping the study with status "
                          f"{EXIT_RETRYABLE} (relaunching it resumes this run)")
                 return EXIT_RETRYABLE
             self.counts["failed"] += 1
             self.record(run, "failed", **fields)
+            self.release(run, "failed")
             self.say(f"{label}: failed (exit {status}), going on with the next run; its last line: {last}")
             return None
         return None

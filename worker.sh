@@ -17,17 +17,13 @@
 #   remote_deploy CODE_HASH          ~/trm-code.tar.gz (copied by scp) unpacked into a fresh ~/trm
 #   remote_preflight                 code hash, venv, running trainer: what train asks first
 #   remote_launch RUN_NAME ARGS...   train.py ARGS in the background, logging to the run's log
-#   remote_study STUDY_NAME MODE HOSTS BUCKET STUDY_B64 ACCELERATOR
+#   remote_study STUDY_NAME HOLDER HOSTS BUCKET STUDY_B64
 #                                    study.py run: the study file (base64) in ~/trm-state/studies/,
-#                                    into gs://BUCKET/studies/STUDY_NAME; MODE per-host (this
-#                                    worker's share, its TPU runtime alone) or whole-slice
-#   remote_probe ACCELERATOR WAIT    probe.py under r_single_host_env: does this worker's runtime
-#                                    start alone (devices, 1 process, an all-reduce) within WAIT s
+#                                    into gs://BUCKET/studies/STUDY_NAME, claiming runs as HOLDER
+#                                    (the VM's name); on a slice of HOSTS > 1, --whole-slice
 #   remote_smoke_rates URL MEGABYTES smoke.py rates: the bucket's write and read rates from here
 #   remote_smoke_report BUCKET OUT ACCELERATOR WORKERS PRESET STEPS RUN_A RUN_B FACTS_B64
 #                                    smoke.py report (worker 0): the smoke table from both runs
-#   remote_single_host_env ACCELERATOR COMMAND...
-#                                    COMMAND under r_single_host_env (what per-host sets; tests)
 #   remote_status                    the run, its trainer's state, code hash, the log's last line,
 #                                    and once it ended the last line train.py printed
 #   remote_stop WAIT_SECONDS KILL    SIGTERM to train.py, wait, SIGKILL if KILL is 1
@@ -73,35 +69,6 @@ r_active_pid() {  # the pid of our running train.py (or study.py, which runs tra
   [ -n "$p" ] && [ -r "/proc/$p/cmdline" ] || return 1
   tr '\0' ' ' 2>/dev/null < "/proc/$p/cmdline" | grep -qF -e "$C/train.py" -e "$C/study.py" || return 1
   echo "$p"
-}
-
-# The TPU runtime of this worker alone, as a slice of its own 4 chips (a study's run per host),
-# set before torch_xla starts: r_single_host_env ACCELERATOR (the slice's type, e.g. v4-64). As
-# torch_xla's maintainers describe it (pytorch/xla#7714: "set all of the topology environment
-# variables as if you were running on one host"): TPU_SKIP_MDS_QUERY=1 first, or torch_xla 2.9
-# (_internal/tpu.py) reads the whole slice's tpu-env from the VM's metadata server; then the
-# accelerator type and topology of one host of this generation (the values GKE's TPU device
-# plugin gives a one-host node: v4-8 2x2x1, v5p-8 2x2x1, v5litepod-4 2x2, v6e-4 2x2), the bounds of
-# one process on one host with the host's 4 chips, this host as task 0 of 1 at localhost:8476
-# (what torch_xla sets for one process), and no other host to meet. What libtpu reads beyond
-# these, and what is unverified: docs/studies.md. The probe (remote_probe, launch.sh check
-# --per-host) decides on the slice; train.py stops at once if the runtime joined other hosts.
-r_single_host_env() {
-  local acc=${1:-} one topology
-  case $acc in
-    v4-*) one=v4-8 topology=2x2x1 ;;
-    v5p-*) one=v5p-8 topology=2x2x1 ;;
-    v5litepod-*|v5e-*) one=v5litepod-4 topology=2x2 ;;
-    v6e-*) one=v6e-4 topology=2x2 ;;
-    *) r_say error "per-host: no single-host runtime known for accelerator type '$acc' (v4, v5p, v5litepod/v5e, v6e)"; return 1 ;;
-  esac
-  export TPU_SKIP_MDS_QUERY=1 TPU_ACCELERATOR_TYPE=$one TPU_TOPOLOGY=$topology
-  export TPU_TOPOLOGY_WRAP=false,false,false TPU_TOPOLOGY_ALT=false
-  export TPU_PROCESS_BOUNDS=1,1,1 TPU_HOST_BOUNDS=1,1,1
-  export TPU_CHIPS_PER_PROCESS_BOUNDS=2,2,1 TPU_CHIPS_PER_HOST_BOUNDS=2,2,1 TPU_VISIBLE_CHIPS=0,1,2,3
-  export CLOUD_TPU_TASK_ID=0 TPU_WORKER_ID=0 TPU_WORKER_HOSTNAMES=localhost
-  export TPU_PROCESS_ADDRESSES=localhost:8476 TPU_PROCESS_PORT=8476 MASTER_ADDR=localhost
-  export TRM_SINGLE_HOST_RUNTIME=1
 }
 
 r_code_hash() {  # r_code_hash DIR: the code hash if every file matches the manifest; none; modified
@@ -278,58 +245,21 @@ remote_launch() {  # remote_launch RUN_NAME TRAIN_ARGS...
   r_start "$run" train.py "$@"
 }
 
-remote_study() {  # remote_study STUDY_NAME MODE HOSTS BUCKET STUDY_B64 ACCELERATOR
-  local run=$1 mode=$2 hosts=$3 bucket=$4 acc=${6:-} file args
+remote_study() {  # remote_study STUDY_NAME HOLDER HOSTS BUCKET STUDY_B64
+  local run=$1 holder=$2 hosts=$3 bucket=$4 file args
   mkdir -p "$S/studies"
   file=$S/studies/$run.txt
   printf %s "$5" | base64 -d > "$file" || { r_say error "could not write the study file $file"; return 1; }
-  args=(run "$file" --out "gs://$bucket/studies/$run")
-  case $mode in
-    per-host) args+=(--host "$W" --hosts "$hosts") ;;
-    whole-slice) args+=(--whole-slice) ;;
-    *) r_say error "unknown study mode '$mode' (per-host or whole-slice)"; return 2 ;;
-  esac
-  case $W in
-    ''|*[!0-9]*) [ "$mode" != per-host ] || { r_say error "per-host: this worker's number is unknown ($W)"; return 1; } ;;
-  esac
+  args=(run "$file" --out "gs://$bucket/studies/$run" --holder "$holder")
+  if [ "$hosts" -gt 1 ]; then   # a multi-host slice: worker 0 claims, the slice trains each run whole
+    case $W in
+      ''|*[!0-9]*) r_say error "study on a multi-host slice: this worker's number is unknown ($W)"; return 1 ;;
+    esac
+    args+=(--whole-slice --worker "$W")
+  fi
   export TRM_BUCKET=$bucket TRM_STUDY_STATE=$S/study.txt   # $TRM_BUCKET in the study file
   rm -f "$S/study.txt"
-  if [ "$mode" = per-host ]; then r_single_host_env "$acc" || return 1; fi
   r_start "$run" study.py "${args[@]}" -- --run.device tpu
-}
-
-remote_single_host_env() {  # remote_single_host_env ACCELERATOR COMMAND...
-  r_single_host_env "$1" || return 1
-  shift
-  exec "$@"
-}
-
-# remote_probe ACCELERATOR WAIT: probe.py (deployed in ~/trm) under the single-host runtime,
-# ended after WAIT seconds (SIGKILL 5 s later: a runtime stuck in its start may not heed SIGTERM).
-# Says probe ok, or probe ERROR and what failed; the probe's own lines as it prints them.
-# TRM_PROBE_DEVICE=cpu: test-only (the stand-in pod has no TPU), see probe.py.
-remote_probe() {
-  local acc=$1 wait=$2 p rc err=$S/probe.err
-  if p=$(r_active_pid); then
-    r_say probe "ERROR busy: run $(cat "$S/name" 2>/dev/null) is running here (pid $p) and holds the TPU"; return 0
-  fi
-  if [ ! -x "$PY" ] || [ ! -f "$C/probe.py" ]; then
-    r_say probe "ERROR no venv or no probe.py in ~/trm: run setup and deploy"; return 0
-  fi
-  (r_single_host_env "$acc") || { r_say probe "ERROR unknown accelerator type '$acc'"; return 0; }
-  [ ! -e /tmp/libtpu_lockfile ] || sudo -n rm -f /tmp/libtpu_lockfile || r_say note "could not remove /tmp/libtpu_lockfile"
-  (
-    r_single_host_env "$acc"
-    cd "$C" && PJRT_DEVICE=TPU PYTHONUNBUFFERED=1 exec timeout -k 5 "$wait" "$PY" "$C/probe.py" --worker "$W" --chips 4 \
-      --device "${TRM_PROBE_DEVICE:-tpu}" 2>"$err"
-  ) | r_say_each
-  rc=${PIPESTATUS[0]}
-  case $rc in
-    0|1) ;;
-    124|137) r_say probe "ERROR hang: no answer in $wait s (the runtime did not start alone; it may wait for the other hosts)" ;;
-    *) r_say probe "ERROR probe.py exited with status $rc: $(grep -v '^[[:space:]]*$' "$err" | tail -n 1 | cut -c1-200)" ;;
-  esac
-  return 0
 }
 
 remote_smoke_rates() {  # remote_smoke_rates URL MEGABYTES
@@ -509,10 +439,8 @@ main() {
     remote_stop) remote_stop "$@" ;;
     remote_logs) remote_logs "$@" ;;
     remote_check) remote_check "$@" ;;
-    remote_probe) remote_probe "$@" ;;
     remote_smoke_rates) remote_smoke_rates "$@" ;;
     remote_smoke_report) remote_smoke_report "$@" ;;
-    remote_single_host_env) remote_single_host_env "$@" ;;
     *) echo "worker.sh: unknown command '$cmd' (see the top of worker.sh)" >&2; return 2 ;;
   esac
 }

@@ -47,15 +47,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def gcs_server():
-    """A real GCS JSON-API server (gcp-storage-emulator) on loopback; yields its bucket name.
+    """A real GCS JSON-API server (gcp-storage-emulator, with GCS's ifGenerationMatch precondition on
+    inserts: tests/gcs_emulator.py) on loopback; yields its bucket name.
 
     STORAGE_EMULATOR_HOST points gcsfs (and subprocesses started by tests) at it.
     """
     port = _free_port()
     bucket = "trm-test"
-    exe = Path(sys.executable).parent / "gcp-storage-emulator"
     proc = subprocess.Popen(
-        [str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+        [sys.executable, str(PROJECT_DIR / "tests" / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
+         "--port", str(port), "--in-memory",
          "--default-bucket", bucket],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
@@ -100,8 +101,8 @@ def demo_path(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def finished_study(demo_path, tmp_path_factory):
-    """A study on two simulated hosts, one killed mid-run and started again (study_fixtures.py's
-    run_two_hosts_with_a_kill): once per session, for test_study.py and test_goodput.py."""
-    from tests.study_fixtures import run_two_hosts_with_a_kill
+    """A study claimed by three processes, one killed mid-run and its run taken over (study_fixtures.py's
+    run_three_holders_with_a_kill): once per session, for test_study.py and test_goodput.py."""
+    from tests.study_fixtures import run_three_holders_with_a_kill
 
-    return run_two_hosts_with_a_kill(demo_path, tmp_path_factory.mktemp("study"))
+    return run_three_holders_with_a_kill(demo_path, tmp_path_factory.mktemp("study"))

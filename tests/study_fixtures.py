@@ -1,5 +1,5 @@
 """Helpers of the study tests (test_study.py, test_goodput.py): study.py as a subprocess on the
-virtual CPU mesh, reading its output, and a study run as two simulated hosts with one killed
+virtual CPU mesh, reading its output, and a study claimed by three processes with one killed
 (conftest.py's `finished_study`, shared by both files: it runs once per test session)."""
 import json
 import os
@@ -19,8 +19,8 @@ STUDY_LINE = ("cycles demo --data.path {data} --model.hidden-size 32 --model.puz
 def study(*args, env=None, **popen):
     return subprocess.Popen([sys.executable, os.path.join(PROJECT_DIR, "study.py"), *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=PROJECT_DIR,
-                            env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8", PYTHONUNBUFFERED="1",
-                                     **(env or {})), **popen)
+                            env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PYTHONUNBUFFERED": "1",
+                                 **(env or {})}, **popen)
 
 
 def wait_for(proc, pattern, lines, timeout=300):
@@ -38,46 +38,52 @@ def metrics_records(run_dir) -> list[dict]:
             for line in part.read_text().splitlines() if line.strip()]
 
 
+LEASE_S = 4.0
+"""The fixture's lease: a killed holder's run is taken over this long after its last renewal."""
+
+
 class KilledStudy(NamedTuple):
     out: object  # the study's directory (a pathlib.Path)
-    outputs: dict  # what each study.py process printed
+    outputs: dict  # what each study.py process printed, by holder
     study_file: object
-    killed: dict  # the killed run: its name, the last step its metrics records held and its last
-    # committed checkpoint's step, read from its directory right after the kill
+    killed: dict  # the killed run: its name, the last step its metrics records held, its last committed
+    # checkpoint's step, read from its directory right after the kill, and the kill's time
 
 
-def run_two_hosts_with_a_kill(demo_path, root) -> KilledStudy:
-    """A study of 2 configurations x 2 seeds run as hosts 0 and 1 of 2, host 1 killed (SIGKILL, with
-    its run) in the middle of its second run, past its committed checkpoint of step 4, and started
-    again."""
+def run_three_holders_with_a_kill(demo_path, root) -> KilledStudy:
+    """A study of 2 configurations x 2 seeds claimed by three study.py processes (holders a, b, c):
+    a and c start together, c is killed (SIGKILL, with its run) in the middle of its first run, past
+    its committed checkpoint of step 4, and b starts after the kill. The killed run is taken over
+    once its lease goes stale."""
     study_file, out = root / "study.txt", root / "out"
     study_file.write_text(STUDY_LINE.format(data=demo_path))
-    host0 = study("run", str(study_file), "--out", str(out), "--host", "0", "--hosts", "2")
-    host1 = study("run", str(study_file), "--out", str(out), "--host", "1", "--hosts", "2", start_new_session=True)
+    def holder(name, **popen):
+        return study("run", str(study_file), "--out", str(out), "--holder", name, "--lease-s", str(LEASE_S), **popen)
+    a, c = holder("a"), holder("c", start_new_session=True)
     killed = []
-    second = wait_for(host1, r"study: \[2/2\] ", killed)  # its second run starts
-    assert second and wait_for(host1, r"^step 5/40", killed)
-    name = second.split()[2].rstrip(":")
+    first = wait_for(c, r"study: \S+: starting ", killed)  # its first run starts
+    assert first and wait_for(c, r"^step 5/40", killed), "".join(killed)
+    name = first.split()[1].rstrip(":")
     def state():  # the last step its metrics records hold, and its last committed checkpoint's step
         steps = [int(p.parent.name.split("_")[1]) for p in (out / name / "checkpoints").glob("step_*/COMMITTED")]
         return {"run": name, "reached": max((r["step"] for r in metrics_records(out / name)), default=0),
                 "committed": max(steps, default=0)}
-    # Freeze the host (SIGSTOP: its files stay as they are) and look: once its records hold a step
+    # Freeze the holder (SIGSTOP: its files stay as they are) and look: once its records hold a step
     # past a committed checkpoint of step 4 or later, kill it frozen; otherwise let it run a moment
     # more. A kill timed by the clock alone raced the checkpoint of step 8 on a loaded machine.
     deadline = time.time() + 120
     while True:
-        os.killpg(host1.pid, signal.SIGSTOP)
+        os.killpg(c.pid, signal.SIGSTOP)
         at_kill = state()
         if at_kill["reached"] > at_kill["committed"] >= 4 or time.time() > deadline:
             break
-        os.killpg(host1.pid, signal.SIGCONT)
+        os.killpg(c.pid, signal.SIGCONT)
         time.sleep(0.02)
-    os.killpg(host1.pid, signal.SIGKILL)  # the host goes away, its run with it
-    host1.wait()
-    assert state() == at_kill, (state(), at_kill)
-    again = study("run", str(study_file), "--out", str(out), "--host", "1", "--hosts", "2")
-    outputs = {"host 0": host0.communicate(timeout=900)[0], "host 1 killed": "".join(killed),
-               "host 1 again": again.communicate(timeout=900)[0]}
-    assert host0.returncode == 0 and again.returncode == 0, outputs
+    os.killpg(c.pid, signal.SIGKILL)  # the VM goes away, its run with it
+    c.wait()
+    at_kill["time"] = time.time()
+    assert state() == {k: v for k, v in at_kill.items() if k != "time"}, (state(), at_kill)
+    b = holder("b")  # a late process
+    outputs = {"a": a.communicate(timeout=900)[0], "c": "".join(killed), "b": b.communicate(timeout=900)[0]}
+    assert a.returncode == 0 and b.returncode == 0, outputs
     return KilledStudy(out, outputs, study_file, at_kill)

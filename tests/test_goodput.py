@@ -1,5 +1,5 @@
-"""Where a study's time went (goodput.py, launches.py): the report's causes of a study on two
-simulated hosts with one killed mid-run and relaunched (conftest.py's `finished_study`), checked
+"""Where a study's time went (goodput.py, launches.py): the report's causes of a study claimed by
+three processes with one killed mid-run and its run taken over (conftest.py's `finished_study`), checked
 against the runs' own records: the metrics records and checkpoints read right after the kill, the
 launch records and the study's status files."""
 import csv
@@ -62,35 +62,35 @@ def test_goodput_causes_add_up_to_each_runs_wall_time(finished_study, reported):
         assert sum(float(row[c]) for c in CAUSE_COLUMNS) == pytest.approx(wall, abs=1.0), row
         assert float(row["launched_s"]) == pytest.approx(wall, abs=0.1)
         status = json.loads((out / "study" / "status" / f"{name}.json").read_text())
-        if name != killed["run"]:  # study.py timed the launch from its start to the process's exit
-            assert status["seconds_total"] - 15 < wall <= status["seconds_total"] + 0.5
+        if name != killed["run"]:  # study.py timed the launch from its start to the process's exit (its exit after
+            # the last record took 17-18 s with three holders on a loaded 2-core machine)
+            assert status["seconds_total"] - 30 < wall <= status["seconds_total"] + 0.5
         assert float(row["compiling_s"]) > 0 and float(row["training_s"]) > 0 and float(row["evaluation_s"]) > 0
         good = (float(row["training_s"]) + float(row["evaluation_s"])) / float(row["launched_s"])
         assert float(row["goodput_%"]) == pytest.approx(100 * good, abs=0.1)
         assert float(row["device_hours"]) == pytest.approx(wall * 8 / 3600, abs=1e-4)
 
 
-def test_goodput_timeline_shows_each_run_on_its_host(finished_study, reported, tmp_path):
+def test_goodput_timeline_shows_each_run_on_its_holder(finished_study, reported, tmp_path):
     out, killed = finished_study.out, finished_study.killed
     png = (out / "plots" / "timeline.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     statuses = {p.stem: json.loads(p.read_text()) for p in (out / "study" / "status").glob("*.json")}
     spent = goodput.study_time(str(out), statuses)
     _, drawn = write_timeline(spent, str(tmp_path / "timeline.png"))
-    assert drawn["hosts"] == ["host 0", "host 1"]
-    shares = {h: json.loads((out / "study" / "hosts" / f"host_{h}.json").read_text())["share"] for h in (0, 1)}
-    for host, share in shares.items():  # each run where it ran, once per launch
-        assert sorted(run for h, run, *_ in drawn["bars"] if h == f"host {host}") == sorted(
-            share + [killed["run"]] * (killed["run"] in share))
-    assert [(h, run, ended) for h, run, _, ended in drawn["ended"]] == [("host 1", killed["run"], "killed")]
-    assert [(h, run) for h, run, _ in drawn["relaunched"]] == [("host 1", killed["run"])]
-    # Host 1 was down from its killed launch's last record to the relaunch; each host idles once its
-    # share is done and the other still trains.
-    [(_, down_start, down_end)] = drawn["down"]
     first, second = read_launches(str(out / killed["run"]))
-    assert (down_start, down_end) == (first["time"], second["process_start"])
-    assert spent.totals["down"] == pytest.approx(8 * (down_end - down_start))
-    assert any(h == "host 0" for h, *_ in drawn["idle"]) or any(h == "host 1" for h, *_ in drawn["idle"])
+    taker = second["study_host"]
+    assert drawn["hosts"] == sorted({"a", "b", "c"}) and first["study_host"] == "c" and taker in ("a", "b")
+    for holder in ("a", "b", "c"):  # each run where it ran, once per launch, as its launch records say
+        launched = [r["study_host"] for name in statuses for r in read_launches(str(out / name))]
+        assert len([bar for bar in drawn["bars"] if bar[0] == holder]) == launched.count(holder)
+    assert [bar[1] for bar in drawn["bars"] if bar[0] == "c"] == [killed["run"]]
+    assert [(h, run, ended) for h, run, _, ended in drawn["ended"]] == [("c", killed["run"], "killed")]
+    assert [(h, run) for h, run, _ in drawn["relaunched"]] == [(taker, killed["run"])]
+    # No holder waited for its own relaunch (the killed run went to another), and c idles from its
+    # killed launch's last record to the study's end.
+    assert drawn["down"] == [] and spent.totals["down"] == 0
+    assert ("c", first["time"], spent.end) in drawn["idle"]
 
 
 def test_goodput_report_of_a_study_with_a_run_training_and_one_not_started(finished_study, tmp_path):
@@ -107,7 +107,9 @@ def test_goodput_report_of_a_study_with_a_run_training_and_one_not_started(finis
     text, rows = report_rows(out)
     assert rows[never]["status"] == "not started" and rows[never]["goodput_%"] == "" and rows[never]["launches"] == ""
     assert rows[training]["status"] == "running" and float(rows[training]["goodput_%"]) > 0
-    assert "3 runs on 2 host(s)" in text and (out / "plots" / "timeline.png").exists()
+    holders = {r["study_host"] for name in ("cycles-1-s0", "cycles-1-s1", "cycles-2-s0")
+               for r in read_launches(str(out / name))}
+    assert f"3 runs on {len(holders)} host(s)" in text and (out / "plots" / "timeline.png").exists()
     statuses = {p.stem: json.loads(p.read_text()) for p in (out / "study" / "status").glob("*.json")}
     _, drawn = write_timeline(goodput.study_time(str(out), statuses), str(tmp_path / "timeline.png"))
     assert [ended for _, run, _, _, ended in drawn["bars"] if run == training][-1] == "running"

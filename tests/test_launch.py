@@ -29,7 +29,8 @@ FAKE_GCLOUD = PROJECT_DIR / "tests" / "launch_fake_gcloud"
 SUBCOMMANDS = ["create", "delete", "setup", "deploy", "check", "smoke", "train", "status", "logs", "stop",
                "tensorboard"]
 TPU = "trm-test"
-LAUNCH_PARTS = ("launch.sh", "launch_help.sh", "launch_run.sh", "launch_smoke.sh")   # launch.sh sources the others
+# launch.sh sources the others
+LAUNCH_PARTS = ("launch.sh", "launch_help.sh", "launch_run.sh", "launch_smoke.sh", "launch_fleet.sh")
 
 STUB_TRAIN = r'''
 import json, os, re, signal, sys, time
@@ -42,8 +43,7 @@ step = plan[min(n, len(plan) - 1)]
 env = {k: os.environ.get(k) for k in ("PJRT_DEVICE", "PYTHONUNBUFFERED", "TRM_RUN_NAME")}
 if os.environ.get("TRM_STUDY_STATE"):  # as study.py: where it is, for status; the study's environment
     open(os.environ["TRM_STUDY_STATE"], "w").write(f"on run-{w} (1 of 2), 0 done, 0 failed, 0 finished before\n")
-    env.update({k: os.environ.get(k) for k in ("TRM_BUCKET", "TPU_HOST_BOUNDS", "TPU_PROCESS_BOUNDS",
-                                                  "TPU_VISIBLE_CHIPS", "TRM_SINGLE_HOST_RUNTIME")})
+    env.update({k: os.environ.get(k) for k in ("TRM_BUCKET", "TPU_HOST_BOUNDS", "TPU_PROCESS_BOUNDS")})
 with open(os.path.join(d, f"launch-{w}-{n}.json"), "w") as f:
     json.dump({"argv": sys.argv[1:], "env": env, "cwd": os.getcwd()}, f)
 
@@ -84,11 +84,6 @@ while not (os.path.exists(gone) and os.path.exists(exit_file)):
 time.sleep(0.05)
 print(f"RuntimeError: gloo: connection to worker {who} closed by peer", flush=True)
 sys.exit(int(then))
-'''
-
-STUB_PROBE = r'''
-for line in ("kind\tTPU v4", "devices\t4", "local_devices\t4", "processes\t1", "probe\tok"):
-    print(line)
 '''
 
 # Arguments that break naive quoting on the way laptop shell -> gcloud -> remote shell -> bash.
@@ -148,11 +143,9 @@ class Pod:
             TRM_BUCKET="trm-bucket", TRM_POLL_SECONDS="0.2", TRM_STOP_WAIT="10")
 
     def add_study_stub(self):
-        """study.py in the checkout: the same stub, as a study's runner; probe.py: a stub whose
-        every worker passes the per-host probe (tests/test_per_host.py runs the real one)."""
+        """study.py in the checkout: the same stub, as a study's runner."""
         (self.repo / "study.py").write_text(STUB_TRAIN)
-        (self.repo / "probe.py").write_text(STUB_PROBE)
-        self.git("add", "study.py", "probe.py")
+        self.git("add", "study.py")
         self.commit()
 
     def git(self, *args):
@@ -297,7 +290,7 @@ def test_help(pod):
 
 
 def test_help_lists_each_commands_flags(pod):
-    flags = {"create": ["--accelerator", "--runtime-version", "--spot", "--queued"], "check": ["--data", "--per-host"],
+    flags = {"create": ["--accelerator", "--runtime-version", "--spot", "--queued"], "check": ["--data"],
              "smoke": ["--steps"],
              "delete": ["--queued"], "train": ["--retry", "--queued", "--poll", "--max-restarts"],
              "logs": ["--lines", "--no-follow", "--run"],
@@ -370,16 +363,43 @@ def test_every_dry_run_call_parses_in_the_real_gcloud(pod, tmp_path):
                  ("setup",), ("deploy",), ("check",), ("train", "run-1", *TRICKY_ARGS),
                  ("train", "--retry", "r", "demo"), ("status",), ("logs", "1", "--no-follow"),
                  ("logs", "all", "--run", "r", "--from-bucket"), ("stop",), ("delete",), ("delete", "--queued"),
-                 ("study", "s", str(STUDY_FILE)), ("study", "--whole-slice", "--retry", "s", str(STUDY_FILE))):
+                 ("study", "s", str(STUDY_FILE)), ("study", "--retry", "s", str(STUDY_FILE)),
+                 # a fleet: each VM's calls (launch_fleet.sh), one VM in another zone
+                 ("create", "--count", "1", "--spot", "--accelerator", "v4-8"),
+                 ("create", "--count", "1", "--queued", "--spot", "--accelerator", "v4-8"),
+                 ("setup", "--fleet", "other@europe-west4-a"),
+                 ("study", "--count", "1", "--retry", "s", str(STUDY_FILE)),
+                 ("delete", "--count", "1", "--queued")):
         dry = pod.run("--dry-run", *args)
         later = "\n".join(line[len("#   "):] for line in dry.stdout.splitlines() if line.startswith("#   gcloud "))
         calls += dry_run_commands(dry.stdout) + dry_run_commands(later)
+    calls = [list(c) for c in dict.fromkeys(map(tuple, calls))]  # each distinct call once
+    assert any(c[4:6] == ["create", f"{TPU}-0"] for c in calls)
+    assert any(c[4:6] == ["ssh", "other"] and "--zone=europe-west4-a" in c for c in calls)
     kinds = {" ".join(c[1:5]) for c in calls}
     assert {"compute tpus tpu-vm describe", "compute tpus tpu-vm ssh", "compute tpus tpu-vm create",
             "compute tpus queued-resources create", "compute tpus tpu-vm scp"} <= kinds, kinds
     assert real_gcloud_verdicts(calls, tmp_path) == {}
     # The check catches a wrong flag.
     assert real_gcloud_verdicts([calls[0] + ["--no-such-flag"]], tmp_path)
+
+
+def test_a_fleet_is_named_together_and_goes_on_past_a_failing_vm(pod):
+    dry = pod.run("--dry-run", "create", "--count", "8", "--accelerator", "v4-8", "--spot")
+    made = [c for c in dry_run_commands(dry.stdout) if c[1:5] == ["compute", "tpus", "tpu-vm", "create"]]
+    assert [c[5] for c in made] == [f"{TPU}-{i}" for i in range(8)] and all("--spot" in c for c in made)
+    assert f"fleet: create on 8 VMs: {' '.join(f'{TPU}-{i}' for i in range(8))}" in dry.stderr
+    assert f"[{TPU}-7] TPU {TPU}-7 is ready" in dry.stderr and "fleet: create ok on all 8 VMs" in dry.stderr
+    # Named VMs of other zones: a VM that fails is named, the others still run (the stand-in knows one TPU).
+    pod.ready()
+    done = pod.run("stop", "--fleet", f"ghost@europe-west4-a,{TPU}", expect=1)
+    assert f"[{TPU}] stopped." in done.stderr and "[ghost] launch.sh: some trainers did not stop" in done.stderr
+    assert "fleet: stop ok on 1 of 2 VMs; failed on: ghost (exit 1)" in done.stderr
+    sshed = [(c[5], next(a for a in c if a.startswith("--zone="))) for c in pod.calls() if c[4] == "ssh"]
+    assert sshed[0] == ("ghost", "--zone=europe-west4-a") and sshed[-1] == (TPU, "--zone=us-central2-b")
+    for bad, said in ((("--count", "0"), "--count takes a number of VMs"), (("--fleet", "A,b"), "is not NAME"),
+                      (("--count", "2", "--fleet", "a"), "--count or --fleet, not both")):
+        assert said in pod.run("status", *bad, expect=2).stderr
 
 
 def test_create_and_delete_are_idempotent(pod):
@@ -571,21 +591,20 @@ def test_logs_tensorboard_and_the_default_data_path(pod):
 STUDY_FILE = PROJECT_DIR / "studies" / "tiny.txt"
 
 
-def test_study_starts_each_workers_share_with_a_runtime_of_its_own(pod):
+def test_study_starts_on_every_worker_claiming_as_the_vm(pod):
     pod.add_study_stub()
     pod.ready()
     # (--dry-run reads the slice's hosts from --accelerator; the real call from the slice, a v4-16)
     made = assert_dry_run_matches(pod, "--accelerator", "v4-16", "study", "s1", str(STUDY_FILE))
-    assert [c[4] for c in made] == ["describe", "ssh", "ssh", "ssh"]  # preflight, probe, launch
+    assert [c[4] for c in made] == ["describe", "ssh", "ssh"]  # preflight, launch
     wait_until(lambda: all(pod.launches(w) for w in range(pod.workers)), "every worker's launch record")
-    for w in range(pod.workers):  # v4-16: 2 hosts, each its share, its TPU runtime alone
+    for w in range(pod.workers):  # v4-16: 2 hosts, worker 0 claims as the VM, the slice trains each run whole
         record = pod.launch_record(w, 0)
         file = str(pod.home(w) / "trm-state" / "studies" / "s1.txt")
-        assert record["argv"] == ["run", file, "--out", "gs://trm-bucket/studies/s1", "--host", str(w), "--hosts",
-                                  "2", "--", "--run.device", "tpu"]
+        assert record["argv"] == ["run", file, "--out", "gs://trm-bucket/studies/s1", "--holder", TPU,
+                                  "--whole-slice", "--worker", str(w), "--", "--run.device", "tpu"]
         assert open(file).read() == STUDY_FILE.read_text()  # the laptop's study file, sent with the command
-        assert record["env"]["TPU_HOST_BOUNDS"] == record["env"]["TPU_PROCESS_BOUNDS"] == "1,1,1"
-        assert record["env"]["TPU_VISIBLE_CHIPS"] == "0,1,2,3" and record["env"]["TRM_SINGLE_HOST_RUNTIME"] == "1"
+        assert record["env"]["TPU_HOST_BOUNDS"] is None and record["env"]["TPU_PROCESS_BOUNDS"] is None
         assert record["env"]["TRM_BUCKET"] == "trm-bucket" and record["env"]["TRM_RUN_NAME"] == "s1"
     status = pod.run("status").stdout
     assert "study: on run-0 (1 of 2), 0 done, 0 failed" in status and "study: on run-1 (1 of 2)" in status
@@ -594,14 +613,7 @@ def test_study_starts_each_workers_share_with_a_runtime_of_its_own(pod):
     pod.run("study", "s1", str(STUDY_FILE), STUB_PLAN="hang")  # launch 1, still running:
     assert "refused: a trainer is already running" in pod.run("study", "s2", str(STUDY_FILE), expect=1).stderr
     pod.run("stop")
-
-    # --whole-slice: every worker runs every run over the whole slice, with the slice's runtime.
-    pod.run("study", "--whole-slice", "s2", str(STUDY_FILE))
-    wait_until(lambda: all(pod.launches(w)[2:] for w in range(pod.workers)), "every worker's third launch")
-    for w in range(pod.workers):
-        record = pod.launch_record(w, 2)
-        assert record["argv"][3:] == ["gs://trm-bucket/studies/s2", "--whole-slice", "--", "--run.device", "tpu"]
-        assert record["env"]["TPU_HOST_BOUNDS"] is None and record["env"]["TRM_SINGLE_HOST_RUNTIME"] is None
+    assert "unknown option --per-host" in pod.run("study", "--per-host", "s2", str(STUDY_FILE), expect=2).stderr
     assert "no study file" in pod.run("study", "s3", "missing.txt", expect=2).stderr
     assert "STUDY_NAME and STUDY_FILE" in pod.run("study", "s3", expect=2).stderr
 
@@ -619,7 +631,7 @@ def test_study_retry_relaunches_after_a_preemption_and_the_study_completes(pod):
     for w in range(pod.workers):  # relaunched as it was; the study skips and resumes (study_run.py)
         assert len(pod.launches(w)) == 2
         assert pod.launch_record(w, 1)["argv"] == pod.launch_record(w, 0)["argv"]
-        assert pod.launch_record(w, 1)["argv"][-5:-3] == ["--hosts", "2"]
+        assert pod.launch_record(w, 1)["argv"][-6:-2] == ["--whole-slice", "--worker", str(w), "--"]
 
 
 def test_check_compares_workers(pod):

@@ -1,5 +1,5 @@
 """launch.sh smoke end to end on the stand-in pod (tests/launch_fake_gcloud): two simulated
-workers run the real probe.py, smoke.py and train.py on their CPUs (sharding.SIMULATED_SLICE_ENV),
+workers run the real smoke.py and train.py on their CPUs (sharding.SIMULATED_SLICE_ENV),
 the bucket is the local GCS server; TPU-only numbers read "no TPU"."""
 import json
 import subprocess
@@ -15,20 +15,19 @@ TINY = ["--run.device", "cpu", "--model.hidden-size", "32", "--model.puzzle-emb-
 @pytest.fixture
 def smoke_pod(tmp_path, demo_path, gcs_server):
     pod = Pod(tmp_path, workers=2)
-    pod.use_real_code()  # the real trainer, probe and report
+    pod.use_real_code()  # the real trainer and report
     if (pod.repo / "tpu_compile.py").exists():  # minutes of TPU compiles: not part of this test
         pod.git("rm", "-q", "tpu_compile.py")
         pod.commit()
     import sharding
 
-    # Each simulated worker's python: host W of a 2-host slice, except the probe, whose runtime
-    # starts alone (the single-host environment on a CPU).
+    # Each simulated worker's python: host W of a 2-host slice.
     python = tmp_path / "python-of-a-simulated-host"
-    python.write_text(f'#!/bin/sh\ncase "$1" in */probe.py) ;; *) export {sharding.SIMULATED_SLICE_ENV}='
-                      f'"$FAKE_WORKER_ID/2@tcp://127.0.0.1:{free_port()}";; esac\nexec {sys.executable} "$@"\n')
+    python.write_text(f'#!/bin/sh\nexport {sharding.SIMULATED_SLICE_ENV}="$FAKE_WORKER_ID/2@tcp://127.0.0.1:'
+                      f'{free_port()}"\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     pod.env.update(FAKE_PYTHON=str(python), CPU_NUM_DEVICES="2", TRM_POLL_SECONDS="0.3", TRM_BUCKET=gcs_server,
-                   TRM_PROBE_DEVICE="cpu", TRM_PROBE_WAIT="240", TRM_SMOKE_MB="1", TRM_DATA=demo_path)
+                   TRM_SMOKE_MB="1", TRM_DATA=demo_path)
     pod.ready()
     yield pod
     pod.end()
@@ -50,13 +49,12 @@ def test_smoke_runs_every_check_on_the_stand_in_and_fails_when_resumed_losses_di
     table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
              for line in result.stdout.splitlines() if line.startswith("| ") and not line.startswith("| check")}
     assert set(table) == {"runtime", "host group", "mesh self-check", "step time", "MFU", "compile",
-                          "stop and resume", "per-host probe", "bucket"}
+                          "stop and resume", "bucket"}
     assert all(verdict == "ok" for _, _, verdict in table.values()), table
     assert table["runtime"][1] == "CPU, 2 devices on 2 hosts; device ids host 0: 0; host 1: 1"
     assert "device ms/step: no TPU" in table["step time"][1] and table["MFU"][1] == "no TPU"
     assert table["step time"][0] == "compiler's estimate: no compiler estimate (tpu_compile.py not available)"
     assert "equal the uninterrupted run" in table["stop and resume"][1]
-    assert table["per-host probe"][1].startswith("all workers ok")
     out = next(line.split("written to ")[1].split("/smoke.md")[0] for line in result.stdout.splitlines()
                if "written to " in line)
     assert out.startswith(f"gs://{gcs_server}/smoke/")
@@ -86,7 +84,7 @@ def test_smoke_calls_parse_in_the_real_gcloud(tmp_path):
     later = "\n".join(line[len("#   "):] for line in dry.stdout.splitlines() if line.startswith("#   gcloud "))
     calls = dry_run_commands(dry.stdout) + dry_run_commands(later)
     commands = [next((a for a in c if a.startswith("--command=")), "") for c in calls]
-    for fn in ("remote_probe", "remote_smoke_rates", "remote_preflight", "remote_launch", "remote_status",
+    for fn in ("remote_smoke_rates", "remote_preflight", "remote_launch", "remote_status",
                "remote_logs", "remote_stop", "remote_smoke_report"):
         assert any(f"worker.sh {fn}" in c for c in commands), fn
     assert real_gcloud_verdicts(calls, tmp_path) == {}

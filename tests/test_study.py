@@ -1,6 +1,7 @@
-"""Studies (study.py): the study file's expansion and checks, the split over hosts, a study run as
-two simulated hosts (each a real study.py process running real train.py runs) with one host
-killed and restarted, and the report of a finished and of an unfinished study."""
+"""Studies (study.py): the study file's expansion and checks, the claims (racers, a stale lease's
+takeover, locally and on GCS), a study claimed by three real study.py processes running real
+train.py runs with one killed and its run taken over, and the report of a finished and of an
+unfinished study."""
 import csv
 import json
 import math
@@ -10,13 +11,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+import claims
 import storage
-from study_plan import StudyError, parse_study, split_over_hosts
+from study_plan import StudyError, fleet_schedule, parse_study
 from study_report import seed_interval, t95, wilson
-from tests.study_fixtures import PROJECT_DIR, study, wait_for
+from tests.study_fixtures import LEASE_S, PROJECT_DIR, study, wait_for
 
 
 def test_grids_and_seeds_expand_into_named_runs(monkeypatch):
@@ -71,31 +74,81 @@ def test_bad_lines_are_all_refused_with_their_line_numbers(tmp_path):
         parse_study("# only a comment\n")
 
 
-def test_the_split_balances_projected_cost_longest_first_the_same_every_time():
-    costs = {"a": 9.0, "b": 7.0, "c": 6.0, "d": 5.0, "e": 4.0, "f": 4.0, "g": 1.0}
-    shares = split_over_hosts(costs, 3)
-    # a, b, c to the three hosts; d (5) to c's (6); e (4) to b's (7); f (4) to a's (9); g to b's
-    # (11, tied with c's: the lower host). Loads 13, 12, 11.
-    assert shares == [["a", "f"], ["b", "e", "g"], ["c", "d"]]
-    assert shares == split_over_hosts(dict(reversed(costs.items())), 3)  # a function of the costs alone
-    assert sorted(sum(shares, [])) == sorted(costs)
-    assert split_over_hosts(costs, 1) == [sorted(costs, key=lambda n: (-costs[n], n))]
+RACER = """
+import json, os, random, sys
+import claims
+out, holder, runs, barrier = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+mine = claims.Claims(out, holder, lease_s=60.0)
+mine.generations("warm-up")  # gcsfs's session, before the start
+open(os.path.join(barrier, holder), "w").close()
+while len(os.listdir(barrier)) < 2:  # both ready: go
+    pass
+won, order = [], list(range(runs))
+random.Random(holder).shuffle(order)  # each its own order: neither is always one request ahead
+for i in order:  # each run's claim (generation 1), then its renewal or takeover (2): both race
+    won += [(i, g) for g in (1, 2) if mine.write(f"r{i}", g - 1, "running")]
+print(json.dumps(won))
+"""
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_exactly_one_of_two_racers_wins_each_claim_and_each_takeover(where, tmp_path, request):
+    out = str(tmp_path / "study") if where == "local" else request.getfixturevalue("gcs_url")
+    if where == "gcs":  # the precondition is enforced (tests/gcs_emulator.py; the bare emulator ignores it)
+        assert claims.create_exclusive(out + "/x", b"1") and not claims.create_exclusive(out + "/x", b"2")
+        assert storage.read_bytes(out + "/x") == b"1"
+    runs, barrier = 60, tmp_path / "barrier"
+    barrier.mkdir()
+    racers = [subprocess.Popen([sys.executable, "-c", RACER, out, holder, str(runs), str(barrier)], cwd=PROJECT_DIR,
+                               stdout=subprocess.PIPE, text=True) for holder in ("x", "y")]
+    won = [{tuple(w) for w in json.loads(r.communicate(timeout=300)[0])} for r in racers]
+    assert not won[0] & won[1] and won[0] | won[1] == {(i, g) for i in range(runs) for g in (1, 2)}
+    assert all(won)  # both won some: they raced
+    view = claims.Claims(out, "z", lease_s=60.0)
+    for i in range(0, runs, 7):  # the record of each generation names its one winner
+        generation, record = view.current(f"r{i}")
+        assert generation == 2 and record["holder"] == ("x" if (i, 2) in won[0] else "y")
+
+
+def test_a_stale_lease_is_taken_over_once_and_its_holder_learns_it_lost(gcs_url):
+    holder, taker = claims.Claims(gcs_url, "h", lease_s=1.0), claims.Claims(gcs_url, "t", lease_s=1.0)
+    assert holder.write("r", 0, "running") and taker.current("r")[0] == 1
+    assert not taker.stale("r", 1)  # the taker has just seen generation 1
+    assert holder.write("r", 1, "running")  # a renewal: generation 2
+    time.sleep(0.6)
+    assert taker.current("r")[0] == 2 and not taker.stale("r", 2)  # renewed: a new generation, a new wait
+    time.sleep(1.1)
+    assert taker.current("r")[0] == 2 and taker.stale("r", 2)
+    assert taker.write("r", 2, "running", took_from="h")
+    assert not holder.write("r", 2, "running")  # the holder's next renewal fails: it stops its run
+    generation, record = holder.current("r")
+    assert generation == 3 and record["holder"] == "t" and record["took_from"] == "h"
+    assert holder.generations("r") == [2, 3]  # the older generations deleted
 
 
 def test_plan_prints_steps_cost_and_makespans(demo_path, tmp_path):
     path = tmp_path / "plan.txt"
     path.write_text(f"w demo --data.path {demo_path} --model.hidden-size {{32,64}} --model.puzzle-emb-ndim 32 "
                     "--seeds 2\n")
-    done = study("plan", str(path), "--slice", "v4-16", "--mfu", "0.5")
+    # An hour of start-up each: the runs' own minutes do not reach the printed tenth of an hour.
+    done = study("plan", str(path), "--slice", "v4-16", "--fleet", "v4-8x3", "--mfu", "0.5", "--startup-minutes", "60")
     out = done.communicate(timeout=120)[0]
     assert done.returncode == 0, out
-    assert "4 runs of 2 configurations; projected on v4-16 (2 host(s) of 4 chips" in out and "50% MFU" in out
+    assert "4 runs of 2 configurations; projected on a fleet of 3 v4-8 VM(s) (4 chips each) and on one v4-16 " \
+           "(8 chips)" in out and "50% MFU" in out
     # The demo's 200 epochs of the test data's 100 groups (one 1-example puzzle drawn from each) in
     # batches of 128: 156 steps.
     rows = [line.split() for line in out.splitlines() if line.startswith("w-")]
     assert [r[0] for r in rows] == ["w-32-s0", "w-32-s1", "w-64-s0", "w-64-s1"] and {r[2] for r in rows} == {"156"}
     assert "--model.hidden-size 32 --model.puzzle-emb-ndim 32" in out and "--run.seed 1" in out
-    assert "makespan on v4-16, one run per host" in out and "one run at a time on the whole slice" in out
+    # Longest first: the two w-64 runs on VMs 0 and 1, then both w-32 runs on VM 2 (2 h); one at a
+    # time on the v4-16: 4 h.
+    assert "makespan on 3 v4-8 VM(s), each claiming the longest run left: 2.0 h (the busiest VM's 2 run(s))" in out
+    assert re.search(r"makespan on v4-16, one run at a time on the whole slice.*: 4\.0 h", out)
+    assert fleet_schedule({"a": 9.0, "b": 7.0, "c": 6.0, "d": 5.0, "e": 4.0, "f": 4.0, "g": 1.0}, 3) == [
+        ["a", "f"], ["b", "e", "g"], ["c", "d"]]  # each run to the VM that frees first (ties: the lower VM)
+    bad = study("plan", str(path), "--fleet", "v4-8*8").communicate(timeout=120)[0]
+    assert "error: --fleet: 'v4-8*8': expected TYPExN" in bad
 
 
 def test_a_failed_run_is_recorded_with_its_last_line_and_the_study_goes_on(demo_path, tmp_path):
@@ -107,50 +160,89 @@ def test_a_failed_run_is_recorded_with_its_last_line_and_the_study_goes_on(demo_
     done = study("run", str(path), "--out", str(out), "--", "--run.log-every", "7")
     said = done.communicate(timeout=600)[0]
     assert done.returncode == 0, said
-    assert "study: [1/2] missing: starting (attempt 1): train.py demo --data.path" in said
+    # The run whose dataset cannot be read is claimed last.
+    assert said.index("study: fine: starting") < said.index("study: missing: starting (attempt 1): train.py demo")
     assert "--run.log-every 7" in said  # the flags after -- go to every run
     status = json.loads((out / "study" / "status" / "missing.json").read_text())
     assert status["state"] == "failed" and status["exit"] == 1
     assert status["last_line"].startswith("error: Dataset root") and "does not exist" in status["last_line"]
-    assert "study: [1/2] missing: failed (exit 1), going on with the next run; its last line: error: Dataset" in said
+    assert "study: missing: failed (exit 1), going on with the next run; its last line: error: Dataset" in said
     assert json.loads((out / "study" / "status" / "fine.json").read_text())["state"] == "done"
     assert "done in" in said and "1 done, 1 failed, 0 skipped" in said
     # Run again: the finished run is skipped, the failed one tried again.
     again = study("run", str(path), "--out", str(out)).communicate(timeout=600)[0]
-    assert "fine: finished before, skipped" in again and "missing: resuming or starting (attempt 2)" in again
+    assert "finished before, skipped: fine" in again and "missing: resuming or starting (attempt 2)" in again
 
 
-# -- a study on two simulated hosts ----------------------------------------------------------------
+def test_on_a_multi_host_slice_worker_0_claims_and_the_slice_trains_each_run_whole(demo_path, tmp_path):
+    import sharding
 
-def test_two_hosts_run_every_run_once_and_a_killed_host_resumes_its_run(finished_study, demo_path, tmp_path):
-    out, outputs = finished_study.out, finished_study.outputs
+    path, out = tmp_path / "slice.txt", tmp_path / "out"
+    path.write_text(f"w demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
+                    "--optim.global-batch-size 32 --optim.max-steps 3 --eval.every-epochs 1000\n")
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    workers = [study("run", str(path), "--out", str(out), "--holder", "vm", "--whole-slice", "--worker", str(w),
+                     env={sharding.SIMULATED_SLICE_ENV: f"{w}/2@{address}", "CPU_NUM_DEVICES": "4"})
+               for w in (1, 0)][::-1]  # worker 1 first: it waits for worker 0's claim
+    said = [w.communicate(timeout=600)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], said
+    assert "worker 1 of slice vm, following worker 0's claims" in said[1]
+    # One launch on both hosts (4 devices on 2 hosts), claimed once by the slice; worker 1 waited
+    # for worker 0's claim and ended once the run was done.
+    [launch] = [json.loads(p.read_text()) for p in (out / "w" / "launches").glob("launch-*.json")]
+    assert launch["hosts"] == 2 and launch["devices"] == 4 and launch["ended"] == "finished"
+    assert [len(re.findall(r"study: w: (?:resuming or )?starting \(attempt", text)) for text in said] == [1, 1]
+    generation, claim = claims.Claims(str(out), "test", 1.0).current("w")
+    assert claim["state"] == "done" and claim["holder"] == "vm" and "study: vm: every run is over" in said[1]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- a study claimed by three processes -------------------------------------------------------------
+
+def test_three_holders_train_every_run_once_and_a_killed_holders_run_is_taken_over(finished_study, demo_path,
+                                                                                   tmp_path):
+    out, outputs, killed = finished_study.out, finished_study.outputs, finished_study.killed
     runs = ["cycles-1-s0", "cycles-1-s1", "cycles-2-s0", "cycles-2-s1"]
     assert all((out / name / "final.json").exists() for name in runs)
-    shares = {h: json.loads((out / "study" / "hosts" / f"host_{h}.json").read_text())["share"] for h in (0, 1)}
-    assert sorted(shares[0] + shares[1]) == runs and len(shares[0]) == len(shares[1]) == 2
-    first, resumed = shares[1]
-    again = outputs["host 1 again"]
-    assert f"study: [1/2] {first}: finished before, skipped" in again
-    assert f"study: [2/2] {resumed}: resuming or starting (attempt 2)" in again
-    assert re.search(rf"resuming from \S*{resumed}/checkpoints/step_000000\d\d \(step \d+\)", again)
-    assert "study: host 1 of 2: done in" in again and "1 done, 0 failed, 1 skipped" in again
-    for name in runs:  # each run trained once; the killed one launched twice
-        launches = {p.name.split(".launch-")[1] for p in (out / name / "logs").glob("host_0.launch-*.log")}
-        assert len(launches) == (2 if name == resumed else 1), name
+    # Longest first: a and c claimed the two runs of 2 L-cycles; the late b trained at least one run.
+    assert killed["run"].startswith("cycles-2-") and re.search(r"study: \S+: starting ", outputs["b"])
+    for name in runs:  # one holder at a time: each launch began after the one before it ended
+        launches = sorted((json.loads(p.read_text()) for p in (out / name / "launches").glob("launch-*.json")),
+                          key=lambda r: r["process_start"])
+        assert len(launches) == (2 if name == killed["run"] else 1), name
+        assert all(x["time"] <= y["process_start"] for x, y in zip(launches, launches[1:])), name
+        generation, claim = claims.Claims(str(out), "test", 1.0).current(name)
+        assert claim["state"] == "done" and claim["holder"] == launches[-1]["study_host"] != "c"
         status = json.loads((out / "study" / "status" / f"{name}.json").read_text())
-        assert status["state"] == "done" and status["attempts"] == (2 if name == resumed else 1)
+        assert status["state"] == "done" and status["attempts"] == len(launches)
+        if name == killed["run"]:
+            first, second = launches
+            taker = second["study_host"]
+            # Taken over after its lease went stale (the taker saw its last renewal, made at most a
+            # quarter lease before the kill, unchanged for a lease), from its last checkpoint: no step
+            # before it trained again.
+            takeover_s = second["process_start"] - killed["time"]
+            print(f"takeover of {name} by {taker}: {takeover_s:.1f} s after the kill (lease {LEASE_S:g} s)")
+            assert takeover_s >= 0.7 * LEASE_S and first["study_host"] == "c"
+            assert second["start_step"] == killed["committed"] and second["previous_reached"] == killed["reached"]
+            assert f"study: {name}: taking over from c (its lease" in outputs[taker]
+            assert re.search(rf"resuming from \S*{name}/checkpoints/step_0+{killed['committed']} ", outputs[taker])
     # The resumed run ends as the same run trained without interruption.
-    flags = next(r for r in parse_study((out / "study.txt").read_text()) if r.name == resumed).flags
+    flags = next(r for r in parse_study((out / "study.txt").read_text()) if r.name == killed["run"]).flags
     straight = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), "demo", *flags, "--run.dir",
                                str(tmp_path / "straight")], capture_output=True, text=True, timeout=600,
                               env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="8"))
     assert straight.returncode == 0, straight.stderr[-2000:]
-    final = json.loads((out / resumed / "final.json").read_text())
+    final = json.loads((out / killed["run"] / "final.json").read_text())
     assert final["metrics"] == json.loads((tmp_path / "straight" / "final.json").read_text())["metrics"]
     assert final["step"] == 40 and final["devices"] == 8
-
-
-# -- the report ---------------------------------------------------------------------------------------
 
 
 def test_wilson_and_seed_intervals_are_the_closed_forms():
@@ -277,7 +369,7 @@ def test_sigterm_stops_the_study_after_its_run_saved_whether_or_not_the_run_got_
         assert proc.returncode == 0, said
         assert said.count("SIGTERM: stopping (saving a checkpoint first") == 1  # the run got one signal
         assert "second SIGTERM" not in said and "stop requested (SIGTERM or Ctrl-C): saved checkpoint" in said
-        assert "study: [1/1] long: stopped (exit 0); it resumes from its checkpoint" in said
+        assert "study: long: stopped (exit 0); handed back: it resumes from its checkpoint" in said
         assert "study: stopped (SIGTERM): 0 done, 0 failed, 0 skipped; run the same command again" in said
         status = json.loads((out / "study" / "status" / "long.json").read_text())
         assert status["state"] == "stopped" and status["attempts"] == launch

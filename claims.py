@@ -1,0 +1,120 @@
+"""Claims on a study's runs, kept in the study directory, so that any number of `study.py run`
+processes (one per VM of a fleet, started at any time) share a study without a split in advance:
+
+    OUT/study/claims/NAME/GGGGGGGG.json   generation G of run NAME's claim: its holder, its state
+                                          (running, released, done, failed), the time it was written
+
+Generation 1 is the claim on a free run. Every later write (the holder's lease renewal, a takeover
+of a stale lease, the holder's release or its done/failed) is generation G+1, created only if it
+does not exist: locally an O_EXCL open, on GCS an object insert with the precondition
+ifGenerationMatch=0 (gcsfs's mode "create"). So a write is a precondition on the generation it
+follows: of two processes that saw generation G, exactly one creates G+1 and the other learns it
+lost. The holder keeps the newest two generations and deletes the older ones.
+
+A lease is stale when an observer has seen the same generation for `lease_s` seconds of its own
+clock (no clock is compared across VMs). The holder renews every lease_s/4; a holder whose
+renewal finds a generation it did not write has lost the run and stops training it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+
+import storage
+
+STATES = ("running", "released", "done", "failed")
+"""A claim's states: held under a lease; handed back (stopped, or a relaunch may help: anyone may
+take it at once); finished; failed (tried again by a process started after the failure)."""
+
+
+def create_exclusive(url: str, payload: bytes) -> bool:
+    """Create the file at `url` with `payload` if nothing is there: True if this call created it.
+    Retried on transient failures; a retry that finds the object holding our own payload (our
+    earlier attempt's write, its answer lost) counts as created. `payload` must be unique."""
+    def attempt():
+        fs, path = storage.filesystem(url)
+        try:
+            if storage.is_local(fs):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(descriptor, payload)
+                    os.fsync(descriptor)
+                finally:
+                    os.close(descriptor)
+            else:
+                fs.pipe_file(path, payload, mode="create")  # ifGenerationMatch=0: 412 if it exists
+            return True
+        except FileExistsError:
+            return False
+    if storage.with_retries("creating", url, attempt):
+        return True
+    try:
+        return storage.read_bytes(url) == payload
+    except (storage.StorageError, OSError):
+        return False  # a local file half written by another process: not ours
+
+
+class Claims:
+    """This process's view of the claims on a study's runs, as `holder`."""
+
+    def __init__(self, out: str, holder: str, lease_s: float):
+        self.out, self.holder, self.lease_s = out, holder, lease_s
+        self.seen: dict[str, tuple[int, float]] = {}  # run -> (generation, when this process first saw it)
+
+    def _dir(self, name: str) -> str:
+        return storage.join_url(self.out, "study", "claims", name)
+
+    def _url(self, name: str, generation: int) -> str:
+        return storage.join_url(self._dir(name), f"{generation:08d}.json")
+
+    def generations(self, name: str) -> list[int]:
+        """The generations of run `name`'s claim present now, oldest first (a fresh listing)."""
+        fs, path = storage.filesystem(self._dir(name))
+        def listing():
+            try:
+                return fs.ls(path, detail=False, refresh=True) if not storage.is_local(fs) else os.listdir(path)
+            except FileNotFoundError:
+                return []
+        names = [os.path.basename(p.rstrip("/")) for p in storage.with_retries("listing", self._dir(name), listing)]
+        return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+    def current(self, name: str) -> tuple[int, dict] | None:
+        """(generation, record) of run `name`'s newest claim, or None if it was never claimed."""
+        for _ in range(5):
+            generations = self.generations(name)
+            if not generations:
+                return None
+            try:
+                record = json.loads(storage.read_bytes(self._url(name, generations[-1]), attempts=2))
+            except (storage.StorageError, OSError, ValueError):
+                continue  # deleted, or a local file still being written: list again
+            self.seen.setdefault(name, (generations[-1], time.monotonic()))
+            if self.seen[name][0] != generations[-1]:
+                self.seen[name] = (generations[-1], time.monotonic())
+            return generations[-1], record
+        raise storage.StorageError(f"cannot read the newest claim of run {name} in {self._dir(name)}")
+
+    def stale(self, name: str, generation: int) -> bool:
+        """Whether this process has seen `generation` of `name`'s claim unchanged for lease_s."""
+        seen = self.seen.get(name)
+        return seen is not None and seen[0] == generation and time.monotonic() - seen[1] >= self.lease_s
+
+    def write(self, name: str, after: int, state: str, **fields) -> bool:
+        """Write generation after+1 of `name`'s claim as this holder, in `state`: True if it was
+        created (the claim was at generation `after`), False if another process wrote it first."""
+        assert state in STATES, state
+        record = {"holder": self.holder, "state": state, "time": time.time(), "generation": after + 1,
+                  "token": uuid.uuid4().hex, "lease_s": self.lease_s, **fields}
+        won = create_exclusive(self._url(name, after + 1), json.dumps(record, indent=1).encode())
+        if won:
+            self.seen[name] = (after + 1, time.monotonic())
+            for old in range(max(1, after - 4), after):  # keep the newest two
+                try:
+                    fs, path = storage.filesystem(self._url(name, old))
+                    fs.rm(path)
+                except (FileNotFoundError, OSError):
+                    pass
+        return won
