@@ -9,7 +9,9 @@ of a stale lease, the holder's release or its done/failed) is generation G+1, cr
 does not exist: locally an O_EXCL open, on GCS an object insert with the precondition
 ifGenerationMatch=0 (gcsfs's mode "create"). So a write is a precondition on the generation it
 follows: of two processes that saw generation G, exactly one creates G+1 and the other learns it
-lost. The holder keeps the newest two generations and deletes the older ones.
+lost. The holder keeps the newest two generations and deletes the older ones; since a deleted
+generation could be created again by a process that saw it as the newest long ago, a write counts
+as won only if, listed after it, it is the newest.
 
 A lease is stale when an observer has seen the same generation for `lease_s` seconds of its own
 clock (no clock is compared across VMs). The holder renews every lease_s/4; a holder whose
@@ -109,6 +111,11 @@ class Claims:
         record = {"holder": self.holder, "state": state, "time": time.time(), "generation": after + 1,
                   "token": uuid.uuid4().hex, "lease_s": self.lease_s, **fields}
         won = create_exclusive(self._url(name, after + 1), json.dumps(record, indent=1).encode())
+        if won and self.generations(name)[-1] != after + 1:
+            # Generation after+1 had been written and then deleted (the holder keeps only its
+            # newest two) while this process still saw `after`: a later one exists, so the claim
+            # moved on without us. Our file is below the newest and never read as the claim.
+            won = False
         if won:
             self.seen[name] = (after + 1, time.monotonic())
             for old in range(max(1, after - 4), after):  # keep the newest two
