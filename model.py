@@ -175,7 +175,7 @@ def truncated_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
         lo, hi = -2.0, 2.0
         cdf_lo, cdf_hi = math.erf(lo / math.sqrt(2)), math.erf(hi / math.sqrt(2))
         mass = (cdf_hi - cdf_lo) / 2
-        pdf = lambda x: math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)  # noqa: E731
+        pdf = lambda x: math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
         var_truncated = 1 - (hi * pdf(hi) - lo * pdf(lo)) / mass - ((pdf(lo) - pdf(hi)) / mass) ** 2
         scale = std / math.sqrt(var_truncated)
         tensor.uniform_(cdf_lo, cdf_hi).erfinv_().mul_(math.sqrt(2) * scale)
@@ -450,7 +450,7 @@ class TRM(nn.Module):
         config = self.config
         # Rows that halted at the previous step start over on the new batch's example.
         reset = carry.halted
-        per_row = lambda t: reset.view((-1,) + (1,) * (t.ndim - 1))  # noqa: E731
+        per_row = lambda t: reset.view((-1,) + (1,) * (t.ndim - 1))
         h_init, l_init = config.scheme.initial_states(self)
         z_H = torch.where(per_row(carry.z_H), h_init, carry.z_H)
         z_L = torch.where(per_row(carry.z_L), l_init, carry.z_L)

@@ -58,8 +58,8 @@ class Scheme:
         """One ACT step's updates in order, each (z_H, z_L) -> (z_H, z_L)."""
         c = model.config
         h_net = "H" if "H" in self.networks(c) else "L"
-        update_L = lambda z_H, z_L: (z_H, model.net(z_L, z_H + x, "L"))  # noqa: E731
-        update_H = lambda z_H, z_L: (model.net(z_H, z_L, h_net), z_L)  # noqa: E731
+        update_L = lambda z_H, z_L: (z_H, model.net(z_L, z_H + x, "L"))
+        update_H = lambda z_H, z_L: (model.net(z_H, z_L, h_net), z_L)
         return ([update_L] * c.L_cycles + [update_H]) * c.H_cycles
 
     def output(self, z_H: torch.Tensor, z_L: torch.Tensor) -> torch.Tensor:
@@ -96,8 +96,8 @@ class SingleZ(Scheme):
 
     def updates(self, model, x):
         c = model.config
-        update_L = lambda z_H, z_L: (z_H, model.net(z_L, x, "L"))  # noqa: E731
-        update_H = lambda z_H, z_L: (z_H, model.net(z_L, None, "L"))  # noqa: E731
+        update_L = lambda z_H, z_L: (z_H, model.net(z_L, x, "L"))
+        update_H = lambda z_H, z_L: (z_H, model.net(z_L, None, "L"))
         return ([update_L] * c.L_cycles + [update_H]) * c.H_cycles
 
     def output(self, z_H, z_L):
@@ -135,7 +135,7 @@ class Hier6(Scheme):
                 new = model.net(slot_sum(z_L), z_H + x, "L")
                 return z_H, torch.cat([z_L[:, :slot], new[:, None], z_L[:, slot + 1:]], dim=1)
             return update
-        update_H = lambda z_H, z_L: (model.net(z_H, slot_sum(z_L), "L"), z_L)  # noqa: E731
+        update_H = lambda z_H, z_L: (model.net(z_H, slot_sum(z_L), "L"), z_L)
         return ([update_L(i) for i in range(c.L_cycles)] + [update_H]) * c.H_cycles
 
     def problems(self, config):
