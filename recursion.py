@@ -54,13 +54,20 @@ class Scheme:
         last L and the last H update (the 1-step gradient)."""
         return 2 if config.one_step_grad else config.L_cycles + 1
 
+    def schedule(self, config) -> list[str]:
+        """One ACT step's updates in order: "L" (z_L's, L_cycles per recursion) or "H" (z_H's)."""
+        return (["L"] * config.L_cycles + ["H"]) * config.H_cycles
+
+    def network_of(self, update: str, config) -> str:
+        """The network an update applies: the H one where it exists, else the shared L one."""
+        return update if update in self.networks(config) else "L"
+
     def updates(self, model, x: torch.Tensor) -> list[Callable]:
         """One ACT step's updates in order, each (z_H, z_L) -> (z_H, z_L)."""
         c = model.config
-        h_net = "H" if "H" in self.networks(c) else "L"
-        update_L = lambda z_H, z_L: (z_H, model.net(z_L, z_H + x, "L"))
-        update_H = lambda z_H, z_L: (model.net(z_H, z_L, h_net), z_L)
-        return ([update_L] * c.L_cycles + [update_H]) * c.H_cycles
+        update = {"L": lambda z_H, z_L: (z_H, model.net(z_L, z_H + x, self.network_of("L", c))),
+                  "H": lambda z_H, z_L: (model.net(z_H, z_L, self.network_of("H", c)), z_L)}
+        return [update[kind] for kind in self.schedule(c)]
 
     def output(self, z_H: torch.Tensor, z_L: torch.Tensor) -> torch.Tensor:
         """The state the heads read."""
@@ -95,10 +102,9 @@ class SingleZ(Scheme):
         return torch.zeros((), dtype=model.L_init.dtype, device=model.L_init.device), model.L_init
 
     def updates(self, model, x):
-        c = model.config
-        update_L = lambda z_H, z_L: (z_H, model.net(z_L, x, "L"))
-        update_H = lambda z_H, z_L: (z_H, model.net(z_L, None, "L"))
-        return ([update_L] * c.L_cycles + [update_H]) * c.H_cycles
+        update = {"L": lambda z_H, z_L: (z_H, model.net(z_L, x, "L")),
+                  "H": lambda z_H, z_L: (z_H, model.net(z_L, None, "L"))}
+        return [update[kind] for kind in self.schedule(model.config)]
 
     def output(self, z_H, z_L):
         return z_L
@@ -128,15 +134,17 @@ class Hier6(Scheme):
         return model.H_init, slots[:, None, :]
 
     def updates(self, model, x):
-        c = model.config
-
         def update_L(slot):
             def update(z_H, z_L):
                 new = model.net(slot_sum(z_L), z_H + x, "L")
                 return z_H, torch.cat([z_L[:, :slot], new[:, None], z_L[:, slot + 1:]], dim=1)
             return update
         update_H = lambda z_H, z_L: (model.net(z_H, slot_sum(z_L), "L"), z_L)
-        return ([update_L(i) for i in range(c.L_cycles)] + [update_H]) * c.H_cycles
+        out, slot = [], 0
+        for kind in self.schedule(model.config):  # the i-th L update of a recursion writes slot i
+            out.append(update_L(slot) if kind == "L" else update_H)
+            slot = slot + 1 if kind == "L" else 0
+        return out
 
     def problems(self, config):
         if config.L_cycles > HIER_SLOTS:
@@ -182,6 +190,9 @@ class Baseline(Scheme):
 
     def grad_updates(self, config):
         return 1
+
+    def schedule(self, config):
+        return ["H"]
 
     def updates(self, model, x):
         return [lambda z_H, z_L: (z_H, model.net(z_L, x, "H"))]

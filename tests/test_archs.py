@@ -28,6 +28,15 @@ REFERENCE_CLASSES = {
 BATCH = 6
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Eager ops on tensors this small run ~30x faster on one thread than on two busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def small_config(arch: str, dtype: str, **overrides) -> TRMConfig:
     fields = dict(seq_len=8, vocab_size=6, num_puzzle_identifiers=5, hidden_size=32, num_heads=4,
                   expansion=2.0, puzzle_emb_ndim=40, puzzle_emb_len=2, H_cycles=2, L_cycles=2,
@@ -100,12 +109,14 @@ def run_side_by_side(arch: str, dtype: str, training: bool, steps: int, tol: flo
             their_carry, their_loss, their_metrics, their_outputs, _ = theirs(
                 carry=their_carry, batch=batch, return_keys=list(outputs))
         assert torch.equal(carry.halted, their_carry.halted) and torch.equal(carry.steps, their_carry.steps)
-        for key, value in outputs.items():
-            errors[key] = max(errors.get(key, 0), close(value, their_outputs[key], tol, key))
-        errors["loss"] = max(errors.get("loss", 0), close(loss, their_loss, tol, "loss"))
+        assert set(outputs) == set(their_outputs)
+        for key, value in outputs.items():  # logits, q_halt, q_continue, the Q-continue target
+            assert torch.equal(value, their_outputs[key]), key
+        # The loss: ours in float32, theirs in float64 (docs/faithfulness.md).
+        errors["loss"] = max(errors.get("loss", 0), close(loss, their_loss, 1e-6, "loss"))
         assert set(metrics) == set(their_metrics)
         for key, value in metrics.items():
-            close(value, their_metrics[key].float(), tol, key)
+            close(value, their_metrics[key].float(), 1e-6, key)
         if training:
             for m in (ours, theirs):
                 m.zero_grad(set_to_none=True)
@@ -134,9 +145,10 @@ ARCHS = list(REFERENCE_CLASSES)
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_each_arch_equals_the_reference_side_by_side(arch):
-    """float32: training (4 ACT steps, rows halting on the Q head and at halt_max_steps, new
-    examples loaded) and evaluation (halt_max_steps steps) within 1e-5 of the largest value of
-    each output, loss, metric and gradient; bfloat16 (the presets' dtype) within its rounding."""
+    """Training (4 ACT steps, rows halting on the Q head and at halt_max_steps, new examples
+    loaded) and evaluation (halt_max_steps steps), in float32 and bfloat16 (the presets' dtype):
+    bitwise-equal outputs and halting, the loss and metrics within 1e-6, every gradient within
+    1e-5 (float32) and 5e-2 (bfloat16: measured up to 3.1e-2) of its largest value."""
     measured = {}
     for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-2)):
         measured[dtype, "train"] = run_side_by_side(arch, dtype, True, 4, tol)
