@@ -176,7 +176,7 @@ class Baseline(Scheme):
 
     name = "transformers_baseline"
     inits = ("H_init",)
-    yaml = dict(H_cycles=1, H_layers=8, num_heads=12)
+    yaml = dict(H_cycles=1, H_layers=8, num_heads=12, pos_encodings="rope")  # rope: the presets' "none" goes with mlp_t
     forced = dict(puzzle_emb_len=0, no_ACT_continue=False, mlp_t=False)
 
     def networks(self, config):
