@@ -246,3 +246,37 @@ def test_reference_config_reads_the_arch_from_a_checkpoint(arch):
     assert found.arch == arch and found.hidden_size == ours.config.hidden_size
     assert found.L_layers == ours.config.L_layers or arch == "transformers_baseline"  # it has no L network
     assert found.H_layers == ours.config.H_layers or arch not in ("hrm", "transformers_baseline")
+
+
+@pytest.mark.parametrize("arch", ["trm_singlez", "trm_hier6", "hrm", "transformers_baseline"])
+def test_each_arch_trains_through_the_captured_step_on_the_mesh(demo_path, tmp_path, arch):
+    """The demo's training in bf16 on the 8-device CPU mesh: the captured step replayed gives the
+    retraced step's numbers, with no aten:: CPU fallbacks; the loss falls."""
+    import train
+    from config import parse_config
+    from tests.test_train import tiny_args
+
+    args = ("--model.arch", arch, "--model.num-heads", "4", "--optim.max-steps", "6", "--run.log-every", "1",
+            "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "1")
+    replayed = train.main(parse_config(tiny_args(demo_path, tmp_path / "a", *args)))
+    retraced = train.main(parse_config(tiny_args(demo_path, tmp_path / "b", *args, "--run.no-capture-step")))
+    losses = [h["loss"] for h in replayed["history"]]
+    assert losses == [h["loss"] for h in retraced["history"]] and len(losses) == 6
+    assert replayed["final"] == retraced["final"] and replayed["final"]["count"] == 40
+    assert losses[-1] < losses[0], losses
+    assert not replayed["xla"]["fallbacks"]
+
+
+@pytest.mark.parametrize("arch,flags", [("trm_singlez", {}), ("trm_hier6", {}), ("hrm", {}),
+                                        ("transformers_baseline", {}), ("trm", dict(separate_H_L=True)),
+                                        ("trm", dict(one_step_grad=True, no_ACT_continue=False))])
+def test_flop_count_of_each_arch_equals_its_matmuls(arch, flags):
+    """projection.model_flops (the step line's MFU, tpu_compile's model count, a plan's
+    device-hours) against the matmuls torch counts in one training and one evaluation step."""
+    from projection import model_flops
+    from tests.test_bench import counted_flops
+
+    config = small_config(arch, "float32", **flags)
+    flops = model_flops(config)
+    assert counted_flops(config, train_mode=True) == flops["train"]
+    assert counted_flops(config, train_mode=False) == flops["eval"]
