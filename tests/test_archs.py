@@ -240,12 +240,28 @@ def test_choosing_an_arch_gives_its_yaml_values_and_checks_what_its_code_cannot_
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_reference_config_reads_the_arch_from_a_checkpoint(arch):
+def test_a_reference_checkpoint_of_each_arch_loads_for_eval(arch, tmp_path):
+    """`train.py eval PRESET --init-from ref.pt [--model.arch ARCH]`'s loading: the arch read from
+    the checkpoint's tensors, its yaml's values, the sizes from the shapes, the weights as saved."""
+    from restore import load_weights_for_eval
+
     ours, theirs = ours_and_theirs(arch, "float32")
     found = reference_weights.reference_config(theirs.state_dict(), TRMConfig())
     assert found.arch == arch and found.hidden_size == ours.config.hidden_size
     assert found.L_layers == ours.config.L_layers or arch == "transformers_baseline"  # it has no L network
     assert found.H_layers == ours.config.H_layers or arch not in ("hrm", "transformers_baseline")
+    path = tmp_path / "step_1000"
+    torch.save({"_orig_mod." + k: v for k, v in theirs.state_dict().items()}, path)
+    c = ours.config
+    flags = ["--model.seq-len", str(c.seq_len), "--model.num-heads", str(c.num_heads), "--model.H-cycles",
+             str(c.H_cycles), "--model.L-cycles", str(c.L_cycles), "--model.forward-dtype", "float32"]
+    for given in ([], ["--model.arch", arch]):
+        config, weights, _, _ = load_weights_for_eval(str(path), PRESETS["sudoku-att"][1], flags + given)
+        assert config.model.arch == arch and config.model.puzzle_emb_len == (0 if arch in (
+            "hrm", "transformers_baseline") else PRESETS["sudoku-att"][1].model.puzzle_emb_len)
+        state = ours.state_dict()
+        assert set(weights) == {f"model/{k}" for k in state}
+        assert all(torch.equal(weights[f"model/{k}"], v) for k, v in state.items())
 
 
 @pytest.mark.parametrize("arch", ["trm_singlez", "trm_hier6", "hrm", "transformers_baseline"])
