@@ -52,9 +52,9 @@ class TRMConfig:
     expansion: float = ranged(4.0, gt=0)
     """SwiGLU expansion; inner width is round(expansion*2/3*width) rounded up to 256."""
     H_cycles: int = ranged(3, ge=1)
-    """Outer recursions per ACT step (the first H_cycles-1 run without gradient)."""
+    """Outer recursions per ACT step (trm: the first H_cycles-1 without gradient; the baseline has none)."""
     L_cycles: int = ranged(6, ge=1)
-    """Latent updates z_L per outer recursion."""
+    """Latent updates z_L per outer recursion (trm_hier6: at most 6, one per slot)."""
     L_layers: int = ranged(2, ge=1)
     """Blocks in the one shared network (hrm: in the L network)."""
     H_layers: int = ranged(0, ge=0)
