@@ -264,12 +264,13 @@ def test_a_reference_checkpoint_of_each_arch_loads_for_eval(arch, tmp_path):
         assert all(torch.equal(weights[f"model/{k}"], v) for k, v in state.items())
 
 
-@pytest.mark.parametrize("arch", ["trm_hier6", "transformers_baseline"])
-def test_each_arch_trains_through_the_captured_step_on_the_mesh(demo_path, tmp_path, arch):
-    """The demo's training in bf16 on the 8-device CPU mesh: the captured step replayed gives the
-    retraced step's numbers, with no aten:: CPU fallbacks; the loss falls. Two archs (compiles
-    are CI's cost): the six-slot carry [B, 6, T, D], and the placeholder z_H [B, 1, 1] with an
-    H network only (trm_singlez carries the same shapes, hrm the same networks as trm's ablation)."""
+@pytest.mark.parametrize("arch,retrace", [("trm_hier6", True), ("transformers_baseline", False)])
+def test_each_arch_trains_through_the_captured_step_on_the_mesh(demo_path, tmp_path, arch, retrace):
+    """The demo's training in bf16 on the 8-device CPU mesh, with no aten:: CPU fallbacks, the
+    loss falling; for trm_hier6 the captured step replayed gives the retraced step's numbers.
+    Two archs (compiles are CI's cost): the six-slot carry [B, 6, T, D], and the placeholder z_H
+    [B, 1, 1] with an H network only (trm_singlez carries the same shapes; hrm's networks are
+    trm's separate_H_L ablation's, checked against it bitwise in test_the_ablations_...)."""
     import train
     from config import parse_config
     from tests.test_train import tiny_args
@@ -277,10 +278,11 @@ def test_each_arch_trains_through_the_captured_step_on_the_mesh(demo_path, tmp_p
     args = ("--model.arch", arch, "--model.num-heads", "4", "--optim.max-steps", "4", "--run.log-every", "1",
             "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "1")
     replayed = train.main(parse_config(tiny_args(demo_path, tmp_path / "a", *args)))
-    retraced = train.main(parse_config(tiny_args(demo_path, tmp_path / "b", *args, "--run.no-capture-step")))
     losses = [h["loss"] for h in replayed["history"]]
-    assert losses == [h["loss"] for h in retraced["history"]] and len(losses) == 4
-    assert replayed["final"] == retraced["final"] and replayed["final"]["count"] == 40
+    if retrace:
+        retraced = train.main(parse_config(tiny_args(demo_path, tmp_path / "b", *args, "--run.no-capture-step")))
+        assert losses == [h["loss"] for h in retraced["history"]] and replayed["final"] == retraced["final"]
+    assert len(losses) == 4 and replayed["final"]["count"] == 40
     assert losses[-1] < losses[0], losses
     assert not replayed["xla"]["fallbacks"]
 
