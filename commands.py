@@ -20,7 +20,7 @@ import ptrm
 import storage
 from arc import ArcEvaluator, write_submission
 from batches import EvalBatches
-from config import PRESETS, Config
+from config import PRESETS, Config, presets_for
 from evaluate import evaluate
 from lifecycle import check_devices, start
 from restore import load_weights_for_eval
@@ -79,7 +79,7 @@ def parse_weights_command(command: str, argv: list[str], description: str,
     configuration, not of the preset."""
     preset = argv[0] if argv and argv[0] in PRESETS else "sudoku-mlp"
     rest = argv[1:] if argv and argv[0] in PRESETS else argv
-    parsed = tyro.cli(flags, args=rest, default=flags("", PRESETS[preset][1]),
+    parsed = tyro.cli(flags, args=rest, default=flags("", presets_for(rest)[preset][1]),
                       prog=f"train.py {command} [PRESET]", description=description)
     if not parsed.init_from:
         raise SystemExit(f"error: {command} needs --init-from URL (a run directory, checkpoint, exported "

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,6 +27,7 @@ import storage
 from model import TRMConfig
 from optim import DENSE_OPTIMIZERS
 from ranges import range_problems, ranged
+from recursion import ARCHS, arch_defaults
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -230,6 +232,33 @@ class ConfigError(ValueError):
     pass
 
 
+def arch_in(argv: list[str]) -> str | None:
+    """The value of the last --model.arch flag in argv (None if none, or not an arch)."""
+    found = None
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name.replace("_", "-") == "--model.arch":
+            found = value if value else (argv[i + 1] if i + 1 < len(argv) else None)
+    return found if found in ARCHS else None
+
+
+def with_arch(config: Config, arch: str | None) -> Config:
+    """`config` with the model of arch `arch`: its reference yaml's values where they differ from
+    trm.yaml's (the presets were built on it: HRM's cycles and layers, the baseline's 8 layers of 12
+    heads) and what its reference file fixes (recursion.Scheme.forced); every other field, e.g. a
+    preset's mlp_t or seq_len, stays. None or the config's own arch: the config as it is."""
+    if arch is None or arch == config.model.arch:
+        return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **arch_defaults(arch)))
+
+
+def presets_for(argv: list[str]) -> dict[str, tuple[str, Config]]:
+    """PRESETS with the arch that argv's --model.arch names, so that flags apply on top of that
+    arch's values and --help shows them."""
+    arch = arch_in(argv)
+    return {name: (about, with_arch(preset, arch)) for name, (about, preset) in PRESETS.items()}
+
+
 def flag(name: str) -> str:
     """The command-line spelling of a dotted config field: optim.global_batch_size ->
     --optim.global-batch-size."""
@@ -402,7 +431,8 @@ def config_from_dict(saved: dict) -> Config:
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """The training configuration from the command line (a preset name, then overrides)."""
-    config = tyro.extras.overridable_config_cli(PRESETS, args=argv)
+    argv = sys.argv[1:] if argv is None else argv
+    config = tyro.extras.overridable_config_cli(presets_for(argv), args=argv)
     try:
         check_config(config)  # again in start(), which eval and direct callers of main() reach too
     except ConfigError as e:

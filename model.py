@@ -1,11 +1,12 @@
 """The Tiny Recursive Model (TRM, arXiv 2510.04871) in plain PyTorch.
 
 Same math as the reference implementation (github.com/SamsungSAILMontreal/TinyRecursiveModels):
-the recursive network with its ACT carry, the stablemax loss with the Q-halt head and the interop
-with the reference's checkpoints (the optimizers and the EMA are in optim.py; the FLOP count is
-projection.py's). Everything here keeps static shapes and never reads a device value on the
-host, so one training step traces to one XLA graph. This file never imports torch_xla: it runs
-the same on CPU eager and on XLA.
+the blocks, embeddings and heads every arch shares, the ACT carry, the stablemax loss with the
+Q-halt head (each arch's recursion is recursion.py's; the reference's checkpoints
+reference_weights.py's; the optimizers and the EMA optim.py's; the FLOP count projection.py's).
+Everything here keeps static shapes and never reads a device value on the host, so one training
+step traces to one XLA graph. This file never imports torch_xla: it runs the same on CPU eager
+and on XLA.
 
     model = TRM(TRMConfig(seq_len=81, vocab_size=11, num_puzzle_identifiers=1))
     carry = model.initial_carry(batch)
@@ -27,6 +28,7 @@ from attention import ATTENTIONS, attend
 from device_grads import use
 from halting import exploration_prob
 from ranges import range_problems, ranged
+from recursion import ARCHS, BOOTSTRAPS_Q_CONTINUE, SCHEMES
 
 IGNORE_LABEL_ID = -100
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -36,6 +38,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 class TRMConfig:
     """Architecture of a TRM; field names follow the reference's arch config."""
 
+    arch: Literal["trm", "trm_singlez", "trm_hier6", "hrm", "transformers_baseline"] = "trm"
+    """The reference's architecture (recursion.py); choosing one sets its yaml's values unless flags set them."""
     seq_len: int = ranged(81, ge=1)
     """Tokens per example (from the dataset)."""
     vocab_size: int = ranged(11, ge=1)
@@ -44,16 +48,22 @@ class TRMConfig:
     """Rows of the puzzle-embedding table (from the dataset)."""
     hidden_size: int = ranged(512, ge=1)
     """Width of every token state."""
-    num_heads: int = ranged(8, ge=1, note="a divisor of hidden_size")
-    """Attention heads (must divide hidden_size; unused when mlp_t)."""
+    num_heads: int = ranged(8, ge=1)
+    """Attention heads of width hidden_size // num_heads, as the reference (unused when mlp_t)."""
     expansion: float = ranged(4.0, gt=0)
     """SwiGLU expansion; inner width is round(expansion*2/3*width) rounded up to 256."""
     H_cycles: int = ranged(3, ge=1)
-    """Outer recursions per ACT step (the first H_cycles-1 run without gradient)."""
+    """Outer recursions per ACT step (trm: the first H_cycles-1 without gradient; the baseline has none)."""
     L_cycles: int = ranged(6, ge=1)
-    """Latent updates z_L per outer recursion."""
+    """Latent updates z_L per outer recursion (trm_hier6: at most 6, one per slot)."""
     L_layers: int = ranged(2, ge=1)
-    """Blocks in the one shared network."""
+    """Blocks in the one shared network (hrm: in the L network)."""
+    H_layers: int = ranged(0, ge=0)
+    """Blocks in the H network of hrm and transformers_baseline (ignored by the others)."""
+    separate_H_L: bool = False
+    """trm only: z_H updated by a second network of L_layers blocks (the paper's "separate f_H, f_L")."""
+    one_step_grad: bool = False
+    """trm only: gradient through the last L and H update only (the paper's "1-step gradient", HRM's)."""
     mlp_t: bool = False
     """Replace attention by a SwiGLU across the sequence (TRM-MLP)."""
     pos_encodings: Literal["rope", "learned", "none"] = "rope"
@@ -71,7 +81,12 @@ class TRMConfig:
     halt_exploration_anneal_steps: int = ranged(0, ge=0, note="0 = the steps of optim.epochs")
     """Training steps the anneal to halt_exploration_final takes (0: the steps of optim.epochs)."""
     no_ACT_continue: bool = True
-    """Halt on sigmoid(q_halt) > 0.5 only; False adds the reference's Q-continue target and loss."""
+    """Halt on sigmoid(q_halt) > 0.5 only; False: on q_halt > q_continue, with the reference's
+    Q-continue target and loss (hrm; transformers_baseline without the target)."""
+    act_enabled: bool = True
+    """Halt on the Q head in training (transformers_baseline's field; False: always halt_max_steps)."""
+    act_inference: bool = False
+    """transformers_baseline's field: halt on the Q head in evaluation too (not supported: False)."""
     forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Activation dtype (weights stay float32)."""
     rms_norm_eps: float = ranged(1e-5, gt=0)
@@ -98,16 +113,40 @@ class TRMConfig:
             out.append(f"forward_dtype must be one of {sorted(DTYPES)}, got {self.forward_dtype!r}")
         if self.attention not in ATTENTIONS:
             out.append(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.arch not in ARCHS:
+            out.append(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         if out or range_problems(self):  # the checks below divide by these sizes
             return out
-        if not self.mlp_t and self.hidden_size % self.num_heads:
-            out.append(f"num_heads={self.num_heads} does not divide hidden_size={self.hidden_size}; "
-                       "pick a divisor of it")
+        out += self.arch_problems()
+        head_dim = self.hidden_size // self.num_heads
+        if not self.mlp_t and (head_dim == 0 or (self.pos_encodings == "rope" and head_dim % 2)):
+            out.append(f"num_heads={self.num_heads} gives heads of width hidden_size // num_heads = {head_dim}"
+                       + (", odd: RoPE rotates pairs" if head_dim else "") + "; use fewer heads")
         if self.puzzle_emb_ndim > self.prefix_len * self.hidden_size:
             out.append(f"puzzle_emb_ndim={self.puzzle_emb_ndim} does not fit in puzzle_emb_len="
                        f"{self.puzzle_emb_len} positions of width {self.hidden_size}; raise "
                        "puzzle_emb_len or set it to 0")
         return out
+
+    def arch_problems(self) -> list[str]:
+        """What the chosen arch's reference code does not do with these values."""
+        scheme, out = SCHEMES[self.arch], []
+        for name, value in scheme.forced.items():
+            if getattr(self, name) != value:
+                out.append(f"{name}={getattr(self, name)!r}: the reference's {self.arch} fixes it at {value!r}")
+        for name in ("separate_H_L", "one_step_grad"):
+            if getattr(self, name) and self.arch != "trm":
+                out.append(f"{name} is an ablation of trm (the paper's), not of arch {self.arch}")
+        if self.act_inference:
+            out.append("act_inference=True: evaluation runs every halt_max_steps step here, as the "
+                       "reference's default; halting early in evaluation is not supported")
+        if "H" in scheme.networks(self) and self.arch != "trm" and self.H_layers < 1:
+            out.append(f"H_layers={self.H_layers}: {self.arch} needs an H network of 1 or more blocks")
+        return out + scheme.problems(self)
+
+    @property
+    def scheme(self):
+        return SCHEMES[self.arch]
 
     @property
     def prefix_len(self) -> int:
@@ -141,7 +180,7 @@ def truncated_normal_(tensor: torch.Tensor, std: float) -> torch.Tensor:
         lo, hi = -2.0, 2.0
         cdf_lo, cdf_hi = math.erf(lo / math.sqrt(2)), math.erf(hi / math.sqrt(2))
         mass = (cdf_hi - cdf_lo) / 2
-        pdf = lambda x: math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)  # noqa: E731
+        pdf = lambda x: math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
         var_truncated = 1 - (hi * pdf(hi) - lo * pdf(lo)) / mass - ((pdf(lo) - pdf(hi)) / mass) ** 2
         scale = std / math.sqrt(var_truncated)
         tensor.uniform_(cdf_lo, cdf_hi).erfinv_().mul_(math.sqrt(2) * scale)
@@ -212,17 +251,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Bidirectional multi-head self-attention, no bias."""
+    """Bidirectional multi-head self-attention, no bias; heads of width hidden_size // num_heads
+    (their total may be narrower than hidden_size, as the reference allows: 12 heads of 42 on 512)."""
 
     def __init__(self, hidden_size: int, num_heads: int, kind: str = "blockwise", block: int = 512):
         super().__init__()
         self.num_heads, self.kind, self.block = num_heads, kind, block
         self.head_dim = hidden_size // num_heads
-        self.qkv = Linear(hidden_size, 3 * hidden_size)
-        self.out = Linear(hidden_size, hidden_size)
+        self.qkv = Linear(hidden_size, 3 * num_heads * self.head_dim)
+        self.out = Linear(num_heads * self.head_dim, hidden_size)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        batch, length, width = x.shape
+        batch, length, _ = x.shape
         # q, k and v by three matmuls with the thirds of qkv's weight: the same dot products as one
         # matmul split after, without a backward that stacks their gradients into one copy.
         heads = (batch, length, self.num_heads, self.head_dim)
@@ -231,7 +271,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         y = attend(q, k, v, self.kind, self.block)
-        return self.out(y.transpose(1, 2).reshape(batch, length, width))
+        return self.out(y.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
 
 class Block(nn.Module):
@@ -305,6 +345,12 @@ class Carry:
         return cls(current_data=data, **{k: v for k, v in tensors.items() if "." not in k})
 
 
+def says_halt(config: TRMConfig, q_halt: torch.Tensor, q_continue: torch.Tensor) -> torch.Tensor:
+    """Where the Q head says halt: q_halt > 0 (sigmoid > 0.5), or q_halt > q_continue when the
+    config learns a Q-continue (no_ACT_continue False: hrm, transformers_baseline)."""
+    return q_halt > 0 if config.no_ACT_continue else q_halt > q_continue
+
+
 def hashed_uniform(seed: int, counter: torch.Tensor, rows: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniform [0, 1) floats from a counter-based hash of (seed, counter, row, stream).
 
@@ -341,14 +387,18 @@ class TRM(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         if config.puzzle_emb_ndim > 0:
             self.puzzle_embedding = SparseEmbedding(config.num_puzzle_identifiers, config.puzzle_emb_ndim)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.L_layers)])
+        networks = config.scheme.networks(config)
+        if "L" in networks:
+            self.blocks = nn.ModuleList([Block(config) for _ in range(networks["L"])])
+        if "H" in networks:
+            self.H_blocks = nn.ModuleList([Block(config) for _ in range(networks["H"])])
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.q_head = Linear(config.hidden_size, 2, bias=True)
         with torch.no_grad():  # Q head starts near "never halt" (sigmoid(-5) ≈ 0.007)
             self.q_head.weight.zero_()
             self.q_head.bias.fill_(-5.0)
-        self.register_buffer("H_init", truncated_normal_(torch.empty(config.hidden_size, dtype=config.dtype), std=1.0))
-        self.register_buffer("L_init", truncated_normal_(torch.empty(config.hidden_size, dtype=config.dtype), std=1.0))
+        for name in config.scheme.inits:  # the initial states, under the reference's names
+            self.register_buffer(name, truncated_normal_(torch.empty(config.hidden_size, dtype=config.dtype), std=1.0))
 
     # -- the network --------------------------------------------------------------------------
 
@@ -367,27 +417,19 @@ class TRM(nn.Module):
             x = 0.707106781 * (x + self.position_embedding.to(config.dtype))  # keeps the variance
         return self.embed_scale * x
 
-    def net(self, z: torch.Tensor, injection: torch.Tensor) -> torch.Tensor:
-        """The one shared network: z + injection through L_layers blocks."""
+    def net(self, z: torch.Tensor, injection: torch.Tensor | None, level: str = "L") -> torch.Tensor:
+        """A network (L: `blocks`, the shared one; H: `H_blocks`): z + injection through its blocks."""
         rope = (self.rope_cos, self.rope_sin) if self.config.pos_encodings == "rope" else None
-        z = z + injection
-        for block in self.blocks:
+        z = z if injection is None else z + injection
+        for block in self.blocks if level == "L" else self.H_blocks:
             z = block(z, rope)
         return z
 
     def recurse(self, z_H, z_L, x):
-        """One ACT step: H_cycles-1 recursions without gradient, then one with it."""
-        config = self.config
-        with torch.no_grad():
-            for _ in range(config.H_cycles - 1):
-                for _ in range(config.L_cycles):
-                    z_L = self.net(z_L, z_H + x)
-                z_H = self.net(z_H, z_L)
-        for _ in range(config.L_cycles):
-            z_L = self.net(z_L, z_H + x)
-        z_H = self.net(z_H, z_L)
-        logits = self.lm_head(z_H)[:, config.prefix_len:]
-        q = self.q_head(z_H[:, 0]).float()
+        """One ACT step of the arch's recursion (recursion.py), then the heads."""
+        z_H, z_L, out = self.config.scheme.recurse(self, z_H, z_L, x)
+        logits = self.lm_head(out)[:, self.config.prefix_len:]
+        q = self.q_head(out[:, 0]).float()
         return z_H, z_L, logits, q[..., 0], q[..., 1]
 
     # -- ACT ----------------------------------------------------------------------------------
@@ -396,10 +438,10 @@ class TRM(nn.Module):
         """A carry whose rows are all halted, so the first step loads the whole batch."""
         config = self.config
         size, device = batch["inputs"].shape[0], batch["inputs"].device
-        state_shape = (size, config.total_len, config.hidden_size)
+        h_shape, l_shape = config.scheme.state_shapes(config)
         return Carry(
-            z_H=torch.zeros(state_shape, dtype=config.dtype, device=device),
-            z_L=torch.zeros(state_shape, dtype=config.dtype, device=device),
+            z_H=torch.zeros((size, *h_shape), dtype=config.dtype, device=device),
+            z_L=torch.zeros((size, *l_shape), dtype=config.dtype, device=device),
             steps=torch.zeros(size, dtype=torch.int32, device=device),
             halted=torch.ones(size, dtype=torch.bool, device=device),
             current_data={k: torch.zeros_like(v) for k, v in batch.items()},
@@ -413,11 +455,12 @@ class TRM(nn.Module):
         config = self.config
         # Rows that halted at the previous step start over on the new batch's example.
         reset = carry.halted
-        z_H = torch.where(reset.view(-1, 1, 1), self.H_init, carry.z_H)
-        z_L = torch.where(reset.view(-1, 1, 1), self.L_init, carry.z_L)
+        per_row = lambda t: reset.view((-1,) + (1,) * (t.ndim - 1))
+        h_init, l_init = config.scheme.initial_states(self)
+        z_H = torch.where(per_row(carry.z_H), h_init, carry.z_H)
+        z_L = torch.where(per_row(carry.z_L), l_init, carry.z_L)
         steps = torch.where(reset, 0, carry.steps)
-        data = {k: torch.where(reset.view((-1,) + (1,) * (v.ndim - 1)), batch[k], v)
-                for k, v in carry.current_data.items()}
+        data = {k: torch.where(per_row(v), batch[k], v) for k, v in carry.current_data.items()}
         if perturb is not None:
             z_L = perturb(z_L, data, steps)
 
@@ -428,8 +471,8 @@ class TRM(nn.Module):
         with torch.no_grad():
             steps = steps + 1
             halted = steps >= config.halt_max_steps
-            if self.training and config.halt_max_steps > 1:
-                halted = halted | (q_halt > 0 if config.no_ACT_continue else q_halt > q_continue)
+            if self.training and config.halt_max_steps > 1 and config.act_enabled:
+                halted = halted | says_halt(config, q_halt, q_continue)
                 # Exploration: some rows must run a random minimum of 2..halt_max_steps steps.
                 rows = torch.arange(steps.shape[0], device=steps.device)
                 seed, counter = self.exploration_seed, carry.rng_counter
@@ -437,7 +480,7 @@ class TRM(nn.Module):
                 draw = hashed_uniform(seed, counter, rows, 1)
                 min_steps = 2 + (draw * (config.halt_max_steps - 1)).to(torch.int32)
                 halted = halted & (steps >= torch.where(explore, min_steps, 0))
-                if not config.no_ACT_continue:
+                if not config.no_ACT_continue and config.arch in BOOTSTRAPS_Q_CONTINUE:
                     # The reference's bootstrapped target: Q of the next step from the new state.
                     _, _, _, next_halt, next_continue = self.recurse(z_H, z_L, x)
                     is_last = steps >= config.halt_max_steps
@@ -527,128 +570,3 @@ def loss_and_metrics(carry: Carry, outputs: dict[str, torch.Tensor],
         loss = loss + 0.5 * q_continue_loss
         metrics["q_continue_loss"] = q_continue_loss.detach()
     return loss, {k: v.float() for k, v in metrics.items()}
-
-
-# ----------------------------------------------------------------------------------------------
-# Reference checkpoint interop
-
-
-def _reference_names(config: TRMConfig) -> dict[str, str]:
-    """Our state_dict name → the reference's name under `model.inner.`."""
-    names = {
-        "token_embedding": "embed_tokens.embedding_weight",
-        "lm_head.weight": "lm_head.weight",
-        "q_head.weight": "q_head.weight",
-        "q_head.bias": "q_head.bias",
-        "H_init": "H_init",
-        "L_init": "L_init",
-    }
-    if config.pos_encodings == "learned":
-        names["position_embedding"] = "embed_pos.embedding_weight"
-    if config.puzzle_emb_ndim > 0:
-        names["puzzle_embedding.weight"] = "puzzle_emb.weights"
-    for i in range(config.L_layers):
-        ours, theirs = f"blocks.{i}.", f"L_level.layers.{i}."
-        if config.mlp_t:
-            names[ours + "seq_mlp.gate_up.weight"] = theirs + "mlp_t.gate_up_proj.weight"
-            names[ours + "seq_mlp.down.weight"] = theirs + "mlp_t.down_proj.weight"
-        else:
-            names[ours + "attn.qkv.weight"] = theirs + "self_attn.qkv_proj.weight"
-            names[ours + "attn.out.weight"] = theirs + "self_attn.o_proj.weight"
-        names[ours + "mlp.gate_up.weight"] = theirs + "mlp.gate_up_proj.weight"
-        names[ours + "mlp.down.weight"] = theirs + "mlp.down_proj.weight"
-    return names
-
-
-def reference_state_dict(model: TRM) -> dict[str, torch.Tensor]:
-    """Our weights under the reference's names (`model.inner.*`), loadable by its code."""
-    ours = model.state_dict()
-    return {f"model.inner.{theirs}": ours[name] for name, theirs in _reference_names(model.config).items()}
-
-
-def _reference_inner(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The `model.inner.*` tensors of a reference checkpoint (optionally `_orig_mod.`-prefixed,
-    as torch.compile saves them), without that prefix."""
-    inner = {}
-    for key, value in state_dict.items():
-        key = key.removeprefix("_orig_mod.")
-        if key.startswith("model.inner."):
-            inner[key.removeprefix("model.inner.")] = value
-    return inner
-
-
-def reference_config(state_dict: dict[str, torch.Tensor], base: TRMConfig) -> TRMConfig:
-    """`base` with every size that a reference checkpoint's tensor shapes determine: hidden_size,
-    vocab_size, L_layers, expansion, mlp_t, learned positions, puzzle_emb_ndim and the number of
-    puzzle identifiers. The rest (cycles, heads, seq_len, halting) is not in the weights and
-    stays as `base` says."""
-    inner = _reference_inner(state_dict)
-    if "embed_tokens.embedding_weight" not in inner:
-        raise ValueError("not a reference TRM checkpoint: no model.inner.embed_tokens.embedding_weight "
-                         f"among its {len(state_dict)} tensors")
-    vocab_size, hidden_size = inner["embed_tokens.embedding_weight"].shape
-    layers = {int(k.split(".")[2]) for k in inner if k.startswith("L_level.layers.")}
-    mlp_t = any(".mlp_t." in k for k in inner)
-    fields = dict(vocab_size=vocab_size, hidden_size=hidden_size, L_layers=len(layers), mlp_t=mlp_t)
-    if "puzzle_emb.weights" in inner:
-        fields["num_puzzle_identifiers"], fields["puzzle_emb_ndim"] = inner["puzzle_emb.weights"].shape
-    else:
-        fields["puzzle_emb_ndim"] = 0
-    if "embed_pos.embedding_weight" in inner:
-        fields["pos_encodings"] = "learned"
-    elif base.pos_encodings == "learned":
-        fields["pos_encodings"] = "rope"
-    # The inner SwiGLU width fixes the expansion only up to the rounding to 256: keep the base's
-    # when it gives the same widths.
-    widths = {hidden_size: inner["L_level.layers.0.mlp.gate_up_proj.weight"].shape[0] // 2}
-    if mlp_t:
-        seq_gate_up = inner["L_level.layers.0.mlp_t.gate_up_proj.weight"]
-        widths[seq_gate_up.shape[1]] = seq_gate_up.shape[0] // 2
-    candidates = [base.expansion, widths[hidden_size] * 3 / (2 * hidden_size)]
-    fitting = [e for e in candidates if all(swiglu_width(w, e) == inner_w for w, inner_w in widths.items())]
-    if not fitting:
-        raise ValueError(f"no SwiGLU expansion gives the checkpoint's inner widths {widths} "
-                         "(model width → inner width); pass --model.expansion")
-    return dataclasses.replace(base, expansion=fitting[0], **fields)
-
-
-def mean_row_table(table: torch.Tensor, rows: int) -> torch.Tensor:
-    """A puzzle-embedding table of `rows` rows, each the mean of `table`'s rows: how the reference
-    starts the table when fine-tuning on puzzles whose identifiers the weights were not trained
-    on (the dense weights carry over; the new puzzles' rows are learned from there)."""
-    return table.float().mean(0, keepdim=True).expand(rows, table.shape[1]).contiguous()
-
-
-def load_reference_state_dict(model: TRM, state_dict: dict[str, torch.Tensor],
-                              resize_puzzle_table: bool = True) -> None:
-    """Load a reference checkpoint (keys `model.inner.*`, optionally prefixed `_orig_mod.`).
-
-    A puzzle-embedding table with another number of identifiers is replaced by its mean row
-    repeated, as the reference does when fine-tuning on a different dataset; with
-    `resize_puzzle_table=False` (evaluation) it is an error instead.
-    """
-    inner = _reference_inner(state_dict)
-    names = _reference_names(model.config)
-    missing = sorted(theirs for theirs in names.values() if theirs not in inner)
-    unexpected = sorted(k for k in inner if k not in set(names.values()))
-    if missing or unexpected:
-        raise ValueError(
-            "reference checkpoint does not match this TRMConfig "
-            f"(missing: {missing or 'none'}; unexpected: {unexpected or 'none'}); "
-            "check mlp_t, pos_encodings, L_layers and puzzle_emb_ndim")
-    ours = model.state_dict()
-    converted = {}
-    for name, theirs in names.items():
-        value = inner[theirs]
-        expected = ours[name].shape
-        if (name == "puzzle_embedding.weight" and resize_puzzle_table and value.shape != expected
-                and value.shape[1:] == expected[1:]):
-            print(f"puzzle embedding has {value.shape[0]} identifiers, this dataset {expected[0]}: "
-                  "resetting every row to the checkpoint's mean row")
-            value = mean_row_table(value, expected[0])
-        if value.shape != expected:
-            raise ValueError(f"reference tensor model.inner.{theirs} has shape {tuple(value.shape)}, "
-                             f"this TRMConfig expects {tuple(expected)} (check hidden_size, "
-                             "expansion, seq_len, vocab_size)")
-        converted[name] = value.to(dtype=ours[name].dtype)
-    model.load_state_dict(converted, strict=True)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import ptrm
 from attention import blockwise_extra_flops
 from model import TRMConfig, swiglu_width
+from recursion import BOOTSTRAPS_Q_CONTINUE
 from schedule import run_schedule
 
 if TYPE_CHECKING:
@@ -28,10 +29,11 @@ if TYPE_CHECKING:
 def block_flops(c: TRMConfig) -> int:
     """Forward FLOPs of one block for one example (2·m·n·k per matmul, nothing else counted).
 
-    With T = seq_len + prefix positions, h = hidden_size, I = swiglu_width(h), I_T = swiglu_width(T):
+    With T = seq_len + prefix positions, h = hidden_size, I = swiglu_width(h), I_T = swiglu_width(T),
+    a = num_heads · (h // num_heads) the heads' total width (h, unless the heads do not divide h):
       SwiGLU over channels:      gate_up 2·T·h·2I + down 2·T·I·h              = 6·T·h·I
-      attention (not mlp_t):     qkv 2·T·h·3h + scores 2·T·T·h + values 2·T·T·h + out 2·T·h·h
-                                                                              = 8·T·h² + 4·T²·h
+      attention (not mlp_t):     qkv 2·T·h·3a + scores 2·T·T·a + values 2·T·T·a + out 2·T·a·h
+                                                                              = 8·T·h·a + 4·T²·a
       token-mixing SwiGLU (mlp_t, over positions for each of the h channels) = 6·h·T·I_T
     """
     T, h = c.total_len, c.hidden_size
@@ -39,7 +41,8 @@ def block_flops(c: TRMConfig) -> int:
     if c.mlp_t:
         mixing = 6 * h * T * swiglu_width(T, c.expansion)
     else:
-        mixing = 8 * T * h * h + 4 * T * T * h
+        a = c.num_heads * (h // c.num_heads)
+        mixing = 8 * T * h * a + 4 * T * T * a
     return mixing + channel_mlp
 
 
@@ -52,14 +55,16 @@ def heads_flops(c: TRMConfig) -> int:
 def model_flops(c: TRMConfig) -> dict[str, int]:
     """Model FLOPs per example of one training step and of one evaluation ACT step.
 
-    net = L_layers · block_flops (the one shared network); one ACT step applies it
-    A = H_cycles · (L_cycles + 1) times (each cycle: L_cycles updates of z_L, one of z_H), then
-    the heads once. Only the last cycle (L_cycles + 1 applications) and the heads run backward,
-    which costs twice their forward (gradients of inputs and of weights):
+    One ACT step applies the arch's updates (recursion.py's schedule; trm: H_cycles · (L_cycles + 1),
+    each cycle L_cycles updates of z_L and one of z_H), each a network of some blocks (trm: the one
+    shared network of L_layers), then the heads once: A block applications. Only the last G
+    updates (trm: the last cycle, L_cycles + 1; hrm and one_step_grad: 2) and the heads run
+    backward, which costs twice their forward (gradients of inputs and of weights); with G_b their
+    blocks:
 
-      eval  = A · net + heads
-      train = A · net + heads + 2 · ((L_cycles + 1) · net + heads)
-              (+ A · net + heads without gradient when no_ACT_continue is False: the Q target)
+      eval  = A · block + heads
+      train = A · block + heads + 2 · (G_b · block + heads)
+              (+ A · block + heads without gradient when the Q-continue target is computed)
 
     Embedding lookups, norms, RoPE, activations, the loss and the optimizers are not counted
     (elementwise; SignSGD's [B, B] id-matching matmul adds 2·B·puzzle_emb_ndim per example,
@@ -68,17 +73,20 @@ def model_flops(c: TRMConfig) -> dict[str, int]:
 
     "train_extra", "eval_extra" (not in MFU): the blockwise attention's own work over blocks of
     keys (T > attention_block): row sums in the forward, the scores again in the backward."""
-    net = c.L_layers * block_flops(c)
-    heads = heads_flops(c)
-    applications = c.H_cycles * (c.L_cycles + 1)
-    forward = applications * net + heads
-    train_flops = forward + 2 * ((c.L_cycles + 1) * net + heads)
-    if not c.no_ACT_continue:
+    scheme, block, heads = c.scheme, block_flops(c), heads_flops(c)
+    layers = scheme.networks(c)
+    per_update = [layers[scheme.network_of(kind, c)] for kind in scheme.schedule(c)]
+    applications, with_grad = sum(per_update), sum(per_update[-scheme.grad_updates(c):])
+    forward = applications * block + heads
+    train_flops = forward + 2 * (with_grad * block + heads)
+    target = not c.no_ACT_continue and c.arch in BOOTSTRAPS_Q_CONTINUE
+    if target:
         train_flops += forward
     blocks = not c.mlp_t and c.attention == "blockwise" and c.total_len > c.attention_block
-    row_sums, scores_again = blockwise_extra_flops(c.total_len, c.hidden_size, c.num_heads) if blocks else (0, 0)
-    eval_extra = c.L_layers * applications * row_sums
-    train_extra = eval_extra * (1 if c.no_ACT_continue else 2) + c.L_layers * (c.L_cycles + 1) * scores_again
+    width = c.num_heads * (c.hidden_size // c.num_heads)
+    row_sums, scores_again = blockwise_extra_flops(c.total_len, width, c.num_heads) if blocks else (0, 0)
+    eval_extra = applications * row_sums
+    train_extra = eval_extra * (2 if target else 1) + with_grad * scores_again
     return {"train": train_flops, "eval": forward, "train_extra": train_extra, "eval_extra": eval_extra}
 
 

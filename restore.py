@@ -15,7 +15,7 @@ import tyro
 import checkpoint
 import data
 import storage
-from config import Config, ConfigError, config_differences, config_from_dict, with_new_fields
+from config import Config, ConfigError, arch_in, config_differences, config_from_dict, with_arch, with_new_fields
 from model import TRM, TRMConfig
 from report import RunLog
 from trainer import Trainer
@@ -149,7 +149,7 @@ def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers:
     identifiers (another row count, or another fingerprint than `dataset_identifiers`), the
     dense weights are kept and every row of the table starts as the mean of the old rows (as the
     reference does), with one line said; the same identifiers keep the table."""
-    from model import load_reference_state_dict, mean_row_table
+    from reference_weights import load_reference_state_dict, mean_row_table
 
     model = TRM(model_config)
     try:
@@ -197,8 +197,9 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     on or None) from a run directory or checkpoint (EMA weights and the run's config), an
     exported model.safetensors (its model config) or a reference checkpoint (the sizes its
     tensors show, the rest from the preset `base`); `overrides` (command-line flags) apply on top."""
-    from model import reference_config
+    from reference_weights import reference_config
 
+    base = with_arch(base, arch_in(overrides))
     def with_overrides(config: Config) -> Config:
         return tyro.cli(Config, default=config, args=overrides)
 
@@ -217,7 +218,7 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
         config = with_overrides(config_from_dict(state["config"]))
         return config, weights, state["step"], state.get("dataset_identifiers")
     # A reference checkpoint: its table must fit the dataset as it is (no resizing for evaluation).
-    from model import load_reference_state_dict
+    from reference_weights import load_reference_state_dict
 
     state_dict = read_reference_checkpoint(source)
     try:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import tyro
 
 import data
-from config import PRESETS, Config, ConfigError, check_config, flag_with_value, flat_config
+from config import PRESETS, Config, ConfigError, check_config, flag_with_value, flat_config, presets_for
 from projection import PaperDataset, SliceSpec, flop_record, project_paper_run
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -62,7 +62,7 @@ class StudyRun:
     def config(self) -> Config:
         """The training configuration of this run (its preset with its flags)."""
         with contextlib.redirect_stderr(io.StringIO()):
-            return tyro.extras.overridable_config_cli(PRESETS, args=[self.preset, *self.flags])
+            return tyro.extras.overridable_config_cli(presets_for(self.flags), args=[self.preset, *self.flags])
 
 
 def _name_part(value: str) -> str:
@@ -222,7 +222,7 @@ def run_problems(run: StudyRun) -> list[str]:
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            config = tyro.extras.overridable_config_cli(PRESETS, args=[run.preset, *run.flags])
+            config = tyro.extras.overridable_config_cli(presets_for(run.flags), args=[run.preset, *run.flags])
     except SystemExit:
         return [_tyro_error(captured.getvalue()) or f"train.py refuses the flags {' '.join(run.flags)}"]
     try:

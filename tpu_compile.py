@@ -40,7 +40,7 @@ import tyro
 
 import hlo_stats
 import ptrm
-from config import PRESETS, Config, ConfigError, check_batch_layout, check_config
+from config import PRESETS, Config, ConfigError, check_batch_layout, check_config, presets_for
 from model import TRMConfig
 from projection import PAPER_DATASETS, model_flops, slice_spec
 
@@ -502,7 +502,7 @@ def parse_args(argv: list[str]) -> tuple[str, CompileCommand]:
         raise SystemExit(f"usage: python tpu_compile.py PRESET [--slice SLICE] [train.py flags]; PRESET is one of "
                          f"{', '.join(PRESETS)}" + (" (--help after a preset lists every flag)" if argv else ""))
     preset = argv[0]
-    return preset, tyro.cli(CompileCommand, args=argv[1:], default=CompileCommand(config=PRESETS[preset][1]),
+    return preset, tyro.cli(CompileCommand, args=argv[1:], default=CompileCommand(config=presets_for(argv)[preset][1]),
                             prog=f"tpu_compile.py {preset}", description=__doc__.split("\n\n")[0])
 
 

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 import checkpoint
 import data
+import reference_weights
 import storage
 import train
 from checkpoint import CheckpointWriter, Shard
@@ -387,7 +388,7 @@ def test_init_from_a_reference_checkpoint(demo_path, tmp_path):
     with torch.no_grad():
         reference_model.puzzle_embedding.weight.normal_()
     reference_file = tmp_path / "reference_step_1000"
-    torch.save({"_orig_mod." + k: v for k, v in model.reference_state_dict(reference_model).items()},
+    torch.save({"_orig_mod." + k: v for k, v in reference_weights.reference_state_dict(reference_model).items()},
                reference_file)
     weights = load_initial_weights(str(reference_file), config.model)
     for name, value in reference_model.state_dict().items():

@@ -79,7 +79,7 @@ def test_bad_flag_is_named_with_its_value_and_flag(flag, value, message):
 
 
 def test_model_sizes_that_do_not_fit_together():
-    with pytest.raises(SystemExit, match=r"error: model.num_heads=3 does not divide hidden_size=64"):
+    with pytest.raises(SystemExit, match=r"error: model.num_heads=3 gives heads of width .* = 21, odd"):
         cli("--model.no-mlp-t", "--model.pos-encodings", "rope", "--model.num-heads", "3")
     with pytest.raises(SystemExit, match=r"error: model.puzzle_emb_ndim=200 does not fit in puzzle_emb_len=1"):
         cli("--model.puzzle-emb-ndim", "200")

@@ -14,6 +14,7 @@ import checkpoint
 import data
 import evaluate
 import model
+import reference_weights
 import train
 from batches import EvalBatches, total_train_steps
 from build_arc import build_arc
@@ -292,7 +293,7 @@ def reference_weights_with_other_sizes(config_base, num_ids, seed=0):
     trm = model.TRM(config)
     with torch.no_grad():
         trm.puzzle_embedding.weight.normal_()
-    return config, trm, {"_orig_mod." + k: v for k, v in model.reference_state_dict(trm).items()}
+    return config, trm, {"_orig_mod." + k: v for k, v in reference_weights.reference_state_dict(trm).items()}
 
 
 def test_eval_of_a_reference_checkpoint_with_other_sizes_equals_the_same_weights_loaded_directly(tmp_path):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import model
+import reference_weights
 from model import TRM, Carry, TRMConfig, loss_and_metrics
 from optim import EMA, AdamATan2, SignSGD
 
@@ -224,7 +225,7 @@ def test_exploration_noise_has_the_reference_distribution():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("num_heads", 5, "num_heads=5 does not divide hidden_size=32"),
+    ("num_heads", 9, "num_heads=9 gives heads of width hidden_size // num_heads = 3, odd"),
     ("pos_encodings", "alibi", "pos_encodings must be rope, learned or none, got 'alibi'"),
     ("forward_dtype", "float64", "forward_dtype must be one of .* got 'float64'"),
     ("H_cycles", 0, "H_cycles=0 must be >= 1"),
@@ -242,21 +243,21 @@ def test_reference_state_dict_round_trip_and_identifier_reset():
     source = TRM(tiny_config())
     with torch.no_grad():
         source.puzzle_embedding.weight.normal_()
-    saved = {"_orig_mod." + k: v for k, v in model.reference_state_dict(source).items()}
+    saved = {"_orig_mod." + k: v for k, v in reference_weights.reference_state_dict(source).items()}
     assert "_orig_mod.model.inner.L_level.layers.1.self_attn.qkv_proj.weight" in saved
 
     target = TRM(tiny_config())
-    model.load_reference_state_dict(target, saved)
+    reference_weights.load_reference_state_dict(target, saved)
     for (name, a), (_, b) in zip(source.state_dict().items(), target.state_dict().items()):
         assert torch.equal(a, b), name
 
     other = TRM(tiny_config(num_puzzle_identifiers=3))
-    model.load_reference_state_dict(other, saved)
+    reference_weights.load_reference_state_dict(other, saved)
     mean_row = source.puzzle_embedding.weight.mean(0)
     torch.testing.assert_close(other.puzzle_embedding.weight, mean_row.expand(3, -1))
 
     with pytest.raises(ValueError, match="missing: .*mlp_t.gate_up_proj"):
-        model.load_reference_state_dict(TRM(tiny_config(mlp_t=True)), saved)
+        reference_weights.load_reference_state_dict(TRM(tiny_config(mlp_t=True)), saved)
 
 
 def test_parameter_counts_of_the_paper_configurations():
