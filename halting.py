@@ -32,9 +32,11 @@ def metric_names(halt_max_steps: int) -> tuple[str, ...]:
     return tuple(f"halted_at_{s}" for s in range(1, halt_max_steps + 1)) + ("never_halted",)
 
 
-def says_halt(outputs: dict[str, torch.Tensor], no_ACT_continue: bool) -> torch.Tensor:
-    """bool [B]: the Q head says halt (training's rule; q_halt > 0 without q_continue logits)."""
-    q_halt, q_continue = outputs["q_halt_logits"], outputs.get("q_continue_logits")
+def says_halt(q_halt: torch.Tensor, q_continue: torch.Tensor | None, no_ACT_continue: bool) -> torch.Tensor:
+    """bool [B]: where the Q head says halt, the one rule of training's halting and of the
+    evaluation's distribution: q_halt > 0 (sigmoid > 0.5), or q_halt > q_continue when the config
+    learns a Q-continue (no_ACT_continue False: hrm, transformers_baseline); q_halt > 0 without
+    q_continue logits."""
     return q_halt > 0 if no_ACT_continue or q_continue is None else q_halt > q_continue
 
 
@@ -45,7 +47,8 @@ def first_halt_counts(first_halt: torch.Tensor, carry, outputs: dict[str, torch.
     carry: a row at its step 1 starts over; a counted row is halted and has labels."""
     steps = carry.steps
     first_halt = torch.where(steps == 1, 0, first_halt)
-    first_halt = torch.where((first_halt == 0) & says_halt(outputs, no_ACT_continue), steps, first_halt)
+    halts = says_halt(outputs["q_halt_logits"], outputs.get("q_continue_logits"), no_ACT_continue)
+    first_halt = torch.where((first_halt == 0) & halts, steps, first_halt)
     counted = carry.halted & (carry.current_data["labels"] != IGNORE_LABEL_ID).any(-1)
     bucket = torch.where(first_halt == 0, halt_max_steps, first_halt - 1)
     buckets = torch.arange(halt_max_steps + 1, device=steps.device)

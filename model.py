@@ -26,7 +26,7 @@ from torch import nn
 
 from attention import ATTENTIONS, attend
 from device_grads import use
-from halting import exploration_prob
+from halting import exploration_prob, says_halt
 from ranges import range_problems, ranged
 from recursion import ARCHS, BOOTSTRAPS_Q_CONTINUE, SCHEMES
 
@@ -345,12 +345,6 @@ class Carry:
         return cls(current_data=data, **{k: v for k, v in tensors.items() if "." not in k})
 
 
-def says_halt(config: TRMConfig, q_halt: torch.Tensor, q_continue: torch.Tensor) -> torch.Tensor:
-    """Where the Q head says halt: q_halt > 0 (sigmoid > 0.5), or q_halt > q_continue when the
-    config learns a Q-continue (no_ACT_continue False: hrm, transformers_baseline)."""
-    return q_halt > 0 if config.no_ACT_continue else q_halt > q_continue
-
-
 def hashed_uniform(seed: int, counter: torch.Tensor, rows: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniform [0, 1) floats from a counter-based hash of (seed, counter, row, stream).
 
@@ -472,7 +466,7 @@ class TRM(nn.Module):
             steps = steps + 1
             halted = steps >= config.halt_max_steps
             if self.training and config.halt_max_steps > 1 and config.act_enabled:
-                halted = halted | says_halt(config, q_halt, q_continue)
+                halted = halted | says_halt(q_halt, q_continue, config.no_ACT_continue)
                 # Exploration: some rows must run a random minimum of 2..halt_max_steps steps.
                 rows = torch.arange(steps.shape[0], device=steps.device)
                 seed, counter = self.exploration_seed, carry.rng_counter
