@@ -37,7 +37,7 @@ class Task:
     kind: str
     """Tasks of one kind take about the same memory: the largest peak of a kind sizes the next."""
     then: Callable[[Finished], list[Task]] | None = None
-    """Called in this process when the task ends; returns the tasks it adds."""
+    """Called in this process when the task ends; returns the tasks it adds (run before those waiting)."""
 
 
 @dataclass
@@ -160,8 +160,8 @@ def run(tasks: list[Task], processes: int | None = None, poll_s: float = 0.2) ->
             ended.log.close()
             peaks[ended.task.kind] = max(peaks.get(ended.task.kind, 0), finished.peak_bytes)
             done.append(finished)
-            if ended.task.then is not None:
-                pending.extend(ended.task.then(finished))
+            if ended.task.then is not None:  # first: what a task adds finishes its work before others start
+                pending[0:0] = ended.task.then(finished)
     except BaseException:
         _stop(running)
         raise
