@@ -74,14 +74,15 @@ def compiled_device_times(jobs: list[tuple], slices: dict[str, str], processes: 
 
     distinct: dict[str, tuple] = {}
     for run, config in jobs:
-        distinct.setdefault(tpu_compile.program_settings(config), (run.preset, config))
+        distinct.setdefault(tpu_compile.program_settings(config), (run.preset, config, run.configuration))
     for slice_name in slices.values():
-        cached = sum(tpu_compile.cached_results(c, slice_name) is not None for _, c in distinct.values())
+        cached = sum(tpu_compile.cached_results(c, slice_name) is not None for _, c, _ in distinct.values())
         print(f"compiling {len(distinct)} distinct program(s) for {slice_name} with the TPU compiler ({cached} cached; "
               "a real-size training step takes minutes on a laptop)", flush=True)
     names = list(dict.fromkeys(slices.values()))
     compiled = tpu_compile.compile_isolated([(preset, config, name) for name in names
-                                             for preset, config in distinct.values()], processes=processes)
+                                             for preset, config, _ in distinct.values()], processes=processes,
+                                            labels=[label for _ in names for _, _, label in distinct.values()])
     results = {name: dict(zip(distinct, compiled[i * len(distinct):(i + 1) * len(distinct)]))
                for i, name in enumerate(names)}
     return {key: {run.name: tpu_compile.device_time_fields(results[name][tpu_compile.program_settings(config)])

@@ -13,15 +13,19 @@ trainer.py, capture.py, the host-ordered mesh, the split puzzle table) are trace
 a virtual CPU mesh of the slice's device count with the run's global batch; the pending program
 (capture.program_hlo: every input's sharding, the donated state) goes to libtpu's compile-only
 client (jax's `tpu` extra: `jax.experimental.topologies`), which compiles it for abstract
-devices of the slice's topology. Nothing runs on the CPU but the state's set-up.
+devices of the slice's topology. Nothing runs on the CPU: the training state is traced as
+placeholders (shapes, no values), the batch and carries are the only buffers. The trace and each
+program's compile run in processes of their own that end (compile_isolated, bounded_processes.py:
+`--jobs N` at once, by default as many as the memory holds), each program's line with its time
+and its process's peak memory.
 
 Sources of the figures: HBM (arguments, outputs, aliased, temporaries, code), FLOPs and bytes
 accessed per device, the collectives and XLA's per-operation cycle estimates are read from the
 compiled TPU program. The chips' HBM capacity, bandwidth, peak and clock are Google's published
 figures (TOPOLOGIES): assumed, not measured. The step-time estimates are the compiler's figures
 over those assumptions; only a TPU measures a step (the step line's MFU, `launch.sh smoke`).
-Compiled results are cached (~/.cache/trm-tpu-compile, by program and topology), so a second
-run of the same program is instant.
+Compiled results are cached (~/.cache/trm-tpu-compile, by program and topology) as each program
+compiles, so a second run of the same program is instant and a run cut short keeps what it compiled.
 """
 from __future__ import annotations
 
@@ -461,14 +465,15 @@ def _minutes(seconds: float) -> str:
 
 
 def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top: int = 10, use_cache: bool = True,
-                     processes: int | None = None, say=print) -> list[list[dict]]:
+                     processes: int | None = None, say=print, labels: list[str] | None = None) -> list[list[dict]]:
     """compile_programs for each (preset, config, slice) of `jobs` (or its cached results), each
     trace and each compile in a process of its own that ends (bounded_processes.py): a trace
     process per distinct (program settings, slice), whose runtime has the slice's device count,
     writes the programs' HLO; a compile process per program compiles it with libtpu and writes
     its cache entry at once, so a run cut short keeps what it compiled. `processes`: how many
     at once (None: as many as the memory allows, measured). One line per program as it ends:
-    its time, its process's peak memory (read from the OS) and how many remain."""
+    its time, its process's peak memory (read from the OS) and how many remain, the job named
+    by `labels` (default: its preset and batch)."""
     import tempfile
 
     import bounded_processes
@@ -525,7 +530,7 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
     tasks = []
     for i, missing in traces.values():
         preset, config, slice_name = jobs[i]
-        label = f"{preset} (batch {config.optim.global_batch_size}) for {slice_name}"
+        label = f"{labels[i] if labels else f'{preset} (batch {config.optim.global_batch_size})'} for {slice_name}"
         tasks.append(bounded_processes.Task(label, worker("trace", {
             "config": dataclasses.asdict(config), "slice": slice_name, "programs": missing, "out": str(tmp),
             "job": i}, f"{i}-trace"), f"trace {slice_name}", traced(i, missing, label)))
