@@ -120,6 +120,8 @@ def plan(args) -> int:
             device = compiled_device_times(known, {"host": host_slice(spec), "whole": spec.name}, args.jobs)
         except tpu_compile.CompileError as e:
             raise SystemExit(f"error: {e}; or project at a stated MFU: --mfu 0.4")
+        except KeyboardInterrupt:
+            raise SystemExit(130)
     for run in runs:
         path = paths[run.name]
         refused = compiled and any("compiled_ms_per_train_step" not in device[k].get(run.name, {})

@@ -498,14 +498,17 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
         def then(done) -> list:
             progress["done"] += 1
             progress["peak"] = max(progress["peak"], done.peak_bytes)
-            failed = done.returncode != 0 or _cached(key) is None
+            entry = _cached(key)
+            failed = done.returncode != 0 or entry is None
             say(f"[{progress['done']}/{total}] {label} {program}: "
-                + (f"FAILED (exit {done.returncode})" if failed else f"compiled in {done.seconds:.0f}s")
+                + (f"FAILED (exit {done.returncode})" if failed else
+                   f"{'compiled' if entry['compiled'] else 'refused by the compiler'} in {done.seconds:.0f}s")
                 + f", process peak {done.peak_bytes / 1e9:.1f} GB (measured); {total - progress['done']} to go, "
                 f"{_minutes(time.perf_counter() - started)} so far", flush=True)
-            fresh.add(key)
             if failed:
                 failures.append(f"{label} {program}: {done.output.strip()[-1500:]}")
+            else:
+                fresh.add(key)
             return []
         return then
 
@@ -540,6 +543,10 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
                "as many processes at once as the memory allows (measured)"), flush=True)
     try:
         bounded_processes.run(tasks, processes)
+    except KeyboardInterrupt:
+        say(f"interrupted: {len(fresh)} of {total} program(s) compiled and cached; the same command again compiles "
+            "the rest", flush=True)
+        raise
     finally:
         for f in tmp.iterdir():
             f.unlink()
@@ -680,6 +687,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         (results,) = compile_isolated([(preset, config, args.slice)], args.programs, args.top, args.cache, args.jobs)
     except (ConfigError, ValueError, CompileError) as e:
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:
+        raise SystemExit(130)
     print()
     print(format_results(results))
     if args.json:
