@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -199,6 +200,12 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
     if sharding.device_counts()[0] != devices:
         raise RuntimeError(f"this process's CPU runtime has {sharding.device_counts()[0]} devices, not {devices}: "
                            "trace in a new process (python tpu_compile.py)")
+    traced = _trace_programs(config, programs, sharding)
+    gc.collect()  # nothing traced outlives the trace: a later sync here would run it on the placeholders (a crash)
+    return traced
+
+
+def _trace_programs(config: Config, programs: tuple[str, ...], sharding) -> dict[str, Traced]:
     import torch_xla.core.xla_builder as xb
 
     from capture import program_hlo
