@@ -36,6 +36,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,18 +166,15 @@ def program_key(config: Config, program: str, topo: Topology) -> str:
     return hashlib.sha256((program_settings(config) + json.dumps(where)).encode() + code).hexdigest()[:24]
 
 
-Traced = tuple[bytes, list[int], dict[int, str]]
-"""A traced program: its HLO module, its donated parameter numbers, and the HLO sharding of each
-parameter that holds training state (the module leaves these unannotated: see `trace`)."""
+Traced = tuple[bytes, list[int], dict[int, str]]  # HLO module, donated parameters, {state parameter: sharding}
 
 
 @contextlib.contextmanager
 def _state_as_shapes(sharding):
-    """Within: a module moved to the XLA device (Trainer's model.to) gets uninitialised XLA tensors,
-    and the puzzle table split by rows too: graphs of the right shapes, no device buffers. The
-    trace needs the state's shapes, not its values, and on the CPU mesh the values would cost one
-    copy per device (a replicated tensor is a buffer on each of the slice's devices: 32 copies of
-    every weight, optimizer moment and EMA weight for a v4-64)."""
+    """Within: a module moved to the XLA device (Trainer's model.to), and the puzzle table split
+    by rows, get uninitialised XLA tensors (no device buffers). The trace needs shapes, not values;
+    on the CPU mesh a replicated value is a buffer per device (32 of every weight, moment and EMA
+    weight for a v4-64)."""
     to, rows_to_device = torch.nn.Module.to, sharding.rows_to_device
     torch.nn.Module.to = lambda module, device: module.to_empty(device=device)
     sharding.rows_to_device = lambda table, mesh: torch.empty(table.shape, dtype=table.dtype, device=sharding.device())
@@ -188,10 +186,9 @@ def _state_as_shapes(sharding):
 
 def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, Traced]:
     """{program: Traced} of the run's steps, traced on a CPU mesh of `devices` devices (this
-    process's runtime: start it with that many). The training state is placeholders (shapes and
-    dtypes, no buffers: `_state_as_shapes`), so the programs read it as unannotated parameters;
-    each one's sharding as a run has it (replicated, the table split by rows) comes with them
-    for `compile_hlo` to set. The batch and the carries are real, split over the mesh."""
+    process's runtime: start it with that many). The training state is placeholders (no buffers:
+    `_state_as_shapes`), unannotated parameters whose shardings as a run has them (replicated,
+    the table split by rows) `compile_hlo` sets; the batch and the carries are real."""
     os.environ.setdefault("XLA_HLO_DEBUG", "1")  # source lines in the ops' metadata
     os.environ["CPU_NUM_DEVICES"] = str(devices)  # the slice's count, whatever the caller's environment says
     import sharding
@@ -386,8 +383,7 @@ def _cached(key: str, use_cache: bool = True) -> dict | None:
 
 
 def _store(key: str, result: dict) -> None:
-    """The cache's entry of a program, written whole or not at all (a plan cut short leaves no
-    half-written entry: the next one compiles that program again)."""
+    """A program's cache entry, written whole or not at all (a plan cut short leaves no half of one)."""
     Path(CACHE_DIR).mkdir(parents=True, exist_ok=True)
     partial = Path(CACHE_DIR) / f".{key}.{os.getpid()}.partial"
     partial.write_text(json.dumps(result))
@@ -473,16 +469,11 @@ def _minutes(seconds: float) -> str:
 
 def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top: int = 10, use_cache: bool = True,
                      processes: int | None = None, say=print, labels: list[str] | None = None) -> list[list[dict]]:
-    """compile_programs for each (preset, config, slice) of `jobs` (or its cached results), each
-    trace and each compile in a process of its own that ends (bounded_processes.py): a trace
-    process per distinct (program settings, slice), whose runtime has the slice's device count,
-    writes the programs' HLO; a compile process per program compiles it with libtpu and writes
-    its cache entry at once, so a run cut short keeps what it compiled. `processes`: how many
-    at once (None: as many as the memory allows, measured). One line per program as it ends:
-    its time, its process's peak memory (read from the OS) and how many remain, the job named
-    by `labels` (default: its preset and batch)."""
-    import tempfile
-
+    """compile_programs for each (preset, config, slice) of `jobs` (or its cached results), in
+    processes that end (bounded_processes.py; `processes` at once, None: as many as the memory
+    allows): one trace per distinct (settings, slice) writes the HLO, one compile per program
+    writes its cache entry at once (a run cut short keeps it). A line per program as it ends: its
+    time, its process's peak memory (the OS's), how many remain; `labels` name the jobs."""
     import bounded_processes
 
     started, tmp = time.perf_counter(), Path(tempfile.mkdtemp(prefix="trm-tpu-compile-"))
@@ -497,9 +488,8 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
     progress, fresh = {"done": 0, "peak": 0}, set()
 
     def worker(kind: str, request: dict, name: str) -> list[str]:
-        path = tmp / f"{name}.json"
-        path.write_text(json.dumps(request))
-        return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, str(path)]
+        (tmp / f"{name}.json").write_text(json.dumps(request))
+        return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, str(tmp / f"{name}.json")]
 
     def compiled(program: str, key: str, label: str):
         def then(done) -> list:
@@ -536,8 +526,7 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
                 compiled(p, keys[i][p], label)) for p in missing]
         return then
 
-    failures: list[str] = []
-    tasks = []
+    failures, tasks = [], []
     for i, missing in traces.values():
         preset, config, slice_name = jobs[i]
         label = f"{labels[i] if labels else f'{preset} (batch {config.optim.global_batch_size})'} for {slice_name}"
@@ -567,16 +556,8 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
                              config, preset, topos[i], programs) for i, (preset, config, _) in enumerate(jobs)]
 
 
-def compile_in_subprocess(jobs: list[tuple[str, Config]], slice_name: str, programs=PROGRAMS,
-                          processes: int | None = None) -> list[list[dict]]:
-    """compile_isolated for each (preset, config) of `jobs` on one slice."""
-    return compile_isolated([(preset, config, slice_name) for preset, config in jobs], programs,
-                            processes=processes)
-
-
 def _worker(kind: str, request_path: str) -> None:
-    """A process of compile_isolated: `trace` writes the HLO of each program; `compile` compiles
-    one and writes its cache entry."""
+    """compile_isolated's process: `trace` writes each program's HLO, `compile` one's cache entry."""
     from config import config_from_dict
 
     request = json.loads(Path(request_path).read_text())
