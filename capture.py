@@ -202,14 +202,15 @@ class CapturedEvalStep(_CapturedStep):
         return outs[0], outs[1], outs[2]
 
 
-def program_hlo(outputs: list, donated: list) -> tuple[bytes, list[int]]:
+def program_hlo(outputs: list, donated: list, parameters: list = ()) -> tuple[bytes, list[int], list[int]]:
     """The HLO module (serialized HloModuleProto) that a sync of `outputs` would compile, without
     compiling or running it: the pending graph over its device-data inputs, each parameter
-    carrying its tensor's sharding (as torch_xla's SPMD executor hands it to XLA), and the
+    carrying its tensor's sharding (as torch_xla's SPMD executor hands it to XLA), the
     parameter numbers of the `donated` input tensors (the buffers the executor lets XLA reuse:
-    the state a captured training step replaces). tpu_compile.py compiles it for a TPU."""
+    the state a captured training step replaces), and the parameter number of each tensor of
+    `parameters` (-1: not an input). tpu_compile.py compiles it for a TPU."""
     ctx = torch_xla._XLAC.lowering.LoweringContext("program")
     ctx.set_name_string("program")
     ctx.build(outputs)
     donors = sorted(pid for pid in (ctx.tensor_parameter_id(t) for t in donated) if pid != -1)
-    return ctx.hlo(), donors
+    return ctx.hlo(), donors, [ctx.tensor_parameter_id(t) for t in parameters]

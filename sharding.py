@@ -292,6 +292,12 @@ def rows_to_device(cpu_tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
     return torch_xla._XLAC._xla_tensors_from_aten([cpu_tensor.contiguous()], [str(device())], [spec])[0]
 
 
+def row_split_text(mesh: xs.Mesh) -> str:
+    """The HLO sharding of a table that rows_to_device splits over the mesh, as XLA writes it
+    ({devices=[N,1]...}): tpu_compile.py sets it on a traced program's table parameter."""
+    return torch_xla._XLAC._get_xla_sharding_spec(rows_to_device(torch.zeros(mesh.size(), 1), mesh))
+
+
 def replicate(tensor: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
     """Annotate an XLA tensor as replicated on every device. Model state starts unannotated;
     a tensor the step writes comes back annotated "replicated", and that difference alone would

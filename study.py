@@ -66,20 +66,27 @@ def _hours(hours: float) -> str:
     return f"{hours:,.1f}" if hours >= 10 else f"{hours:.2f}" if hours >= 0.1 else f"{hours:.2g}"
 
 
-def compiled_device_times(jobs: list[tuple], slice_name: str) -> dict[str, dict]:
-    """{run name: its steps' device time fields} for (run, config) jobs, each distinct program
-    compiled once for the slice (tpu_compile.py, cached by program and topology)."""
+def compiled_device_times(jobs: list[tuple], slices: dict[str, str], processes: int | None = None) -> dict:
+    """{slice key: {run name: its steps' device time fields}} for (run, config) jobs on each
+    slice of `slices` ({key: slice name}), each distinct program compiled once for each slice
+    (tpu_compile.py: each trace and compile in a process that ends, cached by program and topology)."""
     import tpu_compile
 
     distinct: dict[str, tuple] = {}
     for run, config in jobs:
-        distinct.setdefault(tpu_compile.program_settings(config), (run.preset, config))
-    cached = sum(tpu_compile.cached_results(c, slice_name) is not None for _, c in distinct.values())
-    print(f"compiling {len(distinct)} distinct program(s) for {slice_name} with the TPU compiler ({cached} cached; "
-          "a real-size training step takes minutes on a laptop)", flush=True)
-    results = dict(zip(distinct, tpu_compile.compile_in_subprocess(list(distinct.values()), slice_name)))
-    return {run.name: tpu_compile.device_time_fields(results[tpu_compile.program_settings(config)])
-            for run, config in jobs}
+        distinct.setdefault(tpu_compile.program_settings(config), (run.preset, config, run.configuration))
+    for slice_name in slices.values():
+        cached = sum(tpu_compile.cached_results(c, slice_name) is not None for _, c, _ in distinct.values())
+        print(f"compiling {len(distinct)} distinct program(s) for {slice_name} with the TPU compiler ({cached} cached; "
+              "a real-size training step takes minutes on a laptop)", flush=True)
+    names = list(dict.fromkeys(slices.values()))
+    compiled = tpu_compile.compile_isolated([(preset, config, name) for name in names
+                                             for preset, config, _ in distinct.values()], processes=processes,
+                                            labels=[label for _ in names for _, _, label in distinct.values()])
+    results = {name: dict(zip(distinct, compiled[i * len(distinct):(i + 1) * len(distinct)]))
+               for i, name in enumerate(names)}
+    return {key: {run.name: tpu_compile.device_time_fields(results[name][tpu_compile.program_settings(config)])
+                  for run, config in jobs} for key, name in slices.items()}
 
 
 def plan(args) -> int:
@@ -114,10 +121,11 @@ def plan(args) -> int:
         import tpu_compile
 
         try:
-            device = {"host": compiled_device_times(known, host.name),
-                      "whole": compiled_device_times(known, spec.name)}
+            device = compiled_device_times(known, {"host": host.name, "whole": spec.name}, args.jobs)
         except tpu_compile.CompileError as e:
             raise SystemExit(f"error: {e}; or project at a stated MFU: --mfu 0.4")
+        except KeyboardInterrupt:
+            raise SystemExit(130)
     for run in runs:
         path = paths[run.name]
         refused = compiled and any("compiled_ms_per_train_step" not in device[k].get(run.name, {})
@@ -216,6 +224,9 @@ def parser() -> argparse.ArgumentParser:
                         "instead of compiling each program for the slice with the TPU compiler (the default)")
     p.add_argument("--whole-slice-mfu", type=float, default=None,
                    help="with --mfu: the MFU of a run on the whole slice (default: --mfu)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="compiling: processes at once (default: as many as the memory allows, measured from each "
+                        "process's peak; each holds one program: docs/studies.md#the-memory-a-plan-needs)")
     p.add_argument("--startup-minutes", type=float, default=3.0,
                    help="start-up of each run: runtime, compiles, the dataset's copy (default 3)")
     p.set_defaults(handler=plan)
@@ -255,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan" and args.mfu is not None and not (0 < args.mfu <= 1
                                                                 and 0 < (args.whole_slice_mfu or args.mfu) <= 1):
         raise SystemExit("error: --mfu and --whole-slice-mfu must be in (0, 1]")
+    if args.command == "plan" and args.jobs is not None and args.jobs < 1:
+        raise SystemExit(f"error: --jobs {args.jobs}: give at least 1 process (or leave it out: sized from the memory)")
     if args.command == "plan" and args.whole_slice_mfu is not None and args.mfu is None:
         raise SystemExit("error: --whole-slice-mfu goes with --mfu (without it each program is compiled)")
     return args.handler(args)

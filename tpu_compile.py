@@ -13,29 +13,37 @@ trainer.py, capture.py, the host-ordered mesh, the split puzzle table) are trace
 a virtual CPU mesh of the slice's device count with the run's global batch; the pending program
 (capture.program_hlo: every input's sharding, the donated state) goes to libtpu's compile-only
 client (jax's `tpu` extra: `jax.experimental.topologies`), which compiles it for abstract
-devices of the slice's topology. Nothing runs on the CPU but the state's set-up.
+devices of the slice's topology. Nothing runs on the CPU: the training state is traced as
+placeholders (shapes, no values), the batch and carries are the only buffers. The trace and each
+program's compile run in processes of their own that end (compile_isolated, bounded_processes.py:
+`--jobs N` at once, by default as many as the memory holds), each program's line with its time
+and its process's peak memory.
 
 Sources of the figures: HBM (arguments, outputs, aliased, temporaries, code), FLOPs and bytes
 accessed per device, the collectives and XLA's per-operation cycle estimates are read from the
 compiled TPU program. The chips' HBM capacity, bandwidth, peak and clock are Google's published
 figures (TOPOLOGIES): assumed, not measured. The step-time estimates are the compiler's figures
 over those assumptions; only a TPU measures a step (the step line's MFU, `launch.sh smoke`).
-Compiled results are cached (~/.cache/trm-tpu-compile, by program and topology), so a second
-run of the same program is instant.
+Compiled results are cached (~/.cache/trm-tpu-compile, by program and topology) as each program
+compiles, so a second run of the same program is instant and a run cut short keeps what it compiled.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
+import torch
 import tyro
 
 import hlo_stats
@@ -110,6 +118,8 @@ class CompileCommand:
     """Largest operations (by bytes) to list per program."""
     cache: bool = True
     """Reuse a cached result of the same program and topology (--no-cache compiles again)."""
+    jobs: int | None = None
+    """Processes at once (each trace and each compile runs in one that ends); None: as many as the memory allows."""
     config: Annotated[Config, tyro.conf.arg(name="")] = field(default_factory=Config)
 
 
@@ -156,9 +166,29 @@ def program_key(config: Config, program: str, topo: Topology) -> str:
     return hashlib.sha256((program_settings(config) + json.dumps(where)).encode() + code).hexdigest()[:24]
 
 
-def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, tuple[bytes, list[int]]]:
-    """{program: (HLO module, donated parameter numbers)} of the run's steps, traced on a CPU mesh
-    of `devices` devices (this process's runtime: start it with that many)."""
+Traced = tuple[bytes, list[int], dict[int, str]]  # HLO module, donated parameters, {state parameter: sharding}
+
+
+@contextlib.contextmanager
+def _state_as_shapes(sharding):
+    """Within: a module moved to the XLA device (Trainer's model.to), and the puzzle table split
+    by rows, get uninitialised XLA tensors (no device buffers). The trace needs shapes, not values;
+    on the CPU mesh a replicated value is a buffer per device (32 of every weight, moment and EMA
+    weight for a v4-64)."""
+    to, rows_to_device = torch.nn.Module.to, sharding.rows_to_device
+    torch.nn.Module.to = lambda module, device: module.to_empty(device=device)
+    sharding.rows_to_device = lambda table, mesh: torch.empty(table.shape, dtype=table.dtype, device=sharding.device())
+    try:
+        yield
+    finally:
+        torch.nn.Module.to, sharding.rows_to_device = to, rows_to_device
+
+
+def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, Traced]:
+    """{program: Traced} of the run's steps, traced on a CPU mesh of `devices` devices (this
+    process's runtime: start it with that many). The training state is placeholders (no buffers:
+    `_state_as_shapes`), unannotated parameters whose shardings as a run has them (replicated,
+    the table split by rows) `compile_hlo` sets; the batch and the carries are real."""
     os.environ.setdefault("XLA_HLO_DEBUG", "1")  # source lines in the ops' metadata
     os.environ["CPU_NUM_DEVICES"] = str(devices)  # the slice's count, whatever the caller's environment says
     import sharding
@@ -167,12 +197,29 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
     if sharding.device_counts()[0] != devices:
         raise RuntimeError(f"this process's CPU runtime has {sharding.device_counts()[0]} devices, not {devices}: "
                            "trace in a new process (python tpu_compile.py)")
+    traced = _trace_programs(config, programs, sharding)
+    gc.collect()  # nothing traced outlives the trace: a later sync here would run it on the placeholders (a crash)
+    return traced
+
+
+def _trace_programs(config: Config, programs: tuple[str, ...], sharding) -> dict[str, Traced]:
+    import torch_xla.core.xla_builder as xb
 
     from capture import program_hlo
     from trainer import Trainer
 
     mesh = sharding.data_mesh()
-    trainer = Trainer(config, sharding, mesh)
+    with _state_as_shapes(sharding):
+        trainer = Trainer(config, sharding, mesh)
+    for state in trainer.state_tensors():
+        state.set(xb.create_placeholder_tensor(state.get().shape, state.get().dtype))
+    row_split = {id(s.get()) for s in trainer.state_tensors() if s.name in trainer.row_split}
+    split_text = sharding.row_split_text(mesh)
+
+    def state_shardings(state: list, parameters: list[int]) -> dict[int, str]:
+        return {pid: split_text if id(t) in row_split else "{replicated}" for t, pid in zip(state, parameters)
+                if pid != -1}
+
     batch_size, seq_len = config.optim.global_batch_size, config.model.seq_len
     rng = np.random.default_rng(0)
     host_batch = {"inputs": rng.integers(1, config.model.vocab_size, (batch_size, seq_len), dtype=np.int32),
@@ -181,7 +228,7 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
                                                      dtype=np.int32)}
     batch = sharding.host_batch_to_global(host_batch, mesh)
     trainer.init_carries(batch)
-    sharding.sync()  # the state and carries become device data: the programs' inputs
+    sharding.sync()  # the carries become device data: the programs' inputs, as the state's placeholders are
     traced = {}
     if "eval_step" in programs:  # first: the training step below leaves the state pending
         with trainer.ema.swapped_into(trainer.model):
@@ -190,14 +237,19 @@ def trace(config: Config, programs: tuple[str, ...], devices: int) -> dict[str, 
             trainer.set_trajectories(ptrm.trajectories_of(*ptrm.training_trajectories(config.eval), config.run.seed))
             outputs = list(trainer.eval_act_step(batch, trainer.eval_sums())) + [trainer.first_halt] + \
                 list(trainer.eval_carry.tensors().values())
-            traced["eval_step"] = program_hlo(outputs, donated=[])
+            state = [s.get() for s in trainer.state_tensors()]
+            hlo, donors, parameters = program_hlo(outputs, donated=[], parameters=state)
+            traced["eval_step"] = (hlo, donors, state_shardings(state, parameters))
             trainer.model.train()
         del outputs
     if "train_step" in programs:
+        state = [s.get() for s in trainer.state_tensors()]
         donated = [s.get() for s in trainer.state_tensors() if s.written_by_step]
         metrics = trainer.step(batch, config.optim.lr, config.optim.puzzle_emb_lr)
         written = [s.get() for s in trainer.state_tensors() if s.written_by_step]
-        traced["train_step"] = program_hlo([metrics] + written + list(trainer.carry.tensors().values()), donated)
+        hlo, donors, parameters = program_hlo([metrics] + written + list(trainer.carry.tensors().values()), donated,
+                                              parameters=state)
+        traced["train_step"] = (hlo, donors, state_shardings(state, parameters))
     return traced
 
 
@@ -226,10 +278,13 @@ def _quiet_libtpu(topo: Topology) -> None:
         os.environ.setdefault(key, value)
 
 
-def compile_hlo(hlo: bytes, donors: list[int], topo: Topology) -> tuple[object, float]:
+def compile_hlo(hlo: bytes, donors: list[int], topo: Topology, shardings: dict[int, str] | None = None
+                ) -> tuple[object, float]:
     """(compiled executable, seconds) of an HLO module for the topology's abstract devices, as
     torch_xla's SPMD executor compiles it: partitioned over every device, outputs' shardings
-    propagated, donated inputs marked. CompileError with the compiler's message if it refuses."""
+    propagated, donated inputs marked, `shardings` ({parameter number: HLO sharding}) set on the
+    parameters the module leaves unannotated. CompileError with the compiler's message if it refuses."""
+    shardings = shardings or {}
     _quiet_libtpu(topo)
     from jax._src import compiler
     from jax._src.interpreters import mlir
@@ -253,12 +308,14 @@ def compile_hlo(hlo: bytes, donors: list[int], topo: Topology) -> tuple[object, 
         main = module.body.operations[0] if len(module.body.operations) == 1 else \
             next(op for op in module.body.operations if ir.StringAttr(op.attributes["sym_name"]).value == "main")
         arguments = list(main.attributes["arg_attrs"]) if "arg_attrs" in main.attributes else None
-        if donors and arguments is not None:  # the conversion drops torch_xla's buffer donors
+        if (donors or shardings) and arguments is not None:  # the conversion drops torch_xla's buffer donors
             marked = []
             for i, attrs in enumerate(arguments):
                 entries = {a.name: a.attr for a in ir.DictAttr(attrs)}
                 if i in donors:
                     entries["jax.buffer_donor"] = ir.BoolAttr.get(True)
+                if i in shardings:
+                    entries.setdefault("mhlo.sharding", ir.StringAttr.get(shardings[i]))
                 marked.append(ir.DictAttr.get(entries))
             main.attributes["arg_attrs"] = ir.ArrayAttr.get(marked)
         started = time.perf_counter()
@@ -311,49 +368,48 @@ def analyse(executable, topo: Topology, model_flops_per_device: float, top: int,
 # The command
 
 
-def compile_programs(config: Config, preset: str, slice_name: str, programs=PROGRAMS, top: int = 10,
-                     use_cache: bool = True, say=print) -> list[dict]:
-    """Trace and compile each program of the run for the slice (or read its cached result);
-    one result dict per program (see `analyse`; `compiled` False with the compiler's `error`)."""
+def _checked(config: Config, slice_name: str) -> Topology:
     topo = topology(slice_name)
     check_config(config)
     require_compiler()
     check_batch_layout(config.optim.global_batch_size, topo.devices, max(1, slice_spec(slice_name).hosts))
+    return topo
+
+
+def _cached(key: str, use_cache: bool = True) -> dict | None:
+    path = Path(CACHE_DIR) / f"{key}.json"
+    return dict(json.loads(path.read_text()), cached=True) if use_cache and path.exists() else None
+
+
+def _store(key: str, result: dict) -> None:
+    """A program's cache entry, written whole or not at all (a plan cut short leaves no half of one)."""
+    Path(CACHE_DIR).mkdir(parents=True, exist_ok=True)
+    partial = Path(CACHE_DIR) / f".{key}.{os.getpid()}.partial"
+    partial.write_text(json.dumps(result))
+    partial.replace(Path(CACHE_DIR) / f"{key}.json")
+
+
+def compiled_result(traced: Traced, config: Config, program: str, topo: Topology, top: int = 10, say=print) -> dict:
+    """The result dict of one traced program compiled for the topology (see `analyse`;
+    `compiled` False with the compiler's `error` and advice when it refuses)."""
+    say(f"compiling {program} for {topo.slice} ({topo.name}, {topo.devices} devices) with libtpu's compile-only "
+        "client", flush=True)
+    try:
+        executable, seconds = compile_hlo(*traced[:2], topo, traced[2])
+    except CompileError as e:  # a refusal is the compiler's answer too: cached like a program
+        say(f"  refused: {str(e).splitlines()[0][:300]}", flush=True)
+        return {"compiled": False, "error": str(e), "advice": _advice(str(e), config, topo.slice)}
+    say(f"  compiled in {seconds:.0f}s", flush=True)
     flops = model_flops(config.model)
-    per_device = {"train_step": flops["train"], "eval_step": flops["eval"]}
-    keys = {p: program_key(config, p, topo) for p in programs}
-    results, missing = {}, []
-    for program in programs:
-        cached = Path(CACHE_DIR) / f"{keys[program]}.json"
-        if use_cache and cached.exists():
-            results[program] = dict(json.loads(cached.read_text()), cached=True)
-        else:
-            missing.append(program)
-    if missing:
-        say(f"tracing {', '.join(missing)} of {preset} (global batch {config.optim.global_batch_size}) on a "
-            f"{topo.devices}-device CPU mesh", flush=True)
-        started = time.perf_counter()
-        traced = trace(config, tuple(missing), topo.devices)
-        say(f"  traced in {time.perf_counter() - started:.0f}s", flush=True)
-    for program in missing:
-        hlo, donors = traced[program]
-        say(f"compiling {program} for {topo.slice} ({topo.name}, {topo.devices} devices) with libtpu's compile-only "
-            "client", flush=True)
-        try:
-            executable, seconds = compile_hlo(hlo, donors, topo)
-        except CompileError as e:  # a refusal is the compiler's answer too: cached like a program
-            results[program] = {"compiled": False, "error": str(e), "advice": _advice(str(e), config, slice_name)}
-            say(f"  refused: {str(e).splitlines()[0][:300]}", flush=True)
-        else:
-            say(f"  compiled in {seconds:.0f}s", flush=True)
-            model_per_device = per_device[program] * config.optim.global_batch_size / topo.devices
-            extra = flops["train_extra" if program == "train_step" else "eval_extra"]
-            results[program] = dict(analyse(executable, topo, model_per_device, top, config.model.total_len),
-                                    extra_flops=extra * config.optim.global_batch_size / topo.devices,
-                                    compile_s=seconds, compiler=_versions())
-            del executable
-        Path(CACHE_DIR).mkdir(parents=True, exist_ok=True)
-        (Path(CACHE_DIR) / f"{keys[program]}.json").write_text(json.dumps(results[program]))
+    model_per_device = flops["train" if program == "train_step" else "eval"] * config.optim.global_batch_size \
+        / topo.devices
+    extra = flops["train_extra" if program == "train_step" else "eval_extra"]
+    return dict(analyse(executable, topo, model_per_device, top, config.model.total_len),
+                extra_flops=extra * config.optim.global_batch_size / topo.devices, compile_s=seconds,
+                compiler=_versions())
+
+
+def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo: Topology, programs) -> list[dict]:
     k, noise = ptrm.training_trajectories(config.eval)
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
               "global_batch": config.optim.global_batch_size,
@@ -361,6 +417,29 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
                   "puzzles_per_batch": config.optim.global_batch_size // k}
     return [dict(common, program=p, **(evaluation if p == "eval_step" else {}), **results[p]) for p in programs]
+
+
+def compile_programs(config: Config, preset: str, slice_name: str, programs=PROGRAMS, top: int = 10,
+                     use_cache: bool = True, say=print) -> list[dict]:
+    """Trace and compile each program of the run for the slice (or read its cached result), in
+    this process (its runtime must have the slice's device count; what each program leaves
+    behind stays: `compile_isolated` runs them in processes that end); one result dict per
+    program (see `analyse`; `compiled` False with the compiler's `error`)."""
+    topo = _checked(config, slice_name)
+    keys = {p: program_key(config, p, topo) for p in programs}
+    results = {p: r for p in programs if (r := _cached(keys[p], use_cache)) is not None}
+    missing = [p for p in programs if p not in results]
+    if missing:
+        say(f"tracing {', '.join(missing)} of {preset} (global batch {config.optim.global_batch_size}) on a "
+            f"{topo.devices}-device CPU mesh", flush=True)
+        started = time.perf_counter()
+        traced = trace(config, tuple(missing), topo.devices)
+        say(f"  traced in {time.perf_counter() - started:.0f}s", flush=True)
+    for program in missing:
+        results[program] = compiled_result(traced[program], config, program, topo, top, say)
+        _store(keys[program], results[program])
+        results[program]["cached"] = False
+    return _with_run_fields(results, config, preset, topo, programs)
 
 
 def eval_ms_per_puzzle(result: dict) -> float | None:
@@ -383,36 +462,116 @@ def cached_results(config: Config, slice_name: str, programs=PROGRAMS) -> list[d
     return found
 
 
-def compile_in_subprocess(jobs: list[tuple[str, Config]], slice_name: str, programs=PROGRAMS) -> list[list[dict]]:
-    """compile_programs for each (preset, config) of `jobs`, in one new process whose CPU
-    runtime has the slice's device count (a process's runtime cannot change its count): the
-    cached ones without starting it. Its progress lines go to this process's output."""
-    results: list[list[dict] | None] = [cached_results(config, slice_name, programs) for _, config in jobs]
-    todo = [i for i, r in enumerate(results) if r is None]
-    if todo:
-        require_compiler()
-        import subprocess
-        import tempfile
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 100 else f"{seconds:.0f}s"
 
-        with tempfile.TemporaryDirectory(prefix="trm-tpu-compile-") as tmp:
-            request = Path(tmp) / "jobs.json"
-            request.write_text(json.dumps({"slice": slice_name, "programs": list(programs),
-                                           "jobs": [[jobs[i][0], dataclasses.asdict(jobs[i][1])] for i in todo]}))
-            done = subprocess.run([sys.executable, __file__, "--jobs", str(request)], cwd=Path(__file__).parent)
+
+def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top: int = 10, use_cache: bool = True,
+                     processes: int | None = None, say=print, labels: list[str] | None = None) -> list[list[dict]]:
+    """compile_programs for each (preset, config, slice) of `jobs` (or its cached results), in
+    processes that end (bounded_processes.py; `processes` at once, None: as many as the memory
+    allows): one trace per distinct (settings, slice) writes the HLO, one compile per program
+    writes its cache entry at once (a run cut short keeps it). A line per program as it ends: its
+    time, its process's peak memory (the OS's), how many remain; `labels` name the jobs."""
+    import bounded_processes
+
+    started, tmp = time.perf_counter(), Path(tempfile.mkdtemp(prefix="trm-tpu-compile-"))
+    topos = [_checked(config, slice_name) for _, config, slice_name in jobs]
+    keys = [{p: program_key(config, p, topo) for p in programs} for (_, config, _), topo in zip(jobs, topos)]
+    traces: dict[tuple, tuple[int, list[str]]] = {}  # (settings, slice) -> (first job, its programs not cached)
+    for i, (_, config, slice_name) in enumerate(jobs):
+        missing = [p for p in programs if _cached(keys[i][p], use_cache) is None]
+        if missing:
+            traces.setdefault((program_settings(config), slice_name), (i, missing))
+    total = sum(len(missing) for _, missing in traces.values())
+    progress, fresh = {"done": 0, "peak": 0}, set()
+
+    def worker(kind: str, request: dict, name: str) -> list[str]:
+        (tmp / f"{name}.json").write_text(json.dumps(request))
+        return [sys.executable, str(Path(__file__).resolve()), "--worker", kind, str(tmp / f"{name}.json")]
+
+    def compiled(program: str, key: str, label: str):
+        def then(done) -> list:
+            progress["done"] += 1
+            progress["peak"] = max(progress["peak"], done.peak_bytes)
+            entry = _cached(key)
+            failed = done.returncode != 0 or entry is None
+            say(f"[{progress['done']}/{total}] {label} {program}: "
+                + (f"FAILED (exit {done.returncode})" if failed else
+                   f"{'compiled' if entry['compiled'] else 'refused by the compiler'} in {done.seconds:.0f}s")
+                + f", process peak {done.peak_bytes / 1e9:.1f} GB (measured); {total - progress['done']} to go, "
+                f"{_minutes(time.perf_counter() - started)} so far", flush=True)
+            if failed:
+                failures.append(f"{label} {program}: {done.output.strip()[-1500:]}")
+            else:
+                fresh.add(key)
+            return []
+        return then
+
+    def traced(i: int, missing: list[str], label: str):
+        def then(done) -> list:
+            progress["peak"] = max(progress["peak"], done.peak_bytes)
             if done.returncode != 0:
-                raise CompileError(f"compiling for {slice_name} failed (exit {done.returncode}): see the lines above")
-            for i, result in zip(todo, json.loads((Path(tmp) / "results.json").read_text())):
-                results[i] = result
-    return results
+                progress["done"] += len(missing)
+                failures.append(f"tracing {label} (exit {done.returncode}): {done.output.strip()[-1500:]}")
+                say(f"tracing {label} FAILED (exit {done.returncode}); {total - progress['done']} to go", flush=True)
+                return []
+            say(f"  traced {label} in {done.seconds:.0f}s, process peak {done.peak_bytes / 1e9:.1f} GB (measured)",
+                flush=True)
+            preset, config, slice_name = jobs[i]
+            return [bounded_processes.Task(f"{label} {p}", worker("compile", {
+                "preset": preset, "config": dataclasses.asdict(config), "slice": slice_name, "program": p,
+                "top": top, "key": keys[i][p], "hlo": str(tmp / f"{i}-{p}.hlo")}, f"{i}-{p}"), f"compile {slice_name}",
+                compiled(p, keys[i][p], label)) for p in missing]
+        return then
+
+    failures, tasks = [], []
+    for i, missing in traces.values():
+        preset, config, slice_name = jobs[i]
+        label = f"{labels[i] if labels else f'{preset} (batch {config.optim.global_batch_size})'} for {slice_name}"
+        tasks.append(bounded_processes.Task(label, worker("trace", {
+            "config": dataclasses.asdict(config), "slice": slice_name, "programs": missing, "out": str(tmp),
+            "job": i}, f"{i}-trace"), f"trace {slice_name}", traced(i, missing, label)))
+    if tasks:
+        say(f"{total} program(s) to compile, {len(tasks)} trace(s) first; "
+            + (f"{processes} process(es) at once" if processes else
+               "as many processes at once as the memory allows (measured)"), flush=True)
+    try:
+        bounded_processes.run(tasks, processes)
+    except KeyboardInterrupt:
+        say(f"interrupted: {len(fresh)} of {total} program(s) compiled and cached; the same command again compiles "
+            "the rest", flush=True)
+        raise
+    finally:
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+    if tasks:
+        say(f"compiled {total - len(failures)} of {total} program(s) in {_minutes(time.perf_counter() - started)}; "
+            f"the largest process peaked at {progress['peak'] / 1e9:.1f} GB (measured)", flush=True)
+    if failures:
+        raise CompileError("compiling failed:\n" + "\n".join(failures))
+    return [_with_run_fields({p: dict(_cached(keys[i][p]), cached=keys[i][p] not in fresh) for p in programs},
+                             config, preset, topos[i], programs) for i, (preset, config, _) in enumerate(jobs)]
 
 
-def _run_jobs(request_path: str) -> None:
+def _worker(kind: str, request_path: str) -> None:
+    """compile_isolated's process: `trace` writes each program's HLO, `compile` one's cache entry."""
     from config import config_from_dict
 
     request = json.loads(Path(request_path).read_text())
-    results = [compile_programs(config_from_dict(saved), preset, request["slice"], tuple(request["programs"]))
-               for preset, saved in request["jobs"]]
-    Path(request_path).with_name("results.json").write_text(json.dumps(results))
+    config, topo = config_from_dict(request["config"]), topology(request["slice"])
+    if kind == "trace":
+        for program, (hlo, donors, shardings) in trace(config, tuple(request["programs"]), topo.devices).items():
+            Path(request["out"], f"{request['job']}-{program}.hlo").write_bytes(hlo)
+            Path(request["out"], f"{request['job']}-{program}.parameters").write_text(
+                json.dumps({"donors": donors, "shardings": shardings}))
+        return
+    hlo = Path(request["hlo"])
+    parameters = json.loads(hlo.with_suffix(".parameters").read_text())
+    shardings = {int(k): v for k, v in parameters["shardings"].items()}
+    _store(request["key"], compiled_result((hlo.read_bytes(), parameters["donors"], shardings), config,
+                                           request["program"], topo, request["top"]))
 
 
 def device_time_fields(results: list[dict]) -> dict:
@@ -510,9 +669,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     preset, args = parse_args(sys.argv[1:] if argv is None else argv)
     config = resolved_config(args.config, preset, args.table_rows)
     try:
-        results = compile_programs(config, preset, args.slice, args.programs, args.top, args.cache)
+        if args.jobs is not None and args.jobs < 1:
+            raise ValueError(f"--jobs {args.jobs}: give at least 1 process (or leave it out: sized from the memory)")
+        (results,) = compile_isolated([(preset, config, args.slice)], args.programs, args.top, args.cache, args.jobs)
     except (ConfigError, ValueError, CompileError) as e:
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:
+        raise SystemExit(130)
     print()
     print(format_results(results))
     if args.json:
@@ -524,7 +687,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--jobs"]:  # compile_in_subprocess's worker
-        _run_jobs(sys.argv[2])
+    if sys.argv[1:2] == ["--worker"]:  # compile_isolated's processes
+        _worker(sys.argv[2], sys.argv[3])
     else:
         main()
