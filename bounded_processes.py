@@ -1,7 +1,8 @@
 """Commands run in processes that end, as many at once as the machine's memory allows: each
 one's peak resident memory read from the OS when it ends (wait4's ru_maxrss), the next started
 only when the memory available (/proc/meminfo) holds the largest peak measured so far of its
-kind, beside what the running ones may still grow to. tpu_compile.py runs its traces and
+kind, beside what the running ones may still grow to, and all of them together stay within a
+third of the machine's memory (BUDGET_FRACTION). tpu_compile.py runs its traces and
 compiles this way, so a plan of many programs holds one program's memory per process, never the
 sum of them all (a process's caches grow from program to program and are never given back).
 
@@ -26,6 +27,10 @@ from dataclasses import dataclass, field
 
 HEADROOM_BYTES = 1 << 30
 """Memory left to the rest of the machine when sizing the concurrency."""
+BUDGET_FRACTION = 1 / 3
+"""Of the machine's physical memory, what the processes run at once may hold together (their
+measured peaks): a plan shares a laptop with the user's other work (8 GB of 24, 5.3 of 16). A
+process alone may exceed it: the first task always starts."""
 
 
 @dataclass
@@ -51,16 +56,21 @@ class Finished:
     """Its stdout and stderr together."""
 
 
-def available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (None where there is no /proc)."""
+def meminfo_bytes(field: str = "MemAvailable") -> int | None:
+    """A field of /proc/meminfo in bytes, MemAvailable by default (None where there is no /proc)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is no /proc)."""
+    return meminfo_bytes("MemAvailable")
 
 
 def resident_bytes(pid: int) -> int:
@@ -104,7 +114,9 @@ def _may_start(task: Task, running: list[_Running], peaks: dict[str, int], proce
     if expected is None or available is None:
         return False  # not measured yet: one at a time
     growth = sum(max(0, peaks.get(r.task.kind, expected) - resident_bytes(r.process.pid)) for r in running)
-    return available - growth - HEADROOM_BYTES >= 1.15 * expected
+    held = sum(max(peaks.get(r.task.kind, expected), resident_bytes(r.process.pid)) for r in running)
+    budget = BUDGET_FRACTION * (meminfo_bytes("MemTotal") or 0)
+    return available - growth - HEADROOM_BYTES >= 1.15 * expected and held + 1.15 * expected <= budget
 
 
 def _interrupt(signum, frame):
