@@ -153,7 +153,8 @@ def program_settings(config: Config) -> str:
 # the traced code (model, optimizers, the captured step, the mesh) and what it imports from the
 # project (tests/test_tpu_compile.py checks), the trainer that builds the step, and this reader.
 PROGRAM_SOURCES = ("model.py", "attention.py", "device_grads.py", "ranges.py", "optim.py", "trainer.py",
-                   "capture.py", "sharding.py", "tpu_compile.py", "hlo_stats.py", "ptrm.py")
+                   "capture.py", "sharding.py", "tpu_compile.py", "hlo_stats.py", "ptrm.py",
+                   "recursion.py", "halting.py")
 
 
 def program_key(config: Config, program: str, topo: Topology) -> str:
