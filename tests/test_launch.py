@@ -451,8 +451,9 @@ def test_deploy_ships_tracked_code_only_and_compares_hashes(pod):
     for w in range(pod.workers):
         code = pod.home(w) / "trm"
         shipped = sorted(str(p.relative_to(code)) for p in code.rglob("*") if p.is_file())
-        assert shipped == [".trm-code-sha256sums", "docs/a file with spaces.txt", "launch.sh", "launch_help.sh",
-                           "launch_run.sh", "launch_smoke.sh", "requirements.txt", "train.py", "worker.sh"]
+        assert shipped == [".trm-code-sha256sums", "docs/a file with spaces.txt", "launch.sh", "launch_fleet.sh",
+                           "launch_help.sh", "launch_run.sh", "launch_smoke.sh", "requirements.txt", "train.py",
+                           "worker.sh"]
         assert (code / "docs" / "a file with spaces.txt").read_text() == "uncommitted edit\n"
     assert pod.run("deploy").stderr.count("code ") >= pod.workers   # again: same code, no error
 
