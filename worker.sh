@@ -109,8 +109,14 @@ def port_check(worker, host0, port, workers, wait):
                 while connected < workers - 1 and time.time() < deadline:
                     server.settimeout(max(0.1, deadline - time.time()))
                     try:
-                        server.accept()[0].close()
+                        conn = server.accept()[0]
                         connected += 1
+                        with conn:   # the worker closes first: TIME_WAIT lands on its port, not on this one
+                            conn.settimeout(2)
+                            try:
+                                conn.recv(1)
+                            except OSError:
+                                pass
                     except socket.timeout:
                         break
             state = "ok" if connected == workers - 1 else "ERROR"

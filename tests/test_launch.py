@@ -664,7 +664,7 @@ def test_check_compares_workers(pod):
 
 def test_check_shows_whether_the_workers_reach_worker_0s_port(pod):
     # The real port check of worker.sh (worker 0 listens, the others connect), canned answers for
-    # the rest; then the port taken on worker 0 (bound, not listening): both workers say so.
+    # the rest; then a port taken on worker 0 (bound, not listening): both workers say so.
     pod.ready()
     canned = "".join(f"{k}\\t{v}\\n" for k, v in {"python": "3.10.12", "torch": "2.9.0", "torch_xla": "2.9.0",
                                                    "libtpu": "0.0.21", "bucket": "ok", "devices": "8",
@@ -678,8 +678,9 @@ def test_check_shows_whether_the_workers_reach_worker_0s_port(pod):
     assert f"all {pod.workers} workers OK" in result.stderr
     header, *rows = result.stdout.splitlines()
     assert header.split()[9] == "port" and [row.split()[9] for row in rows] == ["ok"] * pod.workers
-    with socket.socket() as taken:
-        taken.bind(("", port))
+    with socket.socket() as taken:   # a fresh port the kernel gives: the first one may be in TIME_WAIT
+        taken.bind(("", 0))
+        port = taken.getsockname()[1]
         errors = pod.run("check", TRM_CHECK_PORT=str(port), TRM_CHECK_WAIT="3", expect=1).stderr
     assert f"worker 0: cannot listen on port {port}" in errors
     assert f"worker 1: no TCP connection to worker 0 at 127.0.0.1:{port} in 3 s" in errors
