@@ -34,51 +34,69 @@ from torch import nn
 
 
 class _Use(torch.autograd.Function):
-    """One use of a weight: forward `x @ w.T` ("right") or `w @ x` ("left", x [batch, in, c]),
-    with `w` the cast weight. Backward: x's gradient as autograd computes it, and the weight's as
-    per-device gradients for `view` [devices, out, in] (w gets none: it reaches the weight
-    through the view)."""
+    """Uses of a weight's `parts` row blocks w_1..w_p (one use when p is 1): forward each
+    block's `x @ w_i.T` ("right") or `w_i @ x` ("left", x [batch, in, c]), with `w` the cast
+    weight. Backward: x's gradient, and the weight's: per device for `view` [devices, out, in]
+    when there is one (w then gets none: it reaches the weight through the view), else for w.
+
+    x's gradient from several blocks is their matmuls summed in float32 and rounded once: the
+    reference's one matmul of the whole weight accumulates the blocks' products in float32 and
+    rounds once, where rounding each block's to the activation dtype and adding those (autograd's
+    sum over separate uses) rounds three times (tests/test_archs.py: bf16 gradients equal the
+    reference's bitwise; 3.1e-2 of the largest apart before)."""
 
     @staticmethod
-    def forward(ctx, x, w, view, bias, side: str, annotate):
+    def forward(ctx, x, w, view, bias, side: str, annotate, parts: int):
         ctx.save_for_backward(x, w)
-        ctx.side, ctx.annotate, ctx.devices, ctx.view_dtype = side, annotate, view.shape[0], view.dtype
-        return F.linear(x, w, bias) if side == "right" else torch.matmul(w, x)
+        ctx.side, ctx.annotate, ctx.parts = side, annotate, parts
+        ctx.devices, ctx.view_dtype = (1, None) if view is None else (view.shape[0], view.dtype)
+        blocks = w.chunk(parts, dim=0)
+        outs = tuple(F.linear(x, b, bias) if side == "right" else torch.matmul(b, x) for b in blocks)
+        return outs if parts > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *dys):
         x, w = ctx.saved_tensors
-        devices = ctx.devices
-        dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
+        blocks = w.chunk(ctx.parts, dim=0)
+        right = ctx.side == "right"
+        dys = [torch.zeros(x.shape[:-1] + (b.shape[0],) if right else (x.shape[0], b.shape[0], x.shape[2]),
+                           dtype=x.dtype, device=x.device) if dy is None else dy for dy, b in zip(dys, blocks)]
+        dx = None
+        if ctx.needs_input_grad[0]:  # y = x @ w.T: dx = dy @ w;  y = w @ x: dx = w.T @ dy
+            wide = (lambda t: t) if ctx.parts == 1 else (lambda t: t.float())
+            terms = [torch.matmul(wide(dy), wide(b)) if right else torch.matmul(wide(b).transpose(0, 1), wide(dy))
+                     for dy, b in zip(dys, blocks)]
+            dx = terms[0] if ctx.parts == 1 else sum(terms[1:], terms[0]).to(x.dtype)
+        dbias = dys[0].reshape(-1, dys[0].shape[-1]).sum(0) if ctx.needs_input_grad[3] else None
         # Each device's rows: the batch dim split as [devices, rows per device] (a free view of
         # the major dim), contracted over rows and positions as they lie, never merged into one
         # dim (on a TPU, merging rows with 97 positions is a relayout copy of the activations).
-        rows_dy, rows_x = (t.view(devices, -1, *t.shape[1:]) for t in (dy, x))
-        if ctx.side == "right":  # y [b, (s,) out] = x [b, (s,) in] @ w.T (+ bias)
-            dx = torch.matmul(dy, w) if ctx.needs_input_grad[0] else None
-            spec = "dbso,dbsi->doi" if x.ndim == 3 else "dbo,dbi->doi"
-        else:  # y [b, out, c] = w [out, in] @ x [b, in, c]
-            dx = torch.matmul(w.transpose(0, 1), dy) if ctx.needs_input_grad[0] else None
-            spec = "dboc,dbic->doi"
-        parts = torch.einsum(spec, rows_dy, rows_x)  # [devices, out, in] in x's dtype: rounded as the reference's
-        return dx, None, ctx.annotate(parts).to(ctx.view_dtype), dbias, None, None
+        devices = ctx.devices
+        rows_x = x.view(devices, -1, *x.shape[1:])
+        spec = ("dbso,dbsi->doi" if x.ndim == 3 else "dbo,dbi->doi") if right else "dboc,dbic->doi"
+        # [devices, out, in] in x's dtype, each block's rounded as the reference's
+        grads = torch.cat([torch.einsum(spec, dy.view(devices, -1, *dy.shape[1:]), rows_x) for dy in dys], dim=1)
+        if ctx.view_dtype is None:
+            return dx, grads[0], None, dbias, None, None, None
+        return dx, None, ctx.annotate(grads).to(ctx.view_dtype), dbias, None, None, None
 
 
-def use(module: nn.Module, x: torch.Tensor, side: str = "right", part: int = 0, parts: int = 1) -> torch.Tensor:
-    """`x @ W.T (+ b)` (side "right") or `W @ x` ("left") with W the row block `part` of `parts`
-    of the module's float32 weight and b its bias (if any, right side, whole weight only), both
-    cast to x's dtype; per-device weight gradients when the module holds a view
-    (`per_device_weight_grads`) and autograd records this use."""
+def use(module: nn.Module, x: torch.Tensor, side: str = "right", parts: int = 1):
+    """`x @ W.T (+ b)` (side "right") or `W @ x` ("left") with W the module's float32 weight and
+    b its bias (if any, right side, one part only), both cast to x's dtype; with `parts` > 1, a
+    tuple: one result per row block of W (the same dot products as one matmul split after,
+    without writing the whole result and slicing it). Per-device weight gradients when the
+    module holds a view (`per_device_weight_grads`) and autograd records this use."""
     weight = module.weight.to(x.dtype)
-    if parts > 1:
-        weight = weight.chunk(parts, dim=0)[part]
     bias = None if getattr(module, "bias", None) is None else module.bias.to(x.dtype)
+    if bias is not None and parts > 1:
+        raise ValueError("use: a bias with parts > 1 is not supported (split the result instead)")
     view = getattr(module, "device_view", None)
-    if view is None or not torch.is_grad_enabled():
-        return F.linear(x, weight, bias) if side == "right" else torch.matmul(weight, x)
-    if parts > 1:
-        view = view.chunk(parts, dim=1)[part]
-    return _Use.apply(x, weight.detach(), view, bias, side, module.device_annotate)
+    if not torch.is_grad_enabled() or (view is None and parts == 1):
+        blocks = weight.chunk(parts, dim=0)
+        outs = tuple(F.linear(x, b, bias) if side == "right" else torch.matmul(b, x) for b in blocks)
+        return outs if parts > 1 else outs[0]
+    return _Use.apply(x, weight if view is None else weight.detach(), view, bias, side, module.device_annotate, parts)
 
 
 @contextmanager

@@ -222,13 +222,14 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate and up by two matmuls with the halves of gate_up's weight: the same dot products
         # as one matmul chunked after, without writing (and slicing) the double-width output.
-        return self.down(F.silu(use(self.gate_up, x, part=0, parts=2)) * use(self.gate_up, x, part=1, parts=2))
+        gate, up = use(self.gate_up, x, parts=2)
+        return self.down(F.silu(gate) * up)
 
     def across_positions(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x.transpose(1, 2)).transpose(1, 2) for x [batch, positions, channels]: the same
         dot products contracting the positions directly, with no transposed copy (on a TPU a minor
         dimension of T = 97 positions is padded to 128 and relaid out around every matmul)."""
-        gate, up = (use(self.gate_up, x, "left", part, parts=2) for part in (0, 1))
+        gate, up = use(self.gate_up, x, "left", parts=2)
         return use(self.down, F.silu(gate) * up, "left")
 
 
@@ -266,7 +267,7 @@ class Attention(nn.Module):
         # q, k and v by three matmuls with the thirds of qkv's weight: the same dot products as one
         # matmul split after, without a backward that stacks their gradients into one copy.
         heads = (batch, length, self.num_heads, self.head_dim)
-        q, k, v = (use(self.qkv, x, part=part, parts=3).view(heads) for part in range(3))
+        q, k, v = (t.view(heads) for t in use(self.qkv, x, parts=3))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))

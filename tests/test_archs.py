@@ -77,9 +77,9 @@ def close(ours, theirs, tol, what):
     return err
 
 
-def ours_and_theirs(arch: str, dtype: str):
+def ours_and_theirs(arch: str, dtype: str, **overrides):
     torch.manual_seed(0)
-    ours = TRM(small_config(arch, dtype))
+    ours = TRM(small_config(arch, dtype, **overrides))
     with torch.no_grad():
         ours.puzzle_embedding.weight.normal_()
         ours.q_head.weight.normal_(std=0.3)  # so that rows halt at different steps
@@ -93,10 +93,10 @@ def ours_and_theirs(arch: str, dtype: str):
     return ours, theirs
 
 
-def run_side_by_side(arch: str, dtype: str, training: bool, steps: int, tol: float) -> dict[str, float]:
+def run_side_by_side(arch: str, dtype: str, training: bool, steps: int, tol: float, **overrides) -> dict[str, float]:
     """Each ACT step of both: every output, the loss, each metric and (training) every
     gradient, compared; returns the largest relative difference of each kind."""
-    ours, theirs = ours_and_theirs(arch, dtype)
+    ours, theirs = ours_and_theirs(arch, dtype, **overrides)
     ours.train(training), theirs.train(training)
     names = reference_weights._reference_names(ours.config)
     errors: dict[str, float] = {}
@@ -128,7 +128,7 @@ def run_side_by_side(arch: str, dtype: str, training: bool, steps: int, tol: flo
                 if name == "token_embedding" and dtype == "bfloat16":
                     # Ours sums the tokens' rows in float32 (docs/faithfulness.md), the reference's
                     # CPU kernel in bf16: its rounding, not ours, sets this difference.
-                    errors["token_grad"] = max(errors.get("token_grad", 0), close(param.grad, grad, 0.1, name))
+                    errors["token_grad"] = max(errors.get("token_grad", 0), close(param.grad, grad, 2e-2, name))
                     continue
                 errors["grad"] = max(errors.get("grad", 0), close(param.grad, grad, tol, f"gradient of {name}"))
             errors["grad"] = max(errors["grad"], close(ours.puzzle_embedding.batch_rows.grad,
@@ -141,18 +141,24 @@ def run_side_by_side(arch: str, dtype: str, training: bool, steps: int, tol: flo
 
 
 ARCHS = list(REFERENCE_CLASSES)
+MLP_T = dict(mlp_t=True, pos_encodings="none")  # sudoku-mlp's token mixing: a SwiGLU across positions
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_each_arch_equals_the_reference_side_by_side(arch):
+@pytest.mark.parametrize("arch,overrides", [(arch, {}) for arch in ARCHS] + [("trm", MLP_T)],
+                         ids=ARCHS + ["trm-mlp_t"])
+def test_each_arch_equals_the_reference_side_by_side(arch, overrides):
     """Training (4 ACT steps, rows halting on the Q head and at halt_max_steps, new examples
     loaded) and evaluation (halt_max_steps steps), in float32 and bfloat16 (the presets' dtype):
     bitwise-equal outputs and halting, the loss and metrics within 1e-6, every gradient within
-    1e-5 (float32) and 5e-2 (bfloat16: measured up to 3.1e-2) of its largest value."""
+    1e-5 (float32) and 5e-3 (bfloat16) of its largest value. Measured in bfloat16: trm,
+    trm_singlez and hrm bitwise equal; trm_hier6 1.8e-3, transformers_baseline 4.8e-4 and trm
+    with mlp_t 2.4e-3 (one-ulp flips where float32 sums in another order round otherwise: qkv's
+    three blocks of x's gradient, mlp_t's weight gradient over rows and channels; 3.1e-2 and
+    2.1e-2 when each block's x gradient was rounded to bf16 before the sum, device_grads._Use)."""
     measured = {}
-    for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-2)):
-        measured[dtype, "train"] = run_side_by_side(arch, dtype, True, 4, tol)
-        measured[dtype, "eval"] = run_side_by_side(arch, dtype, False, 3, tol)
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-3)):
+        measured[dtype, "train"] = run_side_by_side(arch, dtype, True, 4, tol, **overrides)
+        measured[dtype, "eval"] = run_side_by_side(arch, dtype, False, 3, tol, **overrides)
     print(arch, {f"{d}/{m}": {k: f"{v:.1e}" for k, v in e.items()} for (d, m), e in measured.items()})
 
 

@@ -10,7 +10,7 @@ from model import TRM, Linear, TRMConfig, loss_and_metrics
 
 def model_gradients(model, batch, devices: int, rows=None):
     """The dense weights' gradients (float64 copies) of one ACT step's loss, CPU eager, with the
-    per-device rule over `devices` (1: autograd's own path), on all rows or the slice `rows`."""
+    per-device rule over `devices` (1: one device's path), on all rows or the slice `rows`."""
     model.zero_grad(set_to_none=True)
     batch = batch if rows is None else {k: v[rows] for k, v in batch.items()}
     with device_grads.per_device_weight_grads(model, devices, lambda t: t):
