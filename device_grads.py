@@ -42,25 +42,21 @@ class _Use(torch.autograd.Function):
     x's gradient from several blocks is their matmuls summed in float32 and rounded once: the
     reference's one matmul of the whole weight accumulates the blocks' products in float32 and
     rounds once, where rounding each block's to the activation dtype and adding those (autograd's
-    sum over separate uses) rounds three times (tests/test_archs.py: bf16 gradients equal the
-    reference's bitwise; 3.1e-2 of the largest apart before)."""
+    sum over separate uses) rounds at every block and every add (tests/test_archs.py: bf16
+    gradients equal the reference's bitwise; 3.1e-2 of the largest apart before)."""
 
     @staticmethod
     def forward(ctx, x, w, view, bias, side: str, annotate, parts: int):
         ctx.save_for_backward(x, w)
         ctx.side, ctx.annotate, ctx.parts = side, annotate, parts
         ctx.devices, ctx.view_dtype = (1, None) if view is None else (view.shape[0], view.dtype)
-        blocks = w.chunk(parts, dim=0)
-        outs = tuple(F.linear(x, b, bias) if side == "right" else torch.matmul(b, x) for b in blocks)
-        return outs if parts > 1 else outs[0]
+        return _matmuls(x, w, bias, side, parts)
 
     @staticmethod
     def backward(ctx, *dys):
         x, w = ctx.saved_tensors
         blocks = w.chunk(ctx.parts, dim=0)
-        right = ctx.side == "right"
-        dys = [torch.zeros(x.shape[:-1] + (b.shape[0],) if right else (x.shape[0], b.shape[0], x.shape[2]),
-                           dtype=x.dtype, device=x.device) if dy is None else dy for dy, b in zip(dys, blocks)]
+        right = ctx.side == "right"  # (an output unused gets zeros: autograd materialises them)
         dx = None
         if ctx.needs_input_grad[0]:  # y = x @ w.T: dx = dy @ w;  y = w @ x: dx = w.T @ dy
             wide = (lambda t: t) if ctx.parts == 1 else (lambda t: t.float())
@@ -81,6 +77,12 @@ class _Use(torch.autograd.Function):
         return dx, None, ctx.annotate(grads).to(ctx.view_dtype), dbias, None, None, None
 
 
+def _matmuls(x: torch.Tensor, w: torch.Tensor, bias, side: str, parts: int):
+    """Each of w's `parts` row blocks times x (a tuple when parts > 1)."""
+    outs = tuple(F.linear(x, b, bias) if side == "right" else torch.matmul(b, x) for b in w.chunk(parts, dim=0))
+    return outs if parts > 1 else outs[0]
+
+
 def use(module: nn.Module, x: torch.Tensor, side: str = "right", parts: int = 1):
     """`x @ W.T (+ b)` (side "right") or `W @ x` ("left") with W the module's float32 weight and
     b its bias (if any, right side, one part only), both cast to x's dtype; with `parts` > 1, a
@@ -93,9 +95,7 @@ def use(module: nn.Module, x: torch.Tensor, side: str = "right", parts: int = 1)
         raise ValueError("use: a bias with parts > 1 is not supported (split the result instead)")
     view = getattr(module, "device_view", None)
     if not torch.is_grad_enabled() or (view is None and parts == 1):
-        blocks = weight.chunk(parts, dim=0)
-        outs = tuple(F.linear(x, b, bias) if side == "right" else torch.matmul(b, x) for b in blocks)
-        return outs if parts > 1 else outs[0]
+        return _matmuls(x, weight, bias, side, parts)
     return _Use.apply(x, weight if view is None else weight.detach(), view, bias, side, module.device_annotate, parts)
 
 
