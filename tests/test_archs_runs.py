@@ -15,6 +15,7 @@ import data
 import predict
 import train
 from config import parse_config
+from tests.test_predict import digits, write_demo_csv
 from tests.test_train import run_in_fresh_process, tiny_args
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,10 +76,8 @@ def test_each_arch_shards_resumes_exports_and_predicts_like_trm(demo_path, tmp_p
 
     # predict from the run directory: each test puzzle's answer, cell by cell as the evaluation counted.
     test_set = data.open_dataset(demo_path, "test")
-    digits = lambda tokens: "".join(str(int(t) - 1) for t in tokens)  # noqa: E731  (blanks as '0')
     puzzles = tmp_path / "test.csv"
-    puzzles.write_text("source,question,answer,rating\n" + "".join(
-        f"demo,{digits(q)},{digits(a)},0\n" for q, a in zip(test_set.inputs, test_set.labels)))
+    write_demo_csv(test_set, puzzles)
     answered = predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle-file", str(puzzles)])
     assert len(answered["puzzles"]) == 40
     assert answered["exact_accuracy"] == pytest.approx(straight["final"]["exact_accuracy"])

@@ -19,6 +19,17 @@ from tests.test_checkpoint import subprocess_env
 from tests.test_eval import TINY_ARC, small
 
 
+def digits(tokens) -> str:
+    """A demo puzzle's tokens as the builders' digits (blanks as '0')."""
+    return "".join(str(int(t) - 1) for t in tokens)
+
+
+def write_demo_csv(test_set, path) -> None:
+    """The demo's test split as the builders' CSV, answers included."""
+    path.write_text("source,question,answer,rating\n" + "".join(
+        f"demo,{digits(q)},{digits(a)},0\n" for q, a in zip(test_set.inputs, test_set.labels)))
+
+
 def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_path, tmp_path):
     run_dir = tmp_path / "run"
     # A model this small and short solves few test puzzles (often none): the answers are also compared cell
@@ -27,11 +38,9 @@ def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_pat
                                     *small(run_dir, tmp_path / "cache", "--optim.max-steps", "40")]))
     final = trained["final"]
     test_set = data.open_dataset(demo_path, "test")
-    digits = lambda tokens: "".join(str(int(t) - 1) for t in tokens)  # blanks as '0'
     # The test split as the builders' CSV (answers included), and as bare lines.
     csv_file, lines_file = tmp_path / "test.csv", tmp_path / "test.txt"
-    csv_file.write_text("source,question,answer,rating\n" + "".join(
-        f"demo,{digits(q)},{digits(a)},0\n" for q, a in zip(test_set.inputs, test_set.labels)))
+    write_demo_csv(test_set, csv_file)
     lines_file.write_text("".join(digits(q).replace("0", ".") + "\n" for q in test_set.inputs))
     out_file = tmp_path / "predictions.json"
     # As a user runs it: `python train.py predict`.
