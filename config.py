@@ -27,7 +27,7 @@ import storage
 from model import TRMConfig
 from optim import DENSE_OPTIMIZERS
 from ranges import range_problems, ranged
-from recursion import ARCHS, arch_defaults
+from recursion import SCHEMES, arch_defaults
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -239,13 +239,13 @@ def arch_in(argv: list[str]) -> str | None:
         name, _, value = arg.partition("=")
         if name.replace("_", "-") == "--model.arch":
             found = value if value else (argv[i + 1] if i + 1 < len(argv) else None)
-    return found if found in ARCHS else None
+    return found if found in SCHEMES else None
 
 
 def with_arch(config: Config, arch: str | None) -> Config:
     """`config` with the model of arch `arch`: its reference yaml's values where they differ from
     trm.yaml's (the presets were built on it: HRM's cycles and layers, the baseline's 8 layers of 12
-    heads) and what its reference file fixes (recursion.Scheme.forced); every other field, e.g. a
+    heads) and what its reference file fixes (recursion.RecursionScheme.forced); every other field, e.g. a
     preset's mlp_t or seq_len, stays. None or the config's own arch: the config as it is."""
     if arch is None or arch == config.model.arch:
         return config

@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import recursion
 from attention import ATTENTIONS, attend
-from device_grads import use
-from halting import exploration_prob, says_halt
+from device_grads import weight_matmul
+from halting import exploration_prob
 from ranges import range_problems, ranged
-from recursion import ARCHS, BOOTSTRAPS_Q_CONTINUE, SCHEMES
+from recursion import SCHEMES
 
 IGNORE_LABEL_ID = -100
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -38,8 +39,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 class TRMConfig:
     """Architecture of a TRM; field names follow the reference's arch config."""
 
-    arch: Literal["trm", "trm_singlez", "trm_hier6", "hrm", "transformers_baseline"] = "trm"
-    """The reference's architecture (recursion.py); choosing one sets its yaml's values unless flags set them."""
+    arch: recursion.ArchName = "trm"
+    """The architecture, a recursion scheme registered in recursion.py; choosing one sets its yaml's values unless flags set them."""  # noqa: E501 (one line: tyro keeps line breaks)
     seq_len: int = ranged(81, ge=1)
     """Tokens per example (from the dataset)."""
     vocab_size: int = ranged(11, ge=1)
@@ -113,11 +114,15 @@ class TRMConfig:
             out.append(f"forward_dtype must be one of {sorted(DTYPES)}, got {self.forward_dtype!r}")
         if self.attention not in ATTENTIONS:
             out.append(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
-        if self.arch not in ARCHS:
-            out.append(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if self.arch not in SCHEMES:
+            out.append(f"arch must be one of {', '.join(SCHEMES)} (recursion.py's registered schemes), "
+                       f"got {self.arch!r}")
         if out or range_problems(self):  # the checks below divide by these sizes
             return out
-        out += self.arch_problems()
+        out += self.scheme.config_problems(self)
+        if self.act_inference:
+            out.append("act_inference=True: evaluation runs every halt_max_steps step here, as the "
+                       "reference's default; halting early in evaluation is not supported")
         head_dim = self.hidden_size // self.num_heads
         if not self.mlp_t and (head_dim == 0 or (self.pos_encodings == "rope" and head_dim % 2)):
             out.append(f"num_heads={self.num_heads} gives heads of width hidden_size // num_heads = {head_dim}"
@@ -128,25 +133,15 @@ class TRMConfig:
                        "puzzle_emb_len or set it to 0")
         return out
 
-    def arch_problems(self) -> list[str]:
-        """What the chosen arch's reference code does not do with these values."""
-        scheme, out = SCHEMES[self.arch], []
-        for name, value in scheme.forced.items():
-            if getattr(self, name) != value:
-                out.append(f"{name}={getattr(self, name)!r}: the reference's {self.arch} fixes it at {value!r}")
-        for name in ("separate_H_L", "one_step_grad"):
-            if getattr(self, name) and self.arch != "trm":
-                out.append(f"{name} is an ablation of trm (the paper's), not of arch {self.arch}")
-        if self.act_inference:
-            out.append("act_inference=True: evaluation runs every halt_max_steps step here, as the "
-                       "reference's default; halting early in evaluation is not supported")
-        if "H" in scheme.networks(self) and self.arch != "trm" and self.H_layers < 1:
-            out.append(f"H_layers={self.H_layers}: {self.arch} needs an H network of 1 or more blocks")
-        return out + scheme.problems(self)
-
     @property
-    def scheme(self):
+    def scheme(self) -> recursion.RecursionScheme:
+        """The arch's recursion scheme (recursion.py)."""
         return SCHEMES[self.arch]
+
+    def halt_score(self, q_halt: torch.Tensor, q_continue: torch.Tensor | None = None) -> torch.Tensor:
+        """The Q head's logits as this arch reads them for halting: a row halts where the score is
+        > 0, a higher score a surer halt (RecursionScheme.halt_score: q_halt, or q_halt - q_continue)."""
+        return self.scheme.halt_score(self, q_halt, q_continue)
 
     @property
     def prefix_len(self) -> int:
@@ -199,8 +194,9 @@ def swiglu_width(width: int, expansion: float) -> int:
 
 class Linear(nn.Module):
     """y = x W^T (+ b) with float32 weights cast to the activation dtype; LeCun truncated init.
-    Every matmul with the weight goes through device_grads.use, which gives the weight's gradient
-    the reference's reduction in a sharded training step (device_grads.per_device_weight_grads)."""
+    Every matmul with the weight goes through device_grads.weight_matmul, which gives the weight's
+    gradient the reference's reduction in a sharded training step (device_grads.py; another use
+    of the weight there is an error)."""
 
     def __init__(self, fan_in: int, fan_out: int, bias: bool = False):
         super().__init__()
@@ -209,7 +205,7 @@ class Linear(nn.Module):
         self.device_view = self.device_annotate = None  # set by device_grads during a training step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return use(self, x)
+        return weight_matmul(self, x)
 
 
 class SwiGLU(nn.Module):
@@ -222,15 +218,15 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # gate and up by two matmuls with the halves of gate_up's weight: the same dot products
         # as one matmul chunked after, without writing (and slicing) the double-width output.
-        gate, up = use(self.gate_up, x, parts=2)
+        gate, up = weight_matmul(self.gate_up, x, parts=2)
         return self.down(F.silu(gate) * up)
 
     def across_positions(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x.transpose(1, 2)).transpose(1, 2) for x [batch, positions, channels]: the same
         dot products contracting the positions directly, with no transposed copy (on a TPU a minor
         dimension of T = 97 positions is padded to 128 and relaid out around every matmul)."""
-        gate, up = use(self.gate_up, x, "left", parts=2)
-        return use(self.down, F.silu(gate) * up, "left")
+        gate, up = weight_matmul(self.gate_up, x, "left", parts=2)
+        return weight_matmul(self.down, F.silu(gate) * up, "left")
 
 
 def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,7 +263,7 @@ class Attention(nn.Module):
         # q, k and v by three matmuls with the thirds of qkv's weight: the same dot products as one
         # matmul split after, without a backward that stacks their gradients into one copy.
         heads = (batch, length, self.num_heads, self.head_dim)
-        q, k, v = (t.view(heads) for t in use(self.qkv, x, parts=3))
+        q, k, v = (t.view(heads) for t in weight_matmul(self.qkv, x, parts=3))
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -467,7 +463,7 @@ class TRM(nn.Module):
             steps = steps + 1
             halted = steps >= config.halt_max_steps
             if self.training and config.halt_max_steps > 1 and config.act_enabled:
-                halted = halted | says_halt(q_halt, q_continue, config.no_ACT_continue)
+                halted = halted | (config.halt_score(q_halt, q_continue) > 0)
                 # Exploration: some rows must run a random minimum of 2..halt_max_steps steps.
                 rows = torch.arange(steps.shape[0], device=steps.device)
                 seed, counter = self.exploration_seed, carry.rng_counter
@@ -475,7 +471,7 @@ class TRM(nn.Module):
                 draw = hashed_uniform(seed, counter, rows, 1)
                 min_steps = 2 + (draw * (config.halt_max_steps - 1)).to(torch.int32)
                 halted = halted & (steps >= torch.where(explore, min_steps, 0))
-                if not config.no_ACT_continue and config.arch in BOOTSTRAPS_Q_CONTINUE:
+                if config.scheme.q_continue_target(config):
                     # The reference's bootstrapped target: Q of the next step from the new state.
                     _, _, _, next_halt, next_continue = self.recurse(z_H, z_L, x)
                     is_last = steps >= config.halt_max_steps

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import ptrm
 from attention import blockwise_extra_flops
 from model import TRMConfig, swiglu_width
-from recursion import BOOTSTRAPS_Q_CONTINUE
 from schedule import run_schedule
 
 if TYPE_CHECKING:
@@ -79,7 +78,7 @@ def model_flops(c: TRMConfig) -> dict[str, int]:
     applications, with_grad = sum(per_update), sum(per_update[-scheme.grad_updates(c):])
     forward = applications * block + heads
     train_flops = forward + 2 * (with_grad * block + heads)
-    target = not c.no_ACT_continue and c.arch in BOOTSTRAPS_Q_CONTINUE
+    target = scheme.q_continue_target(c)
     if target:
         train_flops += forward
     blocks = not c.mlp_t and c.attention == "blockwise" and c.total_len > c.attention_block

@@ -58,11 +58,12 @@ def _reference_inner(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def reference_config(state_dict: dict[str, torch.Tensor], base: TRMConfig) -> TRMConfig:
     """`base` with every size that a reference checkpoint's tensor shapes determine: the arch
-    (by its initial states and networks; another arch than base's brings that arch's yaml values),
-    hidden_size, vocab_size, L_layers, H_layers, expansion, mlp_t, learned positions,
-    puzzle_emb_ndim and the number of puzzle identifiers. The rest (cycles, heads, seq_len,
-    halting) is not in the weights and stays as `base` (or the arch's yaml) says."""
-    from recursion import arch_defaults
+    (the registered scheme that recognises its initial states and networks, base's own arch first;
+    another arch than base's brings that arch's yaml values), hidden_size, vocab_size, the layers
+    of each network, expansion, mlp_t, learned positions, puzzle_emb_ndim and the number of puzzle
+    identifiers. The rest (cycles, heads, seq_len, halting) is not in the weights and stays as
+    `base` (or the arch's yaml) says."""
+    from recursion import SCHEMES, arch_defaults
 
     inner = _reference_inner(state_dict)
     if "embed_tokens.embedding_weight" not in inner:
@@ -71,17 +72,17 @@ def reference_config(state_dict: dict[str, torch.Tensor], base: TRMConfig) -> TR
     vocab_size, hidden_size = inner["embed_tokens.embedding_weight"].shape
     layers = {level: len({k.split(".")[2] for k in inner if k.startswith(f"{level}_level.layers.")})
               for level in "LH"}
-    if "L1_init" in inner:
-        arch = "trm_hier6"
-    elif layers["H"]:
-        arch = "trm" if base.arch == "trm" and base.separate_H_L else "hrm" if layers["L"] else "transformers_baseline"
-    else:
-        arch = "trm" if "H_init" in inner else "trm_singlez"
-    if arch != base.arch:
-        base = dataclasses.replace(base, **arch_defaults(arch))
+    as_arch = lambda arch: base if arch == base.arch else dataclasses.replace(base, **arch_defaults(arch))
+    found = [arch for arch, scheme in SCHEMES.items() if scheme.recognises(set(inner), as_arch(arch))]
+    if not found:
+        inits = sorted(k for k in inner if k.endswith("_init"))
+        raise ValueError(f"no registered arch ({', '.join(SCHEMES)}) recognises this checkpoint: initial "
+                         f"states {inits}, networks {[f'{level}_level' for level in 'LH' if layers[level]]}; "
+                         "pass --model.arch and the flags of its networks (e.g. --model.separate-H-L)")
+    base = as_arch(base.arch if base.arch in found else found[0])
+    fields = {field: layers[level] for level, field in base.scheme.layer_fields(base).items() if layers[level]}
     mlp_t = any(".mlp_t." in k for k in inner)
-    fields = dict(vocab_size=vocab_size, hidden_size=hidden_size, mlp_t=mlp_t,
-                  L_layers=layers["L"] or base.L_layers, H_layers=layers["H"] if arch != "trm" else base.H_layers)
+    fields.update(vocab_size=vocab_size, hidden_size=hidden_size, mlp_t=mlp_t)
     if "puzzle_emb.weights" in inner:
         fields["num_puzzle_identifiers"], fields["puzzle_emb_ndim"] = inner["puzzle_emb.weights"].shape
     else:

@@ -1,5 +1,6 @@
 """device_grads.py: each dense weight's gradient summed over its uses on each device, then once
-across the devices in float32, as the reference's DDP on that many GPUs sums it."""
+across the devices in float32, as the reference sums it on that many GPUs (its pretrain.py
+all-reduces each param.grad); any other use of those weights in a sharded step is an error."""
 import pytest
 import torch
 
@@ -79,7 +80,7 @@ def integer_uses(device, side: str, split, per_device: bool, devices: int = 8):
     linear = linear.to(device)
     context = device_grads.per_device_weight_grads(linear, devices, split) if per_device else torch.enable_grad()
     with context:
-        loss = sum((device_grads.use(linear, split(x.to(device, torch.bfloat16)), side).float()
+        loss = sum((device_grads.weight_matmul(linear, split(x.to(device, torch.bfloat16)), side).float()
                     * split(g.to(device, torch.float32))).sum() for x, g in zip(xs, gs))
         loss.backward()
     sharding.sync()
@@ -101,3 +102,35 @@ def test_on_the_mesh_each_weight_is_reduced_once_in_float32(side):
     assert exact.abs().max() > 1024
     assert torch.equal(ours, exact)
     assert not torch.equal(before, exact)
+
+
+def test_a_bias_is_never_dropped():
+    """weight_matmul adds a bias on the right side with one part only: elsewhere it refuses the
+    module rather than leave the bias out."""
+    x = torch.ones(2, 8, 3)
+    plain, biased = Linear(8, 4), Linear(8, 4, bias=True)
+    assert device_grads.weight_matmul(plain, x, "left").shape == (2, 4, 3)
+    for side, parts in (("left", 1), ("right", 2)):
+        with pytest.raises(ValueError, match="the bias would not be added; give the module bias=False"):
+            device_grads.weight_matmul(biased, x if side == "left" else x.transpose(1, 2), side, parts)
+
+
+def test_a_weight_used_outside_weight_matmul_in_a_sharded_step_is_an_error():
+    """Within per_device_weight_grads over several devices, any other operation on a Linear's
+    weight (whose gradient would go back to one bf16 all-reduce per use) raises, naming the
+    module and the fix; a torch.nn.Linear in the model is refused at entry. One device: no guard."""
+    model = torch.nn.Sequential(Linear(8, 4), Linear(4, 2))
+    x = torch.ones(4, 8)  # one row per device
+    for bypass in (lambda: torch.nn.functional.linear(x, model[0].weight.to(torch.bfloat16)),
+                   lambda: x @ model[0].weight.T):
+        with device_grads.per_device_weight_grads(model, 4, lambda t: t):
+            model(x).sum().backward()  # weight_matmul's products pass
+            with pytest.raises(RuntimeError, match=r"^0\.weight used by .* outside device_grads.weight_matmul "
+                                                   r"in a sharded training step.*weight_matmul\(0, x, \.\.\.\)"):
+                bypass()
+    with device_grads.per_device_weight_grads(model, 1, lambda t: t):
+        model[0].weight.T.sum()
+    with pytest.raises(TypeError, match=r"^1: torch.nn.Linear, .*; use model.Linear"):
+        with device_grads.per_device_weight_grads(torch.nn.Sequential(Linear(8, 4), torch.nn.Linear(4, 2)), 4,
+                                                  lambda t: t):
+            pass
