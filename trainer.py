@@ -250,7 +250,7 @@ class Trainer:
         """One ACT segment on the training carry and the backward of loss / global batch: the new
         carry and the metrics; the gradients are in the weights' .grad (the table's rows' in
         SignSGD's). Each dense weight's gradient is summed over its uses on each device, then once
-        across the devices, in float32, as the reference's DDP sums it (device_grads.py)."""
+        across the devices, in float32, as the reference's all-reduce of each param.grad sums it (device_grads.py)."""
         with per_device_weight_grads(self.model, self.mesh.size(),
                                      lambda t: self.sharding.shard_batch_dim(t, self.mesh)):
             carry, outputs = self.model(self.carry, batch)

@@ -163,7 +163,7 @@ def reduced_arrays(result) -> Counter:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tpu_compile_each_dense_weight_is_all_reduced_once_in_float32(compiled, variant):
     """The training step reduces each dense weight's gradient once, in float32, after its uses are
-    summed on each device (device_grads.py): the reference's DDP rule. Before, the partitioner
+    summed on each device (device_grads.py), as the reference all-reduces each param.grad. Before, the partitioner
     all-reduced each use's partial gradient in bf16 (a [out, in] weight of the shared network
     appeared once per application with a gradient). What else is reduced: the metric sums, the Q
     head's two bf16 bias sums, and the puzzle table's float32 id sums and lookups ([batch, width])."""
