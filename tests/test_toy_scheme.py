@@ -11,11 +11,11 @@ import torch
 import reference_weights
 from config import parse_config
 from model import TRM, TRMConfig
-from recursion import PLACEHOLDER, SCHEMES, RecursionScheme, arch_defaults, register
+from recursion import PLACEHOLDER, RecursionScheme, arch_defaults, register
 from tests.test_train import tiny_args
 
 
-@register
+@register  # at import, as an arch's module does: the toy is an arch in this test process from here on
 class Echo(RecursionScheme):
     """One state z (carried as z_L): z <- L(z, x) L_cycles times, the last with gradient; the
     heads read z. Halts where q_halt exceeds q_continue by more than 1, with no Q-continue target."""
@@ -51,13 +51,6 @@ class Echo(RecursionScheme):
         if config.L_cycles < 2:
             return [f"L_cycles={config.L_cycles}: toy_echo echoes at least twice; use L_cycles >= 2"]
         return []
-
-
-@pytest.fixture(autouse=True, scope="module")
-def toy_registered_for_this_file_only():
-    """The toy stays an arch while this file's tests run (the registry is global to the process)."""
-    yield
-    SCHEMES.pop(Echo.name)
 
 
 def small(**fields) -> TRMConfig:
