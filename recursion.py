@@ -36,6 +36,13 @@ class Scheme:
     forced: dict = {}
     """Fields the reference's file fixes whatever its yaml says (e.g. HRM's ceil(ndim/width)
     puzzle positions, its Q-continue halting)."""
+    reference_class = "recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1"
+    """The reference's model class as its arch yaml's `name` (module under models/ @ class)."""
+    reference_fields = ("H_cycles", "L_cycles", "H_layers", "L_layers", "hidden_size", "expansion", "num_heads",
+                        "pos_encodings", "rms_norm_eps", "rope_theta", "halt_max_steps", "halt_exploration_prob",
+                        "forward_dtype", "puzzle_emb_ndim", "mlp_t", "puzzle_emb_len", "no_ACT_continue")
+    """The fields of ours that its reference config class reads (besides what pretrain.py takes
+    from the dataset: seq_len, vocab_size, num_puzzle_identifiers; and batch_size)."""
 
     def networks(self, config) -> dict[str, int]:
         """The networks and their blocks: {"L": layers} (the one shared net), {"L", "H"}, {"H"}."""
@@ -93,6 +100,7 @@ class SingleZ(Scheme):
     """trm_singlez.py: one latent z (carried as z_L); its "H" update is L(z) with no injection."""
 
     name = "trm_singlez"
+    reference_class = "recursive_reasoning.trm_singlez@TinyRecursiveReasoningModel_ACTV1"
     inits = ("L_init",)
 
     def state_shapes(self, config):
@@ -124,6 +132,7 @@ class Hier6(Scheme):
     recursion writes slot i from the sum of all six, z_H reads the sum."""
 
     name = "trm_hier6"
+    reference_class = "recursive_reasoning.trm_hier6@TinyRecursiveReasoningModel_ACTV1"
     inits = ("H_init",) + tuple(f"L{i}_init" for i in range(1, HIER_SLOTS + 1))
 
     def state_shapes(self, config):
@@ -159,6 +168,8 @@ class HRM(Scheme):
     bootstrapped Q-continue target."""
 
     name = "hrm"
+    reference_class = "recursive_reasoning.hrm@HierarchicalReasoningModel_ACTV1"
+    reference_fields = Scheme.reference_fields[:-2]  # no puzzle_emb_len, no_ACT_continue (fixed, `forced`)
     yaml = dict(H_cycles=2, L_cycles=2, H_layers=4, L_layers=4)
     forced = dict(puzzle_emb_len=0, no_ACT_continue=False)
 
@@ -175,6 +186,10 @@ class Baseline(Scheme):
     q_halt > q_continue (act_enabled) with no Q-continue target."""
 
     name = "transformers_baseline"
+    reference_class = "recursive_reasoning.transformers_baseline@Model_ACTV2"
+    reference_fields = ("H_cycles", "H_layers", "hidden_size", "expansion", "num_heads", "pos_encodings",
+                        "rms_norm_eps", "rope_theta", "halt_max_steps", "halt_exploration_prob", "forward_dtype",
+                        "puzzle_emb_ndim", "act_enabled", "act_inference")
     inits = ("H_init",)
     yaml = dict(H_cycles=1, H_layers=8, num_heads=12, pos_encodings="rope")  # rope: the presets' "none" goes with mlp_t
     forced = dict(puzzle_emb_len=0, no_ACT_continue=False, mlp_t=False)
