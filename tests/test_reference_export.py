@@ -122,7 +122,7 @@ CASES = [(arch, "float32", {}) for arch in ARCHS] + [
 def test_an_exported_model_runs_in_the_reference_as_here(arch, dtype, overrides, tmp_path):
     """The reference's forward on the exported checkpoint, built from the exported yaml, against
     ours: float32 within float32 rounding (1e-6 of the largest value), bfloat16 within
-    test_archs' 5e-3. Measured: every case bitwise equal (0.0)."""
+    test_archs' 5e-3. Measured: every case with the reference's attention (sdpa) bitwise equal (0.0)."""
     config = small_config(arch, dtype, **overrides)
     run_dir, ours = trained_checkpoint(tmp_path, config)
     out = tmp_path / "model"
@@ -131,7 +131,17 @@ def test_an_exported_model_runs_in_the_reference_as_here(arch, dtype, overrides,
     assert saved["arch"]["forward_dtype"] == dtype
     worst = compare_forward(ours, theirs, config.halt_max_steps)
     print(f"{arch} {dtype} {overrides}: largest difference {worst:.3g}")
-    assert worst <= (1e-6 if dtype == "float32" else 5e-3), worst
+    if config.attention == "blockwise" and dtype != "float32":
+        # The weights are exact: ours computing attention as the reference's SDPA gives its values
+        # bit for bit. The blockwise form rounds as the fused GPU kernels the reference runs on
+        # (probabilities meet v in bf16); on the CPU, SDPA's math path keeps them in float32:
+        # measured 1.2e-2 of the largest logit after 3 ACT steps.
+        twin = TRM(dataclasses.replace(config, attention="sdpa"))
+        twin.load_state_dict(ours.state_dict())
+        assert compare_forward(twin, theirs, config.halt_max_steps) == 0
+        assert worst <= 2e-2, worst
+    else:
+        assert worst <= (1e-6 if dtype == "float32" else 5e-3), worst
     # The directory's own export holds the same weights as the run's checkpoint.
     from reference_export import read_model_dir
 
@@ -200,7 +210,7 @@ def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, capsys):
     for key in ("exact_accuracy", "accuracy", "q_halt_accuracy"):
         assert f"| {key} | {final[key]!r} |" in card
     assert f"--init-from {out}" in card and "evaluate_in_reference.py --data" in card
-    compile(( out / "evaluate_in_reference.py").read_text(), "evaluate_in_reference.py", "exec")
+    compile((out / "evaluate_in_reference.py").read_text(), "evaluate_in_reference.py", "exec")
     saved = json.loads((out / "config.json").read_text())
     assert saved["metrics"]["exact_accuracy"] == final["exact_accuracy"]
     assert saved["dataset"]["identifiers_fingerprint"] and saved["config"]["data"]["path"] == demo_path
@@ -227,7 +237,7 @@ def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, capsys):
 
     shutil.copytree(demo_path, other)
     names = json.loads((other / "identifiers.json").read_text())
-    (other / "identifiers.json").write_text(json.dumps(names[:1] + names[1:][::-1]))
+    (other / "identifiers.json").write_text(json.dumps(names[:-1] + [names[-1] + "-renamed"]))
     for source in (out, out / "step_6"):
         with pytest.raises(SystemExit, match="other puzzle identifiers"):
             evaluate_command(["demo", "--init-from", str(source), "--data.path", str(other), *elsewhere])
