@@ -107,13 +107,12 @@ def compare_forward(ours: TRM, theirs, steps: int) -> float:
     return worst
 
 
-CASES = [(arch, "float32", {}) for arch in ARCHS] + [
-    ("trm", "bfloat16", {}),
+CASES = [(arch, dtype, {}) for arch in ARCHS for dtype in ("float32", "bfloat16")] + [
     ("trm", "bfloat16", dict(attention="blockwise")),  # the presets' attention: one block of keys here
     ("trm", "float32", dict(mlp_t=True, pos_encodings="none")),
+    ("trm", "bfloat16", dict(mlp_t=True, pos_encodings="none")),
     ("trm", "float32", dict(pos_encodings="learned", puzzle_emb_len=0)),
-    ("hrm", "bfloat16", {}),
-    ("transformers_baseline", "bfloat16", {}),
+    ("hrm", "float32", dict(mlp_t=True, pos_encodings="learned", H_layers=2)),
 ]
 
 
