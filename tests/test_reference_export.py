@@ -5,9 +5,12 @@ from the exported all_config.yaml as its create_model builds it) and the referen
 gives our logits and Q values; the round trip back into our eval is bitwise; what the reference
 cannot express is refused by name; the model directory's card holds the metrics that
 `train.py eval --init-from DIR` reproduces."""
+import ast
 import dataclasses
 import importlib
 import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +23,26 @@ from model import TRM, loss_and_metrics
 from tests.test_archs import BATCH, batches, small_config
 
 ARCHS = ["trm", "trm_singlez", "trm_hier6", "hrm", "transformers_baseline"]
+PRETRAIN = Path(__file__).resolve().parent / "reference" / "pretrain.py"  # the reference's, unchanged
+
+
+def pretrain_definitions() -> dict[str, ast.AST]:
+    return {n.name: n for n in ast.parse(PRETRAIN.read_text()).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def reference_load_checkpoint():
+    """pretrain.load_checkpoint, its source unchanged, run on the CPU: the module it is defined
+    in needs hydra, wandb and CUDA, so it runs alone, with torch.load mapping to the CPU where
+    it maps to "cuda"."""
+    def load(f, map_location):
+        assert map_location == "cuda"
+        return torch.load(f, map_location="cpu")
+
+    namespace = {"torch": SimpleNamespace(load=load, mean=torch.mean, Size=torch.Size), "nn": torch.nn,
+                 "PretrainConfig": object}
+    exec(compile(ast.Module(body=[pretrain_definitions()["load_checkpoint"]], type_ignores=[]), str(PRETRAIN),
+                 "exec"), namespace)
+    return namespace["load_checkpoint"]
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +85,7 @@ def reference_from_directory(out, num_puzzle_identifiers, seq_len, vocab_size):
     """What the reference's pretrain.create_model and load_checkpoint do with the directory:
     the model class and loss head named by all_config.yaml, built from its arch fields and the
     dataset's sizes, compiled (torch.compile's wrapper: its state_dict names every tensor
-    `_orig_mod.`), then `model.load_state_dict(torch.load(step_N), assign=True)`."""
+    `_orig_mod.`), then its load_checkpoint."""
     with open(out / "all_config.yaml") as f:
         saved = yaml.safe_load(f)
     arch = dict(saved["arch"])
@@ -77,8 +100,8 @@ def reference_from_directory(out, num_puzzle_identifiers, seq_len, vocab_size):
     own_dtypes = {k: v.dtype for k, v in fresh.state_dict().items()}
     compiled = torch.compile(fresh)
     (ckpt,) = [p for p in out.iterdir() if p.name.startswith("step_")]
-    state_dict = torch.load(ckpt, map_location="cpu")
-    compiled.load_state_dict(state_dict, assign=True)  # strict: every tensor named, none left over
+    # load_state_dict(state_dict, assign=True): strict, every tensor named and none left over.
+    reference_load_checkpoint()(compiled, SimpleNamespace(load_checkpoint=str(ckpt)))
     loaded = compiled._orig_mod
     assert {k: v.dtype for k, v in loaded.state_dict().items()} == own_dtypes  # assign kept the reference's dtypes
     return loaded, saved
@@ -240,3 +263,37 @@ def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, capsys):
     for source in (out, out / "step_6"):
         with pytest.raises(SystemExit, match="other puzzle identifiers"):
             evaluate_command(["demo", "--init-from", str(source), "--data.path", str(other), *elsewhere])
+
+
+def test_all_config_and_the_evaluation_script_fit_the_references_pretrain(tmp_path):
+    """all_config.yaml holds every field the reference's PretrainConfig requires and none it does
+    not have; every call evaluate_in_reference.py makes into pretrain names a function (or the
+    config class) of the reference's pretrain.py with parameters it has."""
+    config = small_config("trm", "bfloat16")
+    run_dir, _ = trained_checkpoint(tmp_path, config, steps=1)
+    out = tmp_path / "model"
+    assert train.command_line(["export", str(run_dir), "--format", "reference", "--out", str(out)]) == 0
+    definitions = pretrain_definitions()
+
+    def fields(cls):
+        return {n.target.id: n.value is None for n in definitions[cls].body if isinstance(n, ast.AnnAssign)}
+
+    saved = yaml.safe_load((out / "all_config.yaml").read_text())
+    declared = fields("PretrainConfig")
+    assert set(saved) == set(declared)  # every field written: its save_code_and_config dumps them all
+    assert {"name", "loss"} <= set(saved["arch"]) and set(saved["arch"]["loss"]) == {"name", "loss_type"}
+    script = ast.parse((out / "evaluate_in_reference.py").read_text())
+    calls = [n for n in ast.walk(script) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == "pretrain"]
+    assert {c.func.attr for c in calls} == {"PretrainConfig", "create_dataloader", "create_evaluators",
+                                           "init_train_state", "evaluate"}
+    for call in calls:
+        definition = definitions[call.func.attr]
+        if isinstance(definition, ast.ClassDef):
+            continue  # PretrainConfig(**all_config): checked above
+        params = [a.arg for a in definition.args.args]
+        assert len(call.args) <= len(params), call.func.attr
+        named = {k.arg for k in call.keywords if k.arg}
+        assert named <= set(params) or definition.args.kwarg, (call.func.attr, named - set(params))
+        assert set(params[len(call.args):]) - named <= {a.arg for a in definition.args.args[
+            len(definition.args.args) - len(definition.args.defaults):]} or any(k.arg is None for k in call.keywords)
