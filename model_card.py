@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 
 import yaml
 
@@ -36,7 +37,7 @@ def model_card(card: dict, out: str) -> str:
         f"# {name}",
         "",
         f"A Tiny Recursive Model ({arch}, hidden size {model['hidden_size']}, {model['forward_dtype']}): the EMA "
-        f"weights of step {card['step']} of the run {card['source']}.",
+        f"weights of step {card['step']}, from the checkpoint {card['source']}.",
         "",
         "## Dataset",
         "",
@@ -78,7 +79,12 @@ def model_card(card: dict, out: str) -> str:
         "```",
         "",
         "To train or fine-tune from it there: `python pretrain.py --config-path "
-        f"{there} --config-name all_config load_checkpoint={there}/{ckpt}`.",
+        f"{there} --config-name all_config load_checkpoint={there}/{ckpt}`, or with the same settings as "
+        "overrides of the reference's own config:",
+        "",
+        "```",
+        "python pretrain.py " + " ".join(shlex.quote(o) for o in reference["hydra_overrides"]),
+        "```",
         "",
     ]
     if reference["not_in_all_config"]:

@@ -92,7 +92,7 @@ def all_config(config: Config) -> dict:
     training settings: what its save_code_and_config writes as all_config.yaml, and what
     `python pretrain.py --config-path DIR --config-name all_config` rebuilds."""
     optim, ev = config.optim, config.eval
-    every = ev.every_epochs if optim.epochs % min(ev.every_epochs, optim.epochs) == 0 else None
+    every = min(ev.every_epochs, optim.epochs)  # the reference asserts that it divides epochs
     return {
         "arch": reference_arch(config),
         "data_paths": [reference_data_path(config.data.path)],
@@ -114,13 +114,34 @@ def all_config(config: Config) -> dict:
         "checkpoint_path": None,
         "seed": config.run.seed,
         "checkpoint_every_eval": False,
-        "eval_interval": min(every, optim.epochs) if every else None,
+        "eval_interval": every if optim.epochs % every == 0 else None,
         "min_eval_interval": 0,
         "eval_save_outputs": [],
         "ema": optim.ema_rate > 0,
         "ema_rate": optim.ema_rate if optim.ema_rate > 0 else 0.999,
         "freeze_weights": False,
     }
+
+
+def hydra_value(value) -> str:
+    """A value in hydra's override grammar (YAML-like literals)."""
+    if isinstance(value, list):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
+def hydra_overrides(saved: dict, arch: str) -> list[str]:
+    """all_config.yaml as overrides of the reference's own config (`python pretrain.py ...`):
+    the arch's config group (its config/arch/ARCH.yaml), then every value with `++` (add or
+    override: its yamls leave some fields out, e.g. rope_theta); the loss and the evaluators'
+    default (ARC's) as its yamls have them."""
+    out = [f"arch={arch}"]
+    out += [f"++arch.{k}={hydra_value(v)}" for k, v in saved["arch"].items() if k not in ("name", "loss")]
+    for key, value in saved.items():
+        if key == "arch" or value is None or (key == "evaluators" and value):
+            continue
+        out.append(f"++{key}={hydra_value(value)}")
+    return out
 
 
 def not_in_all_config(config: Config) -> list[str]:
@@ -210,7 +231,8 @@ def export_reference(source: str, out: str, say=print) -> dict:
                     "seq_len": config.model.seq_len, "vocab_size": config.model.vocab_size},
         "metrics": metrics,
         "reference": {"repository": REFERENCE_REPO, "commit": REFERENCE_COMMIT, "checkpoint": ckpt,
-                      "all_config": reference, "not_in_all_config": not_in_all_config(config)},
+                      "all_config": reference, "hydra_overrides": hydra_overrides(reference, config.model.arch),
+                      "not_in_all_config": not_in_all_config(config)},
     }
     buffer = io.BytesIO()
     torch.save(theirs, buffer)

@@ -17,9 +17,9 @@ import torch
 import yaml
 
 import train
-from checkpoint import CheckpointWriter, Shard
+from checkpoint import CheckpointWriter, Shard, read_exported
 from config import Config, DataConfig, parse_config
-from model import TRM, loss_and_metrics
+from model import TRM, TRMConfig, loss_and_metrics
 from tests.test_archs import BATCH, batches, small_config
 
 ARCHS = ["trm", "trm_singlez", "trm_hier6", "hrm", "transformers_baseline"]
@@ -216,7 +216,7 @@ def test_a_checkpoint_inside_the_curriculum_is_refused(demo_path, tmp_path):
         train.command_line(["export", str(run_dir), "--format", "reference", "--out", str(tmp_path / "model")])
 
 
-def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, capsys):
+def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, gcs_url):
     """The demo trained here, exported to the reference format: its card holds the run's final
     metrics, `train.py eval --init-from DIR` gives them bit for bit, and the reference checkpoint
     in it (read back through its all_config.yaml) evaluates bit for bit as our own export."""
@@ -241,6 +241,18 @@ def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, capsys):
     from_directory = evaluate_command(["--init-from", str(out), "--data.path", demo_path, *elsewhere])
     for key in ("exact_accuracy", "accuracy", "q_halt_accuracy", "lm_loss", "steps"):
         assert from_directory[key] == final[key], key
+
+    # The same from a bucket (the GCS emulator), and as the weights a fine-tuning starts from.
+    from restore import load_initial_weights
+
+    remote = gcs_url + "/models/demo"
+    assert train.command_line(["export", str(tmp_path / "run"), "--format", "reference", "--out", remote]) == 0
+    from_bucket = evaluate_command(["--init-from", remote, "--data.path", demo_path, *elsewhere])
+    assert from_bucket == dict(from_directory, source=remote)
+    fingerprint = saved["dataset"]["identifiers_fingerprint"]
+    start = load_initial_weights(remote, TRMConfig(**saved["config"]["model"]), fingerprint)
+    exported, _, _ = read_exported(str(out / "model.safetensors"))
+    assert all(torch.equal(start[f"model/{k}"], v) for k, v in exported.items())
 
     # The reference checkpoint, read back as this project reads the reference's own: the arch
     # and sizes from all_config.yaml beside it, the identifiers from config.json.
@@ -282,6 +294,15 @@ def test_all_config_and_the_evaluation_script_fit_the_references_pretrain(tmp_pa
     declared = fields("PretrainConfig")
     assert set(saved) == set(declared)  # every field written: its save_code_and_config dumps them all
     assert {"name", "loss"} <= set(saved["arch"]) and set(saved["arch"]["loss"]) == {"name", "loss_type"}
+    # The overrides form: the arch's config group, then every value, each reading back as written.
+    overrides = json.loads((out / "config.json").read_text())["reference"]["hydra_overrides"]
+    assert overrides[0] == "arch=trm"
+    rebuilt = {"arch": {k: v for k, v in saved["arch"].items() if k in ("name", "loss")}, "evaluators": []}
+    for override in overrides[1:]:
+        key, value = override.removeprefix("++").split("=", 1)
+        *parents, leaf = key.split(".")
+        (rebuilt[parents[0]] if parents else rebuilt)[leaf] = yaml.safe_load(value)
+    assert rebuilt == {k: v for k, v in saved.items() if v is not None}
     script = ast.parse((out / "evaluate_in_reference.py").read_text())
     calls = [n for n in ast.walk(script) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and isinstance(n.func.value, ast.Name) and n.func.value.id == "pretrain"]
