@@ -318,3 +318,81 @@ def test_all_config_and_the_evaluation_script_fit_the_references_pretrain(tmp_pa
         assert named <= set(params) or definition.args.kwarg, (call.func.attr, named - set(params))
         assert set(params[len(call.args):]) - named <= {a.arg for a in definition.args.args[
             len(definition.args.args) - len(definition.args.defaults):]} or any(k.arg is None for k in call.keywords)
+
+
+STAND_IN_PRETRAIN = '''"""A stand-in for the reference's pretrain.py (which needs CUDA, hydra and wandb): records what
+the evaluation script hands each function; init_train_state reads the checkpoint as its
+load_checkpoint would."""
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+
+def PretrainConfig(**fields):
+    return SimpleNamespace(**fields)
+
+def create_dataloader(config, split, rank, world_size, **kwargs):
+    return f"loader of {split}", {"split": split}
+
+def create_evaluators(config, eval_metadata):
+    return []
+
+def init_train_state(config, train_metadata, rank, world_size):
+    keys = sorted(torch.load(config.load_checkpoint, map_location="cpu"))
+    print("LOADED " + json.dumps({"path": config.load_checkpoint, "keys": keys, "data": config.data_paths,
+                                  "metadata": train_metadata}))
+    return SimpleNamespace(model=SimpleNamespace(eval=lambda: None))
+
+def evaluate(config, train_state, eval_loader, eval_metadata, evaluators, rank, world_size, cpu_group):
+    return {"all": {"accuracy": 0.5, "loader": eval_loader}}
+'''
+
+
+def test_the_evaluation_script_checks_the_identifiers_and_hands_the_checkpoint_to_pretrain(demo_path, tmp_path):
+    """evaluate_in_reference.py run (from the reference's checkout: here a stand-in pretrain.py)
+    on the demo's identifiers: load_checkpoint gets step_N (its keys stripped of `_orig_mod.` in
+    a copy under DISABLE_COMPILE, where pretrain.py does not compile), the dataset given by
+    --data; a dataset with other identifiers is refused before anything loads."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import data
+
+    config = small_config("trm", "float32")
+    run_dir, _ = trained_checkpoint(
+        tmp_path, config, steps=1, config=Config(data=DataConfig(path=demo_path)))
+    # The checkpoint's state names the demo's identifiers, as a run on it would.
+    state_file = next((run_dir / "checkpoints").iterdir()) / "state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps(dict(state, dataset_identifiers=data.identifiers_fingerprint(demo_path))))
+    out = tmp_path / "model"
+    assert train.command_line(["export", str(run_dir), "--format", "reference", "--out", str(out)]) == 0
+    checkout = tmp_path / "TinyRecursiveModels"
+    checkout.mkdir()
+    (checkout / "pretrain.py").write_text(STAND_IN_PRETRAIN)
+
+    def run(*args, **env):
+        return subprocess.run([sys.executable, str(out / "evaluate_in_reference.py"), *args], cwd=checkout,
+                              capture_output=True, text=True, timeout=300, env=dict(os.environ, **env))
+
+    done = run("--data", demo_path)
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout.split("LOADED ")[1].splitlines()[0])
+    assert loaded["path"] == str(out / "step_1") and loaded["data"] == [demo_path]
+    assert loaded["metadata"] == {"split": "train"}  # the model sized by the training split, as launch does
+    assert all(k.startswith("_orig_mod.model.inner.") for k in loaded["keys"])
+    assert json.loads(done.stdout[done.stdout.index('{\n  "all"'):]) == {"all": {"accuracy": 0.5,
+                                                                               "loader": "loader of test"}}
+    uncompiled = run("--data", demo_path, DISABLE_COMPILE="1")
+    assert uncompiled.returncode == 0, uncompiled.stderr
+    keys = json.loads(uncompiled.stdout.split("LOADED ")[1].splitlines()[0])["keys"]
+    assert keys == sorted(k.removeprefix("_orig_mod.") for k in loaded["keys"])
+    other = tmp_path / "other"
+    shutil.copytree(demo_path, other)
+    names = json.loads((other / "identifiers.json").read_text())
+    (other / "identifiers.json").write_text(json.dumps(names[:-1] + [names[-1] + "-renamed"]))
+    refused = run("--data", str(other))
+    assert refused.returncode == 1 and "other puzzle identifiers" in refused.stderr and "LOADED" not in refused.stdout
