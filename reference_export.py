@@ -57,6 +57,10 @@ def refusals(config: Config, step: int, full_steps: int | None) -> list[str]:
                    "one softmax over all keys (SDPA): other numerics in every attention layer (in float32 the "
                    "two agree to float32 rounding). Train with --model.attention-block "
                    f"{model.total_len} or more, or --model.attention sdpa")
+    if model.puzzle_emb_ndim == 0:
+        out.append("model.puzzle_emb_ndim=0: the reference's pretrain.load_checkpoint reads "
+                   "model.model.puzzle_emb.weights.shape whatever the model, and a model without a puzzle "
+                   "embedding has none (AttributeError): its code cannot load this model")
     if optim.curriculum_epochs:
         from schedule import Curriculum
 

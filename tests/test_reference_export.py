@@ -20,7 +20,8 @@ import train
 from checkpoint import CheckpointWriter, Shard, read_exported
 from config import Config, DataConfig, parse_config
 from model import TRM, TRMConfig, loss_and_metrics
-from tests.test_archs import BATCH, batches, small_config
+from recursion import SCHEMES
+from tests.test_archs import BATCH, ACTLossHead, batches, small_config
 
 ARCHS = ["trm", "trm_singlez", "trm_hier6", "hrm", "transformers_baseline"]
 PRETRAIN = Path(__file__).resolve().parent / "reference" / "pretrain.py"  # the reference's, unchanged
@@ -59,7 +60,8 @@ def trained_checkpoint(tmp_path, model_config, steps=3, config: Config | None = 
     torch.manual_seed(0)
     model = TRM(model_config)
     with torch.no_grad():
-        model.puzzle_embedding.weight.normal_()  # the reference starts it at 0: make every row count
+        if model_config.puzzle_emb_ndim:  # the reference starts it at 0: make every row count
+            model.puzzle_embedding.weight.normal_()
         model.q_head.weight.normal_(std=0.3)  # so that rows halt at different steps
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -176,6 +178,7 @@ def test_an_exported_model_runs_in_the_reference_as_here(arch, dtype, overrides,
     ("--model.separate-H-L", dict(separate_H_L=True), "model.separate_H_L=True"),
     ("--model.one-step-grad", dict(one_step_grad=True), "model.one_step_grad=True"),
     ("--model.attention-block", dict(attention="blockwise", attention_block=8), "model.attention_block=8"),
+    ("--model.puzzle-emb-ndim 0", dict(puzzle_emb_ndim=0, puzzle_emb_len=0), "model.puzzle_emb_ndim=0"),
 ])
 def test_what_the_reference_cannot_express_is_refused_by_name(flags, fields, message, tmp_path, capsys):
     config = small_config("trm", "bfloat16", **fields)
@@ -183,6 +186,16 @@ def test_what_the_reference_cannot_express_is_refused_by_name(flags, fields, mes
     with pytest.raises(SystemExit, match=message.replace(".", r"\.")):
         train.command_line(["export", str(run_dir), "--format", "reference", "--out", str(tmp_path / "model")])
     assert not (tmp_path / "model").exists()
+    if "puzzle_emb_ndim" in fields:  # the reason: its own load_checkpoint fails on such a model
+        module, cls = SCHEMES["trm"].reference_class.split("@")
+        model_cls = getattr(importlib.import_module("models." + module), cls)
+        arch = {f: getattr(config, f) for f in SCHEMES["trm"].reference_fields}
+        theirs = torch.compile(ACTLossHead(model_cls(dict(arch, batch_size=BATCH, vocab_size=config.vocab_size,
+                                                          seq_len=config.seq_len, num_puzzle_identifiers=1)),
+                                           "stablemax_cross_entropy"))
+        torch.save(theirs.state_dict(), tmp_path / "step_0")
+        with pytest.raises(AttributeError, match="puzzle_emb"):
+            reference_load_checkpoint()(theirs, SimpleNamespace(load_checkpoint=str(tmp_path / "step_0")))
     # float32 blockwise attention over several blocks agrees with one softmax to float32 rounding: exported.
     if "attention_block" in fields:
         config = dataclasses.replace(config, forward_dtype="float32")
