@@ -156,6 +156,8 @@ def not_in_all_config(config: Config) -> list[str]:
         out.append(f"optim.optimizer={optim.optimizer} (the reference: AdamATan2 only)")
     if optim.lr_schedule == "linear" and optim.lr_min_ratio < 1:
         out.append("optim.lr_schedule=linear (the reference: cosine only)")
+    if not model.act_enabled and "act_enabled" not in SCHEMES[model.arch].reference_fields:
+        out.append(f"model.act_enabled=False (the reference's {model.arch} always halts on its Q head in training)")
     if model.halt_exploration_final is not None:
         out.append(f"model.halt_exploration_final={model.halt_exploration_final} (the reference: a constant "
                    "halt_exploration_prob, written as the anneal's start)")
