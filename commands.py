@@ -11,7 +11,7 @@ import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 import tyro
 
@@ -34,13 +34,20 @@ class ExportCommand:
     source: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="SOURCE")]
     """A run directory (its newest readable committed checkpoint) or one checkpoint directory."""
     out: str
-    """Where to write, local or gs:// (e.g. gs://BUCKET/models/sudoku.safetensors)."""
+    """Where to write, local or gs:// (gs://BUCKET/models/sudoku.safetensors; a directory with --format reference)."""
+    format: Literal["ours", "reference"] = "ours"
+    """ours: one model.safetensors; reference: a model directory that the reference's code runs too."""
 
 
 def export_command(argv: list[str]) -> None:
-    """`python train.py export SOURCE --out URL`."""
+    """`python train.py export SOURCE --out URL [--format reference]`."""
     flags = tyro.cli(ExportCommand, args=argv, prog="train.py export")
-    export(flags.source, flags.out)
+    if flags.format == "reference":
+        from reference_export import export_directory
+
+        export_directory(flags.source, flags.out)
+    else:
+        export(flags.source, flags.out)
 
 
 def export(source: str, out: str) -> None:
@@ -221,6 +228,7 @@ def usage() -> str:
         "usage: python train.py PRESET [FLAGS]                          train (PRESET --help: every flag)",
         "       python train.py eval [PRESET] --init-from URL [FLAGS]   evaluate weights on a test split",
         "       python train.py export SOURCE --out URL                 the EMA weights as one safetensors file",
+        "       python train.py export SOURCE --format reference --out DIR   a model directory the reference also runs",
         "       python train.py predict [PRESET] --init-from URL ...    answers to --puzzle / --puzzle-file / --task",
         "", "presets:", *(f"  {name.ljust(width)}  {about}" for name, (about, _) in PRESETS.items()),
         "", "Each command's --help lists its flags; flags take `--flag value` or `--flag=value`."])

@@ -82,6 +82,14 @@ class RecursionScheme:
     """Whether, when the config learns a Q-continue (no_ACT_continue False), the ACT step computes
     its bootstrapped target (one more forward from the new state), as the reference's ACT wrapper."""
 
+    reference_class = "recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1"
+    """The reference's model class as its arch yaml's `name` (module under models/ @ class)."""
+    reference_fields = ("H_cycles", "L_cycles", "H_layers", "L_layers", "hidden_size", "expansion", "num_heads",
+                        "pos_encodings", "rms_norm_eps", "rope_theta", "halt_max_steps", "halt_exploration_prob",
+                        "forward_dtype", "puzzle_emb_ndim", "mlp_t", "puzzle_emb_len", "no_ACT_continue")
+    """The fields of ours that its reference config class reads (besides what pretrain.py takes
+    from the dataset: seq_len, vocab_size, num_puzzle_identifiers; and batch_size)."""
+
     # -- the networks and states --------------------------------------------------------------
 
     def layer_fields(self, config) -> dict[str, str]:
@@ -203,6 +211,7 @@ class SingleZ(RecursionScheme):
     """trm_singlez.py: one latent z (carried as z_L); its "H" update is L(z) with no injection."""
 
     name = "trm_singlez"
+    reference_class = "recursive_reasoning.trm_singlez@TinyRecursiveReasoningModel_ACTV1"
     inits = ("L_init",)
 
     def state_shapes(self, config):
@@ -237,6 +246,7 @@ class Hier6(RecursionScheme):
     only its own slot (no copy of the other five), and are stacked once at the end."""
 
     name = "trm_hier6"
+    reference_class = "recursive_reasoning.trm_hier6@TinyRecursiveReasoningModel_ACTV1"
     inits = ("H_init",) + tuple(f"L{i}_init" for i in range(1, HIER_SLOTS + 1))
 
     def state_shapes(self, config):
@@ -278,6 +288,8 @@ class HRM(RecursionScheme):
     bootstrapped Q-continue target."""
 
     name = "hrm"
+    reference_class = "recursive_reasoning.hrm@HierarchicalReasoningModel_ACTV1"
+    reference_fields = Scheme.reference_fields[:-2]  # no puzzle_emb_len, no_ACT_continue (fixed, `forced`)
     yaml = dict(H_cycles=2, L_cycles=2, H_layers=4, L_layers=4)
     forced = dict(puzzle_emb_len=0, no_ACT_continue=False)
 
@@ -296,6 +308,10 @@ class Baseline(RecursionScheme):
     ask for one)."""
 
     name = "transformers_baseline"
+    reference_class = "recursive_reasoning.transformers_baseline@Model_ACTV2"
+    reference_fields = ("H_cycles", "H_layers", "hidden_size", "expansion", "num_heads", "pos_encodings",
+                        "rms_norm_eps", "rope_theta", "halt_max_steps", "halt_exploration_prob", "forward_dtype",
+                        "puzzle_emb_ndim", "act_enabled", "act_inference")
     inits = ("H_init",)
     yaml = dict(H_cycles=1, H_layers=8, num_heads=12, pos_encodings="rope")  # rope: the presets' "none" goes with mlp_t
     forced = dict(puzzle_emb_len=0, no_ACT_continue=False, mlp_t=False)

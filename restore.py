@@ -149,21 +149,25 @@ def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers:
     identifiers (another row count, or another fingerprint than `dataset_identifiers`), the
     dense weights are kept and every row of the table starts as the mean of the old rows (as the
     reference does), with one line said; the same identifiers keep the table."""
+    from reference_export import is_model_dir, read_model_dir
     from reference_weights import load_reference_state_dict, mean_row_table
 
     model = TRM(model_config)
-    try:
-        found = checkpoint.weights_of(url, say)
-    except checkpoint.CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    if found is None and not url.endswith(".safetensors"):
-        load_reference_state_dict(model, read_reference_checkpoint(url))
-        return {f"model/{k}": v for k, v in model.state_dict().items()}
-    if found is None:
-        weights, _, trained_on = checkpoint.read_exported(url)
+    if is_model_dir(url):  # a model directory (train.py export --format reference)
+        weights, _, _, trained_on = read_model_dir(url)
     else:
-        weights, state, _ = found
-        trained_on = state.get("dataset_identifiers")
+        try:
+            found = checkpoint.weights_of(url, say)
+        except checkpoint.CheckpointError as e:
+            raise ConfigError(str(e)) from None
+        if found is None and not url.endswith(".safetensors"):
+            load_reference_state_dict(model, read_reference_checkpoint(url))
+            return {f"model/{k}": v for k, v in model.state_dict().items()}
+        if found is None:
+            weights, _, trained_on = checkpoint.read_exported(url)
+        else:
+            weights, state, _ = found
+            trained_on = state.get("dataset_identifiers")
     table, expected = weights.get("puzzle_embedding.weight"), model.state_dict().get("puzzle_embedding.weight")
     if table is not None and expected is not None and table.shape[1:] == expected.shape[1:]:
         other_rows = table.shape[0] != expected.shape[0]
@@ -194,15 +198,25 @@ def check_same_identifiers(trained_on: str | None, dataset: str | None, weights_
 
 def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     """(config, `model/*` weights, step, fingerprint of the identifiers the weights were trained
-    on or None) from a run directory or checkpoint (EMA weights and the run's config), an
-    exported model.safetensors (its model config) or a reference checkpoint (the sizes its
-    tensors show, the rest from the preset `base`); `overrides` (command-line flags) apply on top."""
+    on or None) from a run directory or checkpoint (EMA weights and the run's config), a model
+    directory (train.py export --format reference: the run's config), an exported
+    model.safetensors (its model config) or a reference checkpoint (the sizes its tensors show,
+    the settings of an all_config.yaml beside it, the rest from the preset `base`); `overrides`
+    (command-line flags) apply on top."""
     from reference_weights import reference_config
 
     base = with_arch(base, arch_in(overrides))
     def with_overrides(config: Config) -> Config:
         return tyro.cli(Config, default=config, args=overrides)
 
+    from reference_export import beside, config_from_all_config, is_model_dir, read_model_dir
+
+    if is_model_dir(source):  # evaluated as the run's final evaluation: every test example
+        weights, saved, step, trained_on = read_model_dir(source)
+        config = config_from_dict(saved)
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, max_examples=None),
+                                     run=dataclasses.replace(config.run, dir=base.run.dir, init_from=None))
+        return with_overrides(config), {f"model/{k}": v for k, v in weights.items()}, step, trained_on
     if source.endswith(".safetensors"):
         weights, model_config, trained_on = checkpoint.read_exported(source)
         config = with_overrides(dataclasses.replace(base, model=TRMConfig(**model_config)))
@@ -221,7 +235,12 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     from reference_weights import load_reference_state_dict
 
     state_dict = read_reference_checkpoint(source)
+    # Beside it, the reference's all_config.yaml gives the arch's settings (and our model
+    # directory's config.json the identifiers the table was trained on).
+    saved_config, trained_on = beside(source)
     try:
+        if saved_config is not None:
+            base = config_from_all_config(saved_config, base)
         model_config = reference_config(state_dict, base.model)
         # The weights do not say seq_len: take the dataset's unless a flag says otherwise.
         data_path = with_overrides(base).data.path
@@ -234,4 +253,4 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
         load_reference_state_dict(model, state_dict, resize_puzzle_table=False)
     except ValueError as e:
         raise SystemExit(f"error: {source}: {e}")
-    return config, {f"model/{k}": v for k, v in model.state_dict().items()}, 0, None
+    return config, {f"model/{k}": v for k, v in model.state_dict().items()}, 0, trained_on
