@@ -50,7 +50,8 @@ import hlo_stats
 import ptrm
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config, presets_for
 from model import TRMConfig
-from projection import PAPER_DATASETS, model_flops, slice_spec
+from projection import PAPER_DATASETS, cycles_key, model_flops, slice_spec, train_stages
+from schedule import run_schedule
 
 PROGRAMS = ("train_step", "eval_step")
 CACHE_DIR = os.path.expanduser(os.environ.get("TRM_TPU_COMPILE_CACHE", "~/.cache/trm-tpu-compile"))
@@ -139,6 +140,27 @@ def resolved_config(config: Config, preset: str, table_rows: int | None) -> Conf
     rows = table_rows or (PAPER_DATASETS[preset].puzzle_identifiers if preset in PAPER_DATASETS
                           else config.model.num_puzzle_identifiers)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, num_puzzle_identifiers=rows))
+
+
+def stage_config(config: Config, cycles: tuple[int, int]) -> Config:
+    """The configuration whose training step is a recursion curriculum stage's program: the model
+    recursing with (H_cycles, L_cycles) = `cycles`, the curriculum off. A stage's steps run the
+    run's model with its config's cycles replaced (trainer.Trainer.recursing): the same
+    parameters and state, and the same program as a run of those cycles."""
+    model = dataclasses.replace(config.model, H_cycles=cycles[0], L_cycles=cycles[1])
+    return dataclasses.replace(config, model=model, optim=dataclasses.replace(config.optim, curriculum_epochs=0))
+
+
+def run_programs(config: Config, metadata) -> list[tuple[Config, tuple[str, ...]]]:
+    """(config, programs) of every program a run compiles: its evaluation step (always at the
+    model's cycles), and the training step of each recursion curriculum stage its steps train in
+    (`stage_config`; one, the model's, without a curriculum). `metadata`: the train split's sizes
+    (data.Metadata or projection.PaperDataset), which place the stages in steps."""
+    last = run_schedule(metadata, config.optim, config.eval.every_epochs)[0]
+    final = (config.model.H_cycles, config.model.L_cycles)
+    stages = [cycles for cycles, _ in train_stages(config, metadata, last)] or [final]
+    return [(config, ("train_step", "eval_step") if final in stages else ("eval_step",))] + \
+        [(stage_config(config, cycles), ("train_step",)) for cycles in stages if cycles != final]
 
 
 def program_settings(config: Config) -> str:
@@ -417,7 +439,9 @@ def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo
               "batch_per_device": config.optim.global_batch_size // topo.devices}
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
                   "puzzles_per_batch": config.optim.global_batch_size // k}
-    return [dict(common, program=p, **(evaluation if p == "eval_step" else {}), **results[p]) for p in programs]
+    cycles = [config.model.H_cycles, config.model.L_cycles]  # a curriculum stage's, for its training step
+    return [dict(common, program=p, cycles=cycles, **(evaluation if p == "eval_step" else {}), **results[p])
+            for p in programs]
 
 
 def compile_programs(config: Config, preset: str, slice_name: str, programs=PROGRAMS, top: int = 10,
@@ -467,9 +491,10 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 100 else f"{seconds:.0f}s"
 
 
-def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top: int = 10, use_cache: bool = True,
+def compile_isolated(jobs: list[tuple], programs=PROGRAMS, top: int = 10, use_cache: bool = True,
                      processes: int | None = None, say=print, labels: list[str] | None = None) -> list[list[dict]]:
-    """compile_programs for each (preset, config, slice) of `jobs` (or its cached results), in
+    """compile_programs for each (preset, config, slice) of `jobs` (or its cached results; a job
+    (preset, config, slice, its programs) names its own programs instead of `programs`), in
     processes that end (bounded_processes.py; `processes` at once, None: as many as the memory
     allows): one trace per distinct (settings, slice) writes the HLO, one compile per program
     writes its cache entry at once (a run cut short keeps it). A line per program as it ends: its
@@ -477,13 +502,18 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
     import bounded_processes
 
     started, tmp = time.perf_counter(), Path(tempfile.mkdtemp(prefix="trm-tpu-compile-"))
+    wanted = [tuple(job[3]) if len(job) > 3 else tuple(programs) for job in jobs]
+    jobs = [job[:3] for job in jobs]
     topos = [_checked(config, slice_name) for _, config, slice_name in jobs]
-    keys = [{p: program_key(config, p, topo) for p in programs} for (_, config, _), topo in zip(jobs, topos)]
-    traces: dict[tuple, tuple[int, list[str]]] = {}  # (settings, slice) -> (first job, its programs not cached)
+    keys = [{p: program_key(config, p, topo) for p in wanted[i]}
+            for i, ((_, config, _), topo) in enumerate(zip(jobs, topos))]
+    traces: dict[tuple, tuple[int, list[str]]] = {}  # (settings, slice) -> (first job, the programs not cached)
     for i, (_, config, slice_name) in enumerate(jobs):
-        missing = [p for p in programs if _cached(keys[i][p], use_cache) is None]
+        missing = [p for p in wanted[i] if _cached(keys[i][p], use_cache) is None]
         if missing:
-            traces.setdefault((program_settings(config), slice_name), (i, missing))
+            first, before = traces.get((program_settings(config), slice_name), (i, []))
+            traces[(program_settings(config), slice_name)] = (first, before + [p for p in missing if p not in before])
+            keys[first].update({p: keys[i][p] for p in missing})
     total = sum(len(missing) for _, missing in traces.values())
     progress, fresh = {"done": 0, "peak": 0}, set()
 
@@ -552,8 +582,8 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
             f"the largest process peaked at {progress['peak'] / 1e9:.1f} GB (measured)", flush=True)
     if failures:
         raise CompileError("compiling failed:\n" + "\n".join(failures))
-    return [_with_run_fields({p: dict(_cached(keys[i][p]), cached=keys[i][p] not in fresh) for p in programs},
-                             config, preset, topos[i], programs) for i, (preset, config, _) in enumerate(jobs)]
+    return [_with_run_fields({p: dict(_cached(keys[i][p]), cached=keys[i][p] not in fresh) for p in wanted[i]},
+                             config, preset, topos[i], wanted[i]) for i, (preset, config, _) in enumerate(jobs)]
 
 
 def _worker(kind: str, request_path: str) -> None:
@@ -575,14 +605,31 @@ def _worker(kind: str, request_path: str) -> None:
                                            request["program"], topo, request["top"]))
 
 
-def device_time_fields(results: list[dict]) -> dict:
-    """A projection record's device time of each step from compiled results
-    (projection.project_paper_run reads these keys; a refused program leaves its key out)."""
-    fields = {f"compiled_ms_per_{r['program'].removesuffix('_step')}_step": r["estimate_ms"]
-              for r in results if r["compiled"]}
+def device_time_fields(results: list[dict], cycles: tuple[int, int] | None = None) -> dict:
+    """A projection record's device time of each step from a run's compiled results
+    (projection.project_paper_run reads these keys): compiled_ms_per_eval_step,
+    compiled_ms_per_train_step (at the run's model `cycles`; None: the first training step's),
+    compiled_ms_per_train_stage ({"H,L": ms} of each recursion curriculum stage's training step),
+    compiled_source, and `refused` (the programs the compiler refused, each left out)."""
+    fields, stages = {}, {}
+    for r in results:
+        if not r["compiled"]:
+            continue
+        if r["program"] == "eval_step":
+            fields["compiled_ms_per_eval_step"] = r["estimate_ms"]
+            continue
+        stages[cycles_key(r["cycles"])] = r["estimate_ms"]
+        if cycles is None and "compiled_ms_per_train_step" not in fields or cycles is not None \
+                and tuple(r["cycles"]) == tuple(cycles):
+            fields["compiled_ms_per_train_step"] = r["estimate_ms"]
+    if len(stages) > 1 or stages and "compiled_ms_per_train_step" not in fields:
+        fields["compiled_ms_per_train_stage"] = stages
     compiled = next((r for r in results if r["compiled"]), None)
     fields["compiled_source"] = ("compiled TPU program: " + compiled["estimate_source"]) if compiled else \
         "not compiled: " + results[0].get("error", "")[:200]
+    fields["refused"] = [r["program"] + (f" (H_cycles {r['cycles'][0]} L_cycles {r['cycles'][1]})"
+                                         if r["program"] == "train_step" else "")
+                         for r in results if not r["compiled"]]
     return fields
 
 

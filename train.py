@@ -84,7 +84,7 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
         raise SystemExit(f"error: {e}")
     full_steps = total_train_steps(train_set.metadata, optim.epochs, optim.global_batch_size)
     config, curriculum = resolve_anneal(config, full_steps), Curriculum(config, full_steps)
-    log = RunLog(config, total_steps, sharding.is_main_process(), sharding)
+    log = RunLog(config, total_steps, sharding.is_main_process(), sharding, curriculum=curriculum)
     log.say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
             f"global batch {optim.global_batch_size}, {total_steps} steps, {len(eval_steps)} evaluations "
             f"(steps {', '.join(map(str, eval_steps[:3]))}{', ...' if len(eval_steps) > 4 else ''}"
