@@ -1,7 +1,7 @@
 """A study: many TRM runs from one study file, claimed from the study directory by any number of
 processes (one per TPU VM of a fleet), resumable, compared in one report.
 
-    python study.py plan studies/tiny.txt                       # the runs, their steps and cost
+    python study.py plan studies/tiny.txt                       # a CPU study: its runs and their steps
     python study.py plan studies/sudoku-scaling.txt --slice v4-64 --fleet v4-8x8   # compiled for both
     python study.py plan studies/sudoku-scaling.txt --slice v4-64 --mfu 0.3   # at an MFU a TPU measured
     python study.py run studies/tiny.txt --out runs/tiny-study  # every run, one after another
@@ -263,7 +263,8 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="study.py", description=__doc__.split("\n\n")[0],
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = commands.add_parser("plan", help="the expanded runs, their steps and projected cost, the makespans")
+    p = commands.add_parser("plan", help="the expanded runs and their steps; for TPU runs their projected cost and "
+                                         "the makespans (runs that name the CPU: steps only, nothing compiled)")
     p.add_argument("study", help="the study file (local or gs://)")
     p.add_argument("--slice", default="v4-64",
                    help="the TPU slice of the one-run-at-a-time projection, each run over it whole (default v4-64)")
