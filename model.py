@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention import ATTENTIONS, attend
+from data import IGNORE_LABEL_ID  # the labels of positions without a target (data.py's batches write it)
 from device_grads import use
 from halting import exploration_prob, says_halt
 from ranges import range_problems, ranged
 from recursion import ARCHS, BOOTSTRAPS_Q_CONTINUE, SCHEMES
 
-IGNORE_LABEL_ID = -100
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 

@@ -404,12 +404,14 @@ class RunLog:
     """close() waits at most this long for the last copy of the event files."""
 
     def __init__(self, config, total_steps: int, main_host: bool, sharding, device_kind: str | None = None,
-                 curriculum=None):
+                 curriculum=None, first_launch=None):
         """config: config.Config (read: run.dir, run.log_every, optim.global_batch_size, model);
         device_kind: the accelerator's kind for the MFU's peak ("TPU v4", ...; default: asked of
         `sharding.accelerator_kind()`); no known peak, no MFU. curriculum: the run's recursion
         curriculum (schedule.Curriculum), whose stages recurse with fewer cycles: each window's
-        FLOPs are counted from the cycles its steps trained with (None: the model's)."""
+        FLOPs are counted from the cycles its steps trained with (None: the model's). first_launch:
+        when the run was first launched (a callable; train.py's launches.first_launch_start), which
+        names its W&B run (wandb_mirror.py; None: now)."""
         self.config, self.total_steps, self.main_host, self.sharding = config, total_steps, main_host, sharding
         self.curriculum = curriculum
         self.flops_per_example = model_flops(config.model)["train"]  # at the model's cycles
@@ -437,7 +439,7 @@ class RunLog:
         if main_host and config.report.wandb_project:
             import wandb_mirror
 
-            self.mirror = wandb_mirror.Mirror(config, dataclasses.asdict(config))
+            self.mirror = wandb_mirror.Mirror(config, dataclasses.asdict(config), first_launch or time.time)
 
     def say(self, *parts) -> None:
         if self.main_host:

@@ -35,6 +35,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import storage
 
@@ -100,10 +101,13 @@ class Mirror:
     """The mirror of one run (process 0): `log(step, values)` in step order (report.RunLog calls it
     from its reader thread, in the order TensorBoard gets them), `close()` at the end."""
 
-    def __init__(self, config, config_dict: dict):
+    def __init__(self, config, config_dict: dict, first_launch: Callable[[], float]):
         """config: config.Config (read: report.wandb_*, run.dir); config_dict: the resolved
-        configuration as a dict (the W&B run's config)."""
-        self.report, self.url, self.run_dir = config.report, run_url(config.run.dir), config.run.dir
+        configuration as a dict (the W&B run's config); first_launch: when the run was first
+        launched (train.py gives launches.first_launch_start of the run directory), asked on the
+        mirror's thread when wandb.json holds no id yet."""
+        self.report, self.url = config.report, run_url(config.run.dir)
+        self.first_launch_of = first_launch
         self.first_launch = None  # the run's first launch's start (wandb.json's), which its id names
         self.record_url = storage.join_url(config.run.dir, RECORD)
         self.config = {**config_dict, "run_dir_url": self.url}
@@ -172,9 +176,7 @@ class Mirror:
             raise RuntimeError(problem)
         r = self.report
         if not record.get("id"):  # the run's first mirrored launch: its id, kept before anything is sent
-            import launches
-
-            first = launches.first_launch_start(self.run_dir)
+            first = self.first_launch_of()
             record = {"id": run_id(self.url, first), "first_launch": first, "project": r.wandb_project,
                       "entity": r.wandb_entity, "last_step": -1}
             self._write_record(record)

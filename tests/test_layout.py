@@ -84,3 +84,25 @@ def test_every_doc_the_readme_links_exists_and_every_doc_is_linked():
     readme = (PROJECT_DIR / "README.md").read_text()
     docs = sorted(p.name for p in (PROJECT_DIR / "docs").glob("*.md"))
     assert docs and all(f"(docs/{name}" in readme for name in docs), docs
+
+
+def test_ruff_counts_every_project_module_as_first_party():
+    """ruff.toml's isort finds first-party modules in the project's root (src = ["."]) instead of
+    a list that each new file had to join: every module sorts in the first-party block, after the
+    third-party one, and ruff says so where one is put among the third-party imports."""
+    import subprocess
+    import sys
+
+    modules = [m for m in MODULES if m.isidentifier()] + ["tests"]
+    probe = str(PROJECT_DIR / "layout_probe.py")  # never written: ruff reads the text from stdin
+
+    def sorted_right(text: str) -> bool:
+        done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "I", "--no-cache",
+                               "--stdin-filename", probe, "-"], input=text, capture_output=True, text=True,
+                              cwd=PROJECT_DIR, timeout=60)
+        assert done.returncode in (0, 1), done.stderr
+        return done.returncode == 0
+
+    first_party = "".join(f"import {m}\n" for m in sorted(modules))
+    assert sorted_right(f"import os\n\nimport numpy\n\n{first_party}")
+    assert not sorted_right("import os\n\nimport numpy\nimport wandb_mirror\n")  # as a third-party module
