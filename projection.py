@@ -216,7 +216,7 @@ class PaperDataset:
 _SUDOKU = PaperDataset(
     "sudoku-extreme-1k-aug-1000", 1000, 1.0, 423_000, 1,
     "1000 groups of 1001 one-example puzzles (build_sudoku_dataset.py --subsample-size 1000 --num-aug 1000); "
-    "test: the whole Sudoku-Extreme test set, 423k (DESIGN.md section 3, rounded)")
+    "test: the whole Sudoku-Extreme test set, which the builder writes without augmentation: 423k puzzles (rounded)")
 _ARC_SOURCE = ("counted by running build_data.py's ARC variant drawing (byte-equal to the reference's "
                "build_arc_dataset.py, seed 42, 1000 augmentations) on the reference repository's "
                "kaggle/combined files; test: the test pairs of every variant of the test set's tasks")

@@ -8,7 +8,7 @@ those imply.
     python tpu_compile.py arc1 --slice v4-64 --optim.global-batch-size 1536   # any train.py flag
     python tpu_compile.py maze --slice v5e-8 --programs train_step
 
-How (DESIGN.md section 9): the run's real training step and evaluation ACT step (config.py,
+How (docs/speed.md, "Compiled for a TPU"): the run's real training step and evaluation ACT step (config.py,
 trainer.py, capture.py, the host-ordered mesh, the split puzzle table) are traced, not run, on
 a virtual CPU mesh of the slice's device count with the run's global batch; the pending program
 (capture.program_hlo: every input's sharding, the donated state) goes to libtpu's compile-only
@@ -294,8 +294,10 @@ def require_compiler() -> None:
 
 
 def _quiet_libtpu(topo: Topology) -> None:
-    """libtpu would otherwise look for a TPU VM's metadata and warn (DESIGN.md section 9), and
-    refuse to load in a second process at once (its lockfile guards chips; here there are none)."""
+    """libtpu would otherwise query a TPU VM's metadata server for its accelerator type and workers
+    and warn when there is none (these variables answer it instead: the compile needs only the
+    topology), and refuse to load in a second process at once (its lockfile guards chips; here
+    there are none)."""
     for key, value in {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": topo.slice,
                        "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}.items():
         os.environ.setdefault(key, value)

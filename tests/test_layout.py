@@ -106,3 +106,21 @@ def test_ruff_counts_every_project_module_as_first_party():
     first_party = "".join(f"import {m}\n" for m in sorted(modules))
     assert sorted_right(f"import os\n\nimport numpy\n\n{first_party}")
     assert not sorted_right("import os\n\nimport numpy\nimport wandb_mirror\n")  # as a third-party module
+
+
+def test_the_product_cites_only_what_it_ships():
+    """No shipped file points its reader at the design notes kept beside the project (a clone has
+    no such file): each fact is stated where it is used, or in docs/."""
+    import subprocess
+
+    notes = "DESIGN" + ".md"  # spelled apart so that this file does not cite it either
+    files = subprocess.run(["git", "ls-files"], cwd=PROJECT_DIR, capture_output=True, text=True).stdout.split()
+    assert files, "the project's files, as git lists them"
+    citing = []
+    for name in files:
+        path = PROJECT_DIR / name
+        if name.startswith("tests/reference/") or not path.is_file() or path.suffix in (".png", ".gz", ".npy"):
+            continue
+        text = path.read_bytes().decode(errors="replace")
+        citing += [f"{name}:{n}" for n, line in enumerate(text.splitlines(), 1) if notes in line]
+    assert citing == [], citing
