@@ -73,13 +73,14 @@ def compiled_device_times(jobs: list[tuple], slices: dict[str, str], processes: 
     training step of each recursion curriculum stage it trains in (tpu_compile.run_programs),
     each distinct program compiled once for each slice (tpu_compile.py: each trace and compile in a
     process that ends, cached by program and topology)."""
+    import compiled_costs
     import tpu_compile
 
     distinct: dict[str, list] = {}  # settings -> [preset, config, programs, label]
     runs: dict[str, list[str]] = {}
     for run, config, sizes in jobs:
         runs[run.name] = []
-        for program_config, programs in tpu_compile.run_programs(config, sizes):
+        for program_config, programs in compiled_costs.run_programs(config, sizes):
             settings = tpu_compile.program_settings(program_config)
             label = run.configuration if program_config is config else \
                 f"{run.configuration} stage H{program_config.model.H_cycles}L{program_config.model.L_cycles}"
@@ -98,7 +99,7 @@ def compiled_device_times(jobs: list[tuple], slices: dict[str, str], processes: 
                                             labels=[label for _ in names for *_, label in distinct.values()])
     results = {name: dict(zip(distinct, compiled[i * len(distinct):(i + 1) * len(distinct)]))
                for i, name in enumerate(names)}
-    return {key: {run.name: tpu_compile.device_time_fields(
+    return {key: {run.name: compiled_costs.device_time_fields(
         [r for settings in runs[run.name] for r in results[name][settings]],
         (config.model.H_cycles, config.model.L_cycles)) for run, config, _ in jobs} for key, name in slices.items()}
 

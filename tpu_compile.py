@@ -48,10 +48,10 @@ import tyro
 
 import hlo_stats
 import ptrm
+from compiled_costs import eval_ms_per_puzzle
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config, presets_for
 from model import TRMConfig
-from projection import PAPER_DATASETS, cycles_key, model_flops, slice_spec, train_stages
-from schedule import run_schedule
+from projection import PAPER_DATASETS, model_flops, slice_spec
 
 PROGRAMS = ("train_step", "eval_step")
 CACHE_DIR = os.path.expanduser(os.environ.get("TRM_TPU_COMPILE_CACHE", "~/.cache/trm-tpu-compile"))
@@ -140,27 +140,6 @@ def resolved_config(config: Config, preset: str, table_rows: int | None) -> Conf
     rows = table_rows or (PAPER_DATASETS[preset].puzzle_identifiers if preset in PAPER_DATASETS
                           else config.model.num_puzzle_identifiers)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, num_puzzle_identifiers=rows))
-
-
-def stage_config(config: Config, cycles: tuple[int, int]) -> Config:
-    """The configuration whose training step is a recursion curriculum stage's program: the model
-    recursing with (H_cycles, L_cycles) = `cycles`, the curriculum off. A stage's steps run the
-    run's model with its config's cycles replaced (trainer.Trainer.recursing): the same
-    parameters and state, and the same program as a run of those cycles."""
-    model = dataclasses.replace(config.model, H_cycles=cycles[0], L_cycles=cycles[1])
-    return dataclasses.replace(config, model=model, optim=dataclasses.replace(config.optim, curriculum_epochs=0))
-
-
-def run_programs(config: Config, metadata) -> list[tuple[Config, tuple[str, ...]]]:
-    """(config, programs) of every program a run compiles: its evaluation step (always at the
-    model's cycles), and the training step of each recursion curriculum stage its steps train in
-    (`stage_config`; one, the model's, without a curriculum). `metadata`: the train split's sizes
-    (data.Metadata or projection.PaperDataset), which place the stages in steps."""
-    last = run_schedule(metadata, config.optim, config.eval.every_epochs)[0]
-    final = (config.model.H_cycles, config.model.L_cycles)
-    stages = [cycles for cycles, _ in train_stages(config, metadata, last)] or [final]
-    return [(config, ("train_step", "eval_step") if final in stages else ("eval_step",))] + \
-        [(stage_config(config, cycles), ("train_step",)) for cycles in stages if cycles != final]
 
 
 def program_settings(config: Config) -> str:
@@ -294,10 +273,9 @@ def require_compiler() -> None:
 
 
 def _quiet_libtpu(topo: Topology) -> None:
-    """libtpu would otherwise query a TPU VM's metadata server for its accelerator type and workers
-    and warn when there is none (these variables answer it instead: the compile needs only the
-    topology), and refuse to load in a second process at once (its lockfile guards chips; here
-    there are none)."""
+    """libtpu would otherwise query a TPU VM's metadata server and warn when there is none (these
+    variables answer it: the compile needs only the topology), and refuse to load in a second
+    process at once (its lockfile guards chips; here there are none)."""
     for key, value in {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": topo.slice,
                        "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}.items():
         os.environ.setdefault(key, value)
@@ -414,6 +392,21 @@ def _store(key: str, result: dict) -> None:
     partial.replace(Path(CACHE_DIR) / f"{key}.json")
 
 
+def clean_partials() -> int:
+    """Remove the cache's .partial files (`_store`'s) whose writer has ended (killed mid-write);
+    those of a process still running (another plan's) stay. Returns how many it removed."""
+    removed = 0
+    for path in Path(CACHE_DIR).glob(".*.partial") if Path(CACHE_DIR).is_dir() else ():
+        try:
+            os.kill(int(path.name.rsplit(".", 2)[-2]), 0)  # its writer runs
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed += 1
+        except (ValueError, PermissionError):  # not a pid of ours, or another user's running process
+            pass
+    return removed
+
+
 def compiled_result(traced: Traced, config: Config, program: str, topo: Topology, top: int = 10, say=print) -> dict:
     """The result dict of one traced program compiled for the topology (see `analyse`;
     `compiled` False with the compiler's `error` and advice when it refuses)."""
@@ -437,13 +430,11 @@ def compiled_result(traced: Traced, config: Config, program: str, topo: Topology
 def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo: Topology, programs) -> list[dict]:
     k, noise = ptrm.training_trajectories(config.eval)
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
-              "global_batch": config.optim.global_batch_size,
+              "global_batch": config.optim.global_batch_size, "cycles": [config.model.H_cycles, config.model.L_cycles],
               "batch_per_device": config.optim.global_batch_size // topo.devices}
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
                   "puzzles_per_batch": config.optim.global_batch_size // k}
-    cycles = [config.model.H_cycles, config.model.L_cycles]  # a curriculum stage's, for its training step
-    return [dict(common, program=p, cycles=cycles, **(evaluation if p == "eval_step" else {}), **results[p])
-            for p in programs]
+    return [dict(common, program=p, **(evaluation if p == "eval_step" else {}), **results[p]) for p in programs]
 
 
 def compile_programs(config: Config, preset: str, slice_name: str, programs=PROGRAMS, top: int = 10,
@@ -467,14 +458,6 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
         _store(keys[program], results[program])
         results[program]["cached"] = False
     return _with_run_fields(results, config, preset, topo, programs)
-
-
-def eval_ms_per_puzzle(result: dict) -> float | None:
-    """An evaluation program's device time per test puzzle: halt_max_steps ACT steps of the
-    estimated step time over the batch's puzzles (global_batch_size // K)."""
-    if not result.get("compiled") or "puzzles_per_batch" not in result:
-        return None
-    return result["estimate_ms"] * result["halt_max_steps"] / result["puzzles_per_batch"]
 
 
 def cached_results(config: Config, slice_name: str, programs=PROGRAMS) -> list[dict] | None:
@@ -554,8 +537,8 @@ def compile_isolated(jobs: list[tuple], programs=PROGRAMS, top: int = 10, use_ca
             preset, config, slice_name = jobs[i]
             return [bounded_processes.Task(f"{label} {p}", worker("compile", {
                 "preset": preset, "config": dataclasses.asdict(config), "slice": slice_name, "program": p,
-                "top": top, "key": keys[i][p], "hlo": str(tmp / f"{i}-{p}.hlo")}, f"{i}-{p}"), f"compile {slice_name}",
-                compiled(p, keys[i][p], label)) for p in missing]
+                "top": top, "key": keys[i][p], "hlo": str(tmp / f"{i}-{p}.hlo")}, f"{i}-{p}"),
+                f"compile {p} {preset} {slice_name}", compiled(p, keys[i][p], label)) for p in missing]
         return then
 
     failures, tasks = [], []
@@ -564,7 +547,7 @@ def compile_isolated(jobs: list[tuple], programs=PROGRAMS, top: int = 10, use_ca
         label = f"{labels[i] if labels else f'{preset} (batch {config.optim.global_batch_size})'} for {slice_name}"
         tasks.append(bounded_processes.Task(label, worker("trace", {
             "config": dataclasses.asdict(config), "slice": slice_name, "programs": missing, "out": str(tmp),
-            "job": i}, f"{i}-trace"), f"trace {slice_name}", traced(i, missing, label)))
+            "job": i}, f"{i}-trace"), f"trace {preset} {slice_name}", traced(i, missing, label)))
     if tasks:
         say(f"{total} program(s) to compile, {len(tasks)} trace(s) first; "
             + (f"{processes} process(es) at once" if processes else
@@ -579,6 +562,7 @@ def compile_isolated(jobs: list[tuple], programs=PROGRAMS, top: int = 10, use_ca
         for f in tmp.iterdir():
             f.unlink()
         tmp.rmdir()
+        clean_partials()  # what a compile killed mid-write left (its process has ended by now)
     if tasks:
         say(f"compiled {total - len(failures)} of {total} program(s) in {_minutes(time.perf_counter() - started)}; "
             f"the largest process peaked at {progress['peak'] / 1e9:.1f} GB (measured)", flush=True)
@@ -605,34 +589,6 @@ def _worker(kind: str, request_path: str) -> None:
     shardings = {int(k): v for k, v in parameters["shardings"].items()}
     _store(request["key"], compiled_result((hlo.read_bytes(), parameters["donors"], shardings), config,
                                            request["program"], topo, request["top"]))
-
-
-def device_time_fields(results: list[dict], cycles: tuple[int, int] | None = None) -> dict:
-    """A projection record's device time of each step from a run's compiled results
-    (projection.project_paper_run reads these keys): compiled_ms_per_eval_step,
-    compiled_ms_per_train_step (at the run's model `cycles`; None: the first training step's),
-    compiled_ms_per_train_stage ({"H,L": ms} of each recursion curriculum stage's training step),
-    compiled_source, and `refused` (the programs the compiler refused, each left out)."""
-    fields, stages = {}, {}
-    for r in results:
-        if not r["compiled"]:
-            continue
-        if r["program"] == "eval_step":
-            fields["compiled_ms_per_eval_step"] = r["estimate_ms"]
-            continue
-        stages[cycles_key(r["cycles"])] = r["estimate_ms"]
-        if cycles is None and "compiled_ms_per_train_step" not in fields or cycles is not None \
-                and tuple(r["cycles"]) == tuple(cycles):
-            fields["compiled_ms_per_train_step"] = r["estimate_ms"]
-    if len(stages) > 1 or stages and "compiled_ms_per_train_step" not in fields:
-        fields["compiled_ms_per_train_stage"] = stages
-    compiled = next((r for r in results if r["compiled"]), None)
-    fields["compiled_source"] = ("compiled TPU program: " + compiled["estimate_source"]) if compiled else \
-        "not compiled: " + results[0].get("error", "")[:200]
-    fields["refused"] = [r["program"] + (f" (H_cycles {r['cycles'][0]} L_cycles {r['cycles'][1]})"
-                                         if r["program"] == "train_step" else "")
-                         for r in results if not r["compiled"]]
-    return fields
 
 
 def _versions() -> dict:
