@@ -270,8 +270,8 @@ def configuration_rows(configs: list[dict], papers: dict[str, float] | None = No
         halts = [r.final["mean_halt_step"] for r in c["results"] if r.final and "mean_halt_step" in r.final]
         rows.append({"kind": "configuration", "name": c["configuration"], "configuration": c["configuration"],
                      "status": f"{c['seeds']} of {c['runs']} seeds done", "preset": c["preset"], **c["varied"],
-                     "parameters": c["parameters"], "effective_depth": c["effective_depth"],
-                     "forward_passes": c["forward_passes"], "seeds": c["seeds"], "mean_exact_%": _pct(c["mean"]),
+                     "parameters": c["parameters"], "effective_depth": c.get("effective_depth"),
+                     "forward_passes": c.get("forward_passes"), "seeds": c["seeds"], "mean_exact_%": _pct(c["mean"]),
                      "mean_exact_95%": f"{_pct(c['low'])}-{_pct(c['high'])}" if c["low"] is not None else "",
                      "paper_%": papers.get(c["configuration"], ""), "min_exact_%": _pct(c["min"]),
                      "max_exact_%": _pct(c["max"]),
