@@ -126,6 +126,11 @@ def test_a_curriculum_counts_each_stage_at_its_own_cycles():
     assert final / first == pytest.approx(3.888, abs=1e-3)
     assert train_flops_of(config, stages) == sum(stage_flops(config.model, c)["train"] * n for c, n in stages) * 768
     assert train_flops_of(config, stages) < final * 65104 * 768  # the curriculum row's train_flops, 11% lower
+    import study_report  # the report's train_flops column: the same, or none where the stages cannot be placed
+
+    assert study_report.trained_flops(config, PAPER_DATASETS["sudoku-mlp"], 65104) == train_flops_of(config, stages)
+    assert study_report.trained_flops(config, None, 65104) is None
+    assert study_report.trained_flops(PRESETS["sudoku-mlp"][1], None, 100) == final * 768 * 100
 
     # The step line: 100 steps in 2 s on 32 devices of a v4, in the first stage and across the
     # second stage's start (steps 3201-3300: 56 of them at (1, 2), 44 at (1, 3)).
