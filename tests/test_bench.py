@@ -164,6 +164,34 @@ def test_a_curriculum_counts_each_stage_at_its_own_cycles():
     assert run["train_hours"] == pytest.approx((3256 * 10 + 3255 * (12 + 18 + 21) + 52083 * 30) / 3.6e6)
 
 
+def test_a_curriculum_run_compiles_each_stages_training_step():
+    """compiled_costs.run_programs: a curriculum run compiles its evaluation step and the training
+    step of each stage (the model at the stage's cycles, the curriculum off: the program
+    Trainer.recursing runs); device_time_fields names each stage's estimate by its cycles."""
+    import compiled_costs
+
+    config = dataclasses.replace(PRESETS["sudoku-mlp"][1], optim=dataclasses.replace(
+        PRESETS["sudoku-mlp"][1].optim, curriculum_epochs=10000))
+    programs = compiled_costs.run_programs(config, PAPER_DATASETS["sudoku-mlp"])
+    assert programs[0] == (config, ("train_step", "eval_step"))
+    assert [(c.model.H_cycles, c.model.L_cycles, c.optim.curriculum_epochs, p) for c, p in programs[1:]] == [
+        (1, 2, 0, ("train_step",)), (1, 3, 0, ("train_step",)), (2, 4, 0, ("train_step",)), (2, 5, 0, ("train_step",))]
+    short = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_steps=100))  # the first stage only
+    assert [(c.model.H_cycles, c.model.L_cycles, p) for c, p in compiled_costs.run_programs(
+        short, PAPER_DATASETS["sudoku-mlp"])] == [(3, 6, ("eval_step",)), (1, 2, ("train_step",))]
+    assert compiled_costs.run_programs(PRESETS["sudoku-mlp"][1], PAPER_DATASETS["sudoku-mlp"]) == [
+        (PRESETS["sudoku-mlp"][1], ("train_step", "eval_step"))]
+    results = [{"program": "train_step", "cycles": [3, 6], "compiled": True, "estimate_ms": 30.0,
+                "estimate_source": "XLA"},
+               {"program": "eval_step", "cycles": [3, 6], "compiled": True, "estimate_ms": 5.0},
+               {"program": "train_step", "cycles": [1, 2], "compiled": True, "estimate_ms": 10.0},
+               {"program": "train_step", "cycles": [1, 3], "compiled": False, "error": "RESOURCE_EXHAUSTED"}]
+    fields = compiled_costs.device_time_fields(results, (3, 6))
+    assert fields["compiled_ms_per_train_step"] == 30.0 and fields["compiled_ms_per_eval_step"] == 5.0
+    assert fields["compiled_ms_per_train_stage"] == {"3,6": 30.0, "1,2": 10.0}
+    assert fields["refused"] == ["train_step (H_cycles 1 L_cycles 3)"]
+
+
 def test_slice_names():
     v4 = slice_spec("v4-64")
     assert (v4.chips, v4.hosts, v4.peak_tflops_per_chip, v4.peak_tflops) == (32, 8, 275.0, 8800.0)
