@@ -70,7 +70,7 @@ def _hours(hours: float) -> str:
 def compiled_device_times(jobs: list[tuple], slices: dict[str, str], processes: int | None = None) -> dict:
     """{slice key: {run name: its steps' device time fields}} for (run, config, train split's
     sizes) jobs on each slice of `slices` ({key: slice name}): each run's evaluation step and the
-    training step of each recursion curriculum stage it trains in (tpu_compile.run_programs),
+    training step of each recursion curriculum stage it trains in (compiled_costs.run_programs),
     each distinct program compiled once for each slice (tpu_compile.py: each trace and compile in a
     process that ends, cached by program and topology)."""
     import compiled_costs
@@ -104,12 +104,6 @@ def compiled_device_times(jobs: list[tuple], slices: dict[str, str], processes: 
         (config.model.H_cycles, config.model.L_cycles)) for run, config, _ in jobs} for key, name in slices.items()}
 
 
-def on_cpu(run) -> bool:
-    """Whether a run names the CPU (--run.device cpu, as the demo preset does): it trains on the
-    CPU mesh, so a TPU's cost does not apply to it."""
-    return run.config().run.device == "cpu"
-
-
 def plan(args) -> int:
     runs, text = read_study(args.study)
     try:
@@ -125,8 +119,9 @@ def plan(args) -> int:
     whole_mfu = args.whole_slice_mfu or mfu
     declared = declared_datasets(text)
     sizes, known, rows = {}, [], []
-    paths = {run.name: run.config().data.path for run in runs}  # each run's configuration parsed once here
-    cpu = {run.name for run in runs if on_cpu(run)}  # trained on the CPU: no TPU cost, nothing compiled
+    configs = {run.name: run.config() for run in runs}  # each run's configuration parsed once here
+    paths = {name: config.data.path for name, config in configs.items()}
+    cpu = {name for name, config in configs.items() if config.run.device == "cpu"}  # no TPU cost, nothing compiled
     for run in runs:
         path = paths[run.name]
         if path in declared:  # as the study file declares them: no read (the dataset may not exist yet)
@@ -139,11 +134,11 @@ def plan(args) -> int:
         if not isinstance(sizes[path], Exception) and run.name not in cpu:
             known.append((run, resolved_config(run, sizes[path]), sizes[path]))
     if cpu:
-        print(f"{len(cpu)} of {len(runs)} run(s) name the CPU (run.device cpu): "
+        print(f"{len(cpu)} of {len(runs)} run(s) name the CPU (run.device cpu, as the demo preset does): "
               "they train on this machine's CPU mesh, so the plan lists their steps only (no TPU program is compiled "
               "for them, no TPU hours); --run.device tpu in the study file plans them for TPUs", flush=True)
     if len(cpu) == len(runs):
-        return plan_on_cpu(args, runs, sizes, paths)
+        return plan_on_cpu(args, runs, sizes, configs)
     device = {"host": {}, "whole": {}}
     if compiled and known:
         import tpu_compile
@@ -195,8 +190,8 @@ def plan(args) -> int:
           + ("; the compiler's estimates assume Google's published clock and HBM bandwidth, only a TPU measures "
              "a step (launch.sh smoke)" if compiled else ""))
     for path, error in sizes.items():
-        if isinstance(error, Exception):
-            names = [r.name for r, h, _ in rows if h is None and paths[r.name] == path]
+        names = [r.name for r, h, _ in rows if h is None and paths[r.name] == path]
+        if isinstance(error, Exception) and names:
             print(f"not projected: {len(names)} run(s) of {path}: its size cannot be read ({error}); build it first, "
                   f"or declare its sizes in the study file: @dataset {path} groups=G examples=E test=T")
     for key, where in (("host", host.name), ("whole", spec.name)):
@@ -207,7 +202,7 @@ def plan(args) -> int:
     return 0
 
 
-def plan_on_cpu(args, runs: list, sizes: dict, paths: dict) -> int:
+def plan_on_cpu(args, runs: list, sizes: dict, configs: dict) -> int:
     """The plan of a study whose runs all train on the CPU: each run's steps (from its dataset's
     sizes, or at most its optim.max_steps while the dataset is not built yet); `study.py run`
     trains them one after another on this machine."""
@@ -216,14 +211,15 @@ def plan_on_cpu(args, runs: list, sizes: dict, paths: dict) -> int:
           "the CPU (`study.py run` trains them one after another here); --slice, --fleet and --mfu do not apply")
     print(f"{'run'.ljust(width)}  {'preset':<10}  {'steps':>9}  flags beyond the preset")
     for run in runs:
-        config, known = run.config(), sizes[paths[run.name]]
+        config = configs[run.name]
+        known = sizes[config.data.path]
         if not isinstance(known, Exception):
             steps = f"{run_schedule(known, config.optim, config.eval.every_epochs)[0]:,}"
         else:
             steps = "?" if config.optim.max_steps is None else f"<={config.optim.max_steps:,}"
         flags = " ".join(changed_flags(run)) or "(the preset)"
         print(f"{run.name.ljust(width)}  {run.preset:<10}  {steps:>9}  {flags}")
-    missing = sorted({paths[r.name] for r in runs if isinstance(sizes[paths[r.name]], Exception)})
+    missing = sorted({c.data.path for c in configs.values() if isinstance(sizes[c.data.path], Exception)})
     if missing:
         print(f"steps as at most --optim.max-steps (or ?) where the dataset is not built yet: {', '.join(missing)} "
               "(train.py builds the demo's at its first run)")
