@@ -87,6 +87,7 @@ from typing import Literal
 import numpy as np
 import tyro
 
+import compiled_costs
 import data
 import report
 import tpu_compile
@@ -596,7 +597,7 @@ class NonFiniteLoss(ValueError):
 def compiled_device_time(preset: str, args: BenchConfig) -> dict:
     """The preset's steps at its global batch, compiled for args.slice (tpu_compile.py; cached)."""
     config = tpu_compile.resolved_config(bench_config(preset, args), preset, args.table_rows)
-    return tpu_compile.device_time_fields(tpu_compile.compile_isolated([(preset, config, args.slice)])[0])
+    return compiled_costs.device_time_fields(tpu_compile.compile_isolated([(preset, config, args.slice)])[0])
 
 
 def check_losses(records: list[dict]) -> None:

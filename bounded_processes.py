@@ -40,7 +40,9 @@ class Task:
     name: str
     argv: list[str]
     kind: str
-    """Tasks of one kind take about the same memory: the largest peak of a kind sizes the next."""
+    """Tasks of one kind take about the same memory: the largest peak of a kind sizes the next of
+    that kind, never another's (tpu_compile.py: one kind per step, program, preset and slice, so a
+    Sudoku program's peak does not size an ARC one's); the first of a kind runs alone."""
     then: Callable[[Finished], list[Task]] | None = None
     """Called in this process when the task ends; returns the tasks it adds (run before those waiting)."""
 
@@ -85,13 +87,29 @@ def resident_bytes(pid: int) -> int:
     return 0
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
+def _parent_death_signal() -> Callable[[], None] | None:
+    """What a child runs between fork and exec so that it dies with this process (Linux's
+    PR_SET_PDEATHSIG, then a check that this process did not end before it was set), or None
+    where it cannot (no Linux, no libc). Everything it needs is loaded here, in the parent, before
+    any fork: the child of a threaded parent must not import or load a library (another thread
+    may have held the import lock or the loader's when it forked: a deadlock); it only calls
+    prctl and getppid through pointers resolved before."""
+    if sys.platform != "linux":
+        return None
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl, getppid = libc.prctl, os.getppid
     except (OSError, AttributeError):
-        pass
+        return None
+    parent, kill, exit_now = os.getpid(), int(signal.SIGKILL), os._exit
+
+    def die_with_parent() -> None:  # in the child, before exec
+        prctl(1, kill)  # PR_SET_PDEATHSIG
+        if getppid() != parent:  # the parent ended before the signal was set
+            exit_now(1)
+    return die_with_parent
 
 
 @dataclass
@@ -144,6 +162,7 @@ def run(tasks: list[Task], processes: int | None = None, poll_s: float = 0.2) ->
         raise ValueError(f"processes={processes}: give at least 1 (or None to size it from the memory)")
     pending, running, done = list(tasks), [], []
     peaks: dict[str, int] = {}
+    die_with_parent = _parent_death_signal()  # prepared here, before any fork
     previous = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     if previous is signal.SIG_DFL:  # SIGTERM ends the children too, as Ctrl-C does
         signal.signal(signal.SIGTERM, _interrupt)
@@ -153,7 +172,7 @@ def run(tasks: list[Task], processes: int | None = None, poll_s: float = 0.2) ->
                 task = pending.pop(0)
                 log = tempfile.TemporaryFile(mode="w+")
                 process = subprocess.Popen(task.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                           preexec_fn=die_with_parent)
                 running.append(_Running(task, process, log, time.perf_counter()))
             ended = None
             for r in running:

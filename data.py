@@ -53,7 +53,10 @@ import numpy as np
 
 from storage import access_errors, filesystem, is_local, join_url, read_json, write_bytes, write_file
 
-IGNORE_LABEL_ID = -100  # what labels equal to metadata.ignore_label_id become in batches
+IGNORE_LABEL_ID = -100
+"""The label of a position without a target: what labels equal to metadata.ignore_label_id become
+in batches (the reference's models/losses.py value). The loss, the metrics and the halting
+histogram (model.py, halting.py) skip it; defined here only."""
 SET_NAME = "all"  # the only set name the reference builders write
 SPLITS = ("train", "test")
 ARRAY_NAMES = ("inputs", "labels", "puzzle_identifiers", "puzzle_indices", "group_indices")

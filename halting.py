@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-IGNORE_LABEL_ID = -100  # model.IGNORE_LABEL_ID (model.py imports this file)
+from data import IGNORE_LABEL_ID
 
 
 def metric_names(halt_max_steps: int) -> tuple[str, ...]:

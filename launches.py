@@ -180,6 +180,14 @@ def read_records(directory: str, pattern: str) -> list[dict]:
     return records
 
 
+def first_launch_start(run_dir: str) -> float:
+    """When the run in `run_dir` was first launched: its oldest launch record's process_start, or
+    this process's start (`process_start_time`, what this launch's record says) when none is
+    written yet. With the directory's URL it names the run: a run started again in the same
+    directory after it was deleted is another run, with another first launch."""
+    return min([r["process_start"] for r in read_launches(run_dir)] + [process_start_time()])
+
+
 def read_launches(run_dir: str) -> list[dict]:
     """The launch records of a run directory, oldest first (none: [])."""
     records = read_records(storage.join_url(run_dir, LAUNCH_DIR), "launch-*.json")

@@ -26,12 +26,12 @@ from torch import nn
 
 import recursion
 from attention import ATTENTIONS, attend
+from data import IGNORE_LABEL_ID  # the labels of positions without a target (data.py's batches write it)
 from device_grads import weight_matmul
 from halting import exploration_prob
 from ranges import range_problems, ranged
 from recursion import SCHEMES
 
-IGNORE_LABEL_ID = -100
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 import ptrm
 from attention import blockwise_extra_flops
+from batches import total_train_steps
 from model import TRMConfig, swiglu_width
-from schedule import run_schedule
+from schedule import Curriculum, run_schedule
 
 if TYPE_CHECKING:
     from config import Config
@@ -51,6 +52,20 @@ def heads_flops(c: TRMConfig) -> int:
     return 2 * c.total_len * c.hidden_size * c.vocab_size + 2 * c.hidden_size * 2
 
 
+def recursion_counts(c: TRMConfig) -> tuple[int, int, int]:
+    """(block applications of one ACT step, those of them that run backward, forward passes of
+    the recursion per example in a training step): the arch's updates (recursion.py), each a
+    network of some blocks. The first is the TRM paper's "effective depth per supervision step"
+    (Table 1: T(n + 1)·n_layers; trm's H_cycles·(L_cycles + 1)·L_layers, 42 for sudoku-mlp, 24 for
+    HRM's 2·3·4), the last its "number of forward passes (NFP) per optimization step": 2 where
+    the Q-continue target needs a second pass of the recursion (HRM, "w/ ACT"), else 1."""
+    scheme = c.scheme
+    layers = scheme.networks(c)
+    per_update = [layers[scheme.network_of(kind, c)] for kind in scheme.schedule(c)]
+    target = scheme.q_continue_target(c)
+    return sum(per_update), sum(per_update[-scheme.grad_updates(c):]), 2 if target else 1
+
+
 def model_flops(c: TRMConfig) -> dict[str, int]:
     """Model FLOPs per example of one training step and of one evaluation ACT step.
 
@@ -72,13 +87,11 @@ def model_flops(c: TRMConfig) -> dict[str, int]:
 
     "train_extra", "eval_extra" (not in MFU): the blockwise attention's own work over blocks of
     keys (T > attention_block): row sums in the forward, the scores again in the backward."""
-    scheme, block, heads = c.scheme, block_flops(c), heads_flops(c)
-    layers = scheme.networks(c)
-    per_update = [layers[scheme.network_of(kind, c)] for kind in scheme.schedule(c)]
-    applications, with_grad = sum(per_update), sum(per_update[-scheme.grad_updates(c):])
+    block, heads = block_flops(c), heads_flops(c)
+    applications, with_grad, passes = recursion_counts(c)
     forward = applications * block + heads
     train_flops = forward + 2 * (with_grad * block + heads)
-    target = scheme.q_continue_target(c)
+    target = passes == 2
     if target:
         train_flops += forward
     blocks = not c.mlp_t and c.attention == "blockwise" and c.total_len > c.attention_block
@@ -87,6 +100,28 @@ def model_flops(c: TRMConfig) -> dict[str, int]:
     eval_extra = applications * row_sums
     train_extra = eval_extra * (2 if target else 1) + with_grad * scores_again
     return {"train": train_flops, "eval": forward, "train_extra": train_extra, "eval_extra": eval_extra}
+
+
+def stage_flops(c: TRMConfig, cycles: tuple[int, int]) -> dict[str, int]:
+    """`model_flops` of the model recursing with (H_cycles, L_cycles) = `cycles`: a stage of the
+    recursion curriculum (schedule.Curriculum), whose steps recurse with fewer cycles than the
+    model's (the first stage of contrib01's Sudoku curriculum, (1, 2), costs 1/7 of (3, 6)'s)."""
+    return model_flops(dataclasses.replace(c, H_cycles=cycles[0], L_cycles=cycles[1]))
+
+
+def train_stages(config: Config, metadata, last_step: int, first_step: int = 1) -> list[tuple[tuple[int, int], int]]:
+    """((H_cycles, L_cycles), steps) of each stage the training steps first_step..last_step
+    recurse in (schedule.Curriculum.stage_steps; one stage, the model's cycles, without a
+    curriculum); `metadata`: the train split's sizes (data.Metadata or a PaperDataset), which
+    place the curriculum's epochs in steps."""
+    full_steps = total_train_steps(metadata, config.optim.epochs, config.optim.global_batch_size)
+    return Curriculum(config, full_steps).stage_steps(first_step, last_step)
+
+
+def train_flops_of(config: Config, stages: list[tuple[tuple[int, int], int]]) -> int:
+    """Model FLOPs of the training steps of `stages` (`train_stages`) over the whole global batch."""
+    return sum(stage_flops(config.model, cycles)["train"] * steps for cycles, steps in stages) \
+        * config.optim.global_batch_size
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +215,7 @@ class PaperDataset:
 _SUDOKU = PaperDataset(
     "sudoku-extreme-1k-aug-1000", 1000, 1.0, 423_000, 1,
     "1000 groups of 1001 one-example puzzles (build_sudoku_dataset.py --subsample-size 1000 --num-aug 1000); "
-    "test: the whole Sudoku-Extreme test set, 423k (DESIGN.md section 3, rounded)")
+    "test: the whole Sudoku-Extreme test set, which the builder writes without augmentation: 423k puzzles (rounded)")
 _ARC_SOURCE = ("counted by running build_data.py's ARC variant drawing (byte-equal to the reference's "
                "build_arc_dataset.py, seed 42, 1000 augmentations) on the reference repository's "
                "kaggle/combined files; test: the test pairs of every variant of the test set's tasks")
@@ -230,10 +265,17 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
     eval_act_steps = eval_batches * model.halt_max_steps
     checkpoints = (train_steps - 1) // config.run.ckpt_every + 1
     # Device time: the compiled TPU program's estimate where the record has one (tpu_compile.py,
-    # `compiled_ms_per_*_step`), else the model FLOPs at `mfu` of the slice's peak.
-    train_device_ms = record.get("compiled_ms_per_train_step") or record["projected_device_ms_per_train_step"] / mfu
+    # `compiled_ms_per_*_step`, and each curriculum stage's `compiled_ms_per_train_stage`), else
+    # the model FLOPs at `mfu` of the slice's peak. A curriculum's stages are priced each by its
+    # own program (or FLOPs): its first stages recurse with fewer cycles.
     eval_device_ms = record.get("compiled_ms_per_eval_step") or record["projected_device_ms_per_eval_step"] / mfu
-    train_step_ms = max(record.get("host_ms_per_step", 0.0), train_device_ms)
+    stages = []
+    for cycles, steps in train_stages(config, dataset, train_steps):
+        device_ms = stage_device_ms(record, config, cycles, mfu)
+        stages.append({"cycles": list(cycles), "steps": steps, "device_ms_per_step": device_ms,
+                       "ms_per_step": max(record.get("host_ms_per_step", 0.0), device_ms)})
+    train_step_ms = sum(s["steps"] * s["ms_per_step"] for s in stages) / max(1, train_steps) if stages else \
+        max(record.get("host_ms_per_step", 0.0), stage_device_ms(record, config, None, mfu))
     eval_step_ms = max(record.get("eval_host_ms_per_step", 0.0), eval_device_ms)
     pause_ms = record.get("checkpoint_pause_ms", 0.0)
     train_h = train_steps * train_step_ms / 3.6e6
@@ -244,6 +286,7 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
         "device_time_source": record["compiled_source"] if "compiled_ms_per_train_step" in record
         else f"model FLOPs at {mfu:.0%} MFU (assumed)",
         "train_steps": train_steps, "train_ms_per_step": train_step_ms, "train_hours": train_h,
+        "train_stages": stages,
         "evaluations": len(evaluation_at), "eval_batches": eval_batches, "eval_act_steps": eval_act_steps,
         "eval_ms_per_act_step": eval_step_ms, "eval_hours": eval_h,
         # one evaluation of the whole test split at K (`train.py eval --eval.trajectories K`)
@@ -253,6 +296,29 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
         "checkpoints": checkpoints, "checkpoint_pause_ms": pause_ms, "checkpoint_minutes": checkpoint_h * 60,
         "total_hours": train_h + eval_h + checkpoint_h,
     }
+
+
+def cycles_key(cycles: tuple[int, int]) -> str:
+    """A curriculum stage's name in records: "H_cycles,L_cycles" ("1,2")."""
+    return f"{cycles[0]},{cycles[1]}"
+
+
+def stage_device_ms(record: dict, config: Config, cycles: tuple[int, int] | None, mfu: float) -> float:
+    """Device milliseconds of one training step recursing with `cycles` (None: the model's): the
+    record's compiled estimate of that stage's program (`compiled_ms_per_train_stage`, or
+    `compiled_ms_per_train_step` for the model's own cycles) where it has one, else the stage's
+    model FLOPs at `mfu` of the slice's peak (the record's `projected_device_ms_per_train_step`, at
+    the model's cycles, scaled by the stage's share of its FLOPs)."""
+    model = config.model
+    final = (model.H_cycles, model.L_cycles)
+    cycles = cycles or final
+    compiled = record.get("compiled_ms_per_train_stage", {}).get(cycles_key(cycles))
+    if compiled is None and cycles == final:
+        compiled = record.get("compiled_ms_per_train_step")
+    if compiled:
+        return compiled
+    share = 1.0 if cycles == final else stage_flops(model, cycles)["train"] / model_flops(model)["train"]
+    return record["projected_device_ms_per_train_step"] * share / mfu
 
 
 def flop_record(preset: str, config: Config, spec: SliceSpec) -> dict:

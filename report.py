@@ -36,7 +36,7 @@ import torch
 
 import halting
 import storage
-from projection import model_flops, peak_tflops_per_device
+from projection import model_flops, peak_tflops_per_device, stage_flops
 from trainer import TRAIN_METRICS
 
 # Token colours of the puzzle pictures: 0 pad (dark grey), 1 white (ARC's end of grid, Sudoku's
@@ -403,12 +403,19 @@ class RunLog:
     CLOSE_TIMEOUT_S = 30.0
     """close() waits at most this long for the last copy of the event files."""
 
-    def __init__(self, config, total_steps: int, main_host: bool, sharding, device_kind: str | None = None):
+    def __init__(self, config, total_steps: int, main_host: bool, sharding, device_kind: str | None = None,
+                 curriculum=None, first_launch=None):
         """config: config.Config (read: run.dir, run.log_every, optim.global_batch_size, model);
         device_kind: the accelerator's kind for the MFU's peak ("TPU v4", ...; default: asked of
-        `sharding.accelerator_kind()`); no known peak, no MFU."""
+        `sharding.accelerator_kind()`); no known peak, no MFU. curriculum: the run's recursion
+        curriculum (schedule.Curriculum), whose stages recurse with fewer cycles: each window's
+        FLOPs are counted from the cycles its steps trained with (None: the model's). first_launch:
+        when the run was first launched (a callable; train.py's launches.first_launch_start), which
+        names its W&B run (wandb_mirror.py; None: now)."""
         self.config, self.total_steps, self.main_host, self.sharding = config, total_steps, main_host, sharding
-        self.flops_per_example = model_flops(config.model)["train"]
+        self.curriculum = curriculum
+        self.flops_per_example = model_flops(config.model)["train"]  # at the model's cycles
+        self._stage_flops: dict[tuple[int, int], int] = {}
         self.devices = sharding.device_counts()[0]
         self.peak_tflops = peak_tflops_per_device(sharding.accelerator_kind() if device_kind is None else device_kind)
         self.history: list[dict[str, float]] = []
@@ -432,7 +439,7 @@ class RunLog:
         if main_host and config.report.wandb_project:
             import wandb_mirror
 
-            self.mirror = wandb_mirror.Mirror(config, dataclasses.asdict(config))
+            self.mirror = wandb_mirror.Mirror(config, dataclasses.asdict(config), first_launch or time.time)
 
     def say(self, *parts) -> None:
         if self.main_host:
@@ -503,7 +510,8 @@ class RunLog:
         batch_size = self.config.optim.global_batch_size
         row = summarize(TRAIN_METRICS, sums.cpu().numpy(), steps, batch_size)
         row.update(step=step, lr=lr, loss=row["lm_loss"] + 0.5 * row["q_halt_loss"])
-        row.update(speed(steps, seconds, batch_size, self.flops_per_example, self.devices, self.peak_tflops))
+        row.update(speed(steps, seconds, batch_size, self.window_flops_per_example(step - steps + 1, step),
+                         self.devices, self.peak_tflops))
         memory = ""
         info = self._memory()
         if info:
@@ -530,6 +538,18 @@ class RunLog:
             self._scalars({**{f"train/{k}": v for k, v in row.items() if k != "step"},
                            "xla/compiles": self.sharding.xla_counters()["compiles"]}, step)
             self._upload_tb()
+
+    def window_flops_per_example(self, first: int, last: int) -> float:
+        """Model FLOPs per example of a training step, averaged over the steps first..last: each
+        step's at the cycles it recursed with (a curriculum's stage, projection.stage_flops)."""
+        if self.curriculum is None or not self.config.optim.curriculum_epochs or last < first:
+            return self.flops_per_example
+        total = 0
+        for cycles, steps in self.curriculum.stage_steps(first, last):
+            if cycles not in self._stage_flops:
+                self._stage_flops[cycles] = stage_flops(self.config.model, cycles)["train"]
+            total += self._stage_flops[cycles] * steps
+        return total / (last - first + 1)
 
     def _scalars(self, scalars: dict[str, float], step: int) -> None:
         """TensorBoard scalars of a step, and the same to the W&B mirror when there is one (on the

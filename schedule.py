@@ -99,6 +99,21 @@ class Curriculum:
                 out.append((step, self.at(step)))
         return out
 
+    def stage_steps(self, first: int, last: int) -> list[tuple[tuple[int, int], int]]:
+        """((H_cycles, L_cycles), how many of the steps first..last train in it) of each stage
+        those steps train in, in order (none for an empty range): what the steps' compute is
+        counted from (a stage's model FLOPs are those of its cycles, projection.stage_flops)."""
+        if last < first:
+            return []
+        stages = self.stages(last)
+        out = []
+        for i, (start, cycles) in enumerate(stages):
+            end = stages[i + 1][0] - 1 if i + 1 < len(stages) else last
+            steps = min(end, last) - max(start, first) + 1
+            if steps > 0:
+                out.append((cycles, steps))
+        return out
+
 
 def resolve_anneal(config, full_steps: int):
     """`config` (config.Config) with model.halt_exploration_anneal_steps 0 (the whole run) made

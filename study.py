@@ -1,7 +1,7 @@
 """A study: many TRM runs from one study file, claimed from the study directory by any number of
 processes (one per TPU VM of a fleet), resumable, compared in one report.
 
-    python study.py plan studies/tiny.txt                       # the runs, their steps and cost
+    python study.py plan studies/tiny.txt                       # a CPU study: its runs and their steps
     python study.py plan studies/sudoku-scaling.txt --slice v4-64 --fleet v4-8x8   # compiled for both
     python study.py plan studies/sudoku-scaling.txt --slice v4-64 --mfu 0.3   # at an MFU a TPU measured
     python study.py run studies/tiny.txt --out runs/tiny-study  # every run, one after another
@@ -26,6 +26,7 @@ import sys
 import storage
 from lifecycle import EXIT_RETRYABLE
 from projection import SliceSpec, slice_spec
+from schedule import run_schedule
 from study_plan import (
     StudyError,
     changed_flags,
@@ -67,26 +68,40 @@ def _hours(hours: float) -> str:
 
 
 def compiled_device_times(jobs: list[tuple], slices: dict[str, str], processes: int | None = None) -> dict:
-    """{slice key: {run name: its steps' device time fields}} for (run, config) jobs on each
-    slice of `slices` ({key: slice name}), each distinct program compiled once for each slice
-    (tpu_compile.py: each trace and compile in a process that ends, cached by program and topology)."""
+    """{slice key: {run name: its steps' device time fields}} for (run, config, train split's
+    sizes) jobs on each slice of `slices` ({key: slice name}): each run's evaluation step and the
+    training step of each recursion curriculum stage it trains in (compiled_costs.run_programs),
+    each distinct program compiled once for each slice (tpu_compile.py: each trace and compile in a
+    process that ends, cached by program and topology)."""
+    import compiled_costs
     import tpu_compile
 
-    distinct: dict[str, tuple] = {}
-    for run, config in jobs:
-        distinct.setdefault(tpu_compile.program_settings(config), (run.preset, config, run.configuration))
+    distinct: dict[str, list] = {}  # settings -> [preset, config, programs, label]
+    runs: dict[str, list[str]] = {}
+    for run, config, sizes in jobs:
+        runs[run.name] = []
+        for program_config, programs in compiled_costs.run_programs(config, sizes):
+            settings = tpu_compile.program_settings(program_config)
+            label = run.configuration if program_config is config else \
+                f"{run.configuration} stage H{program_config.model.H_cycles}L{program_config.model.L_cycles}"
+            entry = distinct.setdefault(settings, [run.preset, program_config, (), label])
+            entry[2] = tuple(p for p in tpu_compile.PROGRAMS if p in entry[2] or p in programs)
+            runs[run.name].append(settings)
     for slice_name in slices.values():
-        cached = sum(tpu_compile.cached_results(c, slice_name) is not None for _, c, _ in distinct.values())
+        cached = sum(tpu_compile.cached_results(c, slice_name, programs) is not None
+                     for _, c, programs, _ in distinct.values())
         print(f"compiling {len(distinct)} distinct program(s) for {slice_name} with the TPU compiler ({cached} cached; "
               "a real-size training step takes minutes on a laptop)", flush=True)
     names = list(dict.fromkeys(slices.values()))
-    compiled = tpu_compile.compile_isolated([(preset, config, name) for name in names
-                                             for preset, config, _ in distinct.values()], processes=processes,
-                                            labels=[label for _ in names for _, _, label in distinct.values()])
+    compiled = tpu_compile.compile_isolated([(preset, config, name, programs) for name in names
+                                             for preset, config, programs, _ in distinct.values()],
+                                            processes=processes,
+                                            labels=[label for _ in names for *_, label in distinct.values()])
     results = {name: dict(zip(distinct, compiled[i * len(distinct):(i + 1) * len(distinct)]))
                for i, name in enumerate(names)}
-    return {key: {run.name: tpu_compile.device_time_fields(results[name][tpu_compile.program_settings(config)])
-                  for run, config in jobs} for key, name in slices.items()}
+    return {key: {run.name: compiled_costs.device_time_fields(
+        [r for settings in runs[run.name] for r in results[name][settings]],
+        (config.model.H_cycles, config.model.L_cycles)) for run, config, _ in jobs} for key, name in slices.items()}
 
 
 def plan(args) -> int:
@@ -104,7 +119,9 @@ def plan(args) -> int:
     whole_mfu = args.whole_slice_mfu or mfu
     declared = declared_datasets(text)
     sizes, known, rows = {}, [], []
-    paths = {run.name: run.config().data.path for run in runs}  # each run's configuration parsed once here
+    configs = {run.name: run.config() for run in runs}  # each run's configuration parsed once here
+    paths = {name: config.data.path for name, config in configs.items()}
+    cpu = {name for name, config in configs.items() if config.run.device == "cpu"}  # no TPU cost, nothing compiled
     for run in runs:
         path = paths[run.name]
         if path in declared:  # as the study file declares them: no read (the dataset may not exist yet)
@@ -114,8 +131,14 @@ def plan(args) -> int:
                 sizes[path] = dataset_sizes(path)
             except Exception as e:  # noqa: BLE001 - said once per dataset below
                 sizes[path] = e
-        if not isinstance(sizes[path], Exception):
-            known.append((run, resolved_config(run, sizes[path])))
+        if not isinstance(sizes[path], Exception) and run.name not in cpu:
+            known.append((run, resolved_config(run, sizes[path]), sizes[path]))
+    if cpu:
+        print(f"{len(cpu)} of {len(runs)} run(s) name the CPU (run.device cpu, as the demo preset does): "
+              "they train on this machine's CPU mesh, so the plan lists their steps only (no TPU program is compiled "
+              "for them, no TPU hours); --run.device tpu in the study file plans them for TPUs", flush=True)
+    if len(cpu) == len(runs):
+        return plan_on_cpu(args, runs, sizes, configs)
     device = {"host": {}, "whole": {}}
     if compiled and known:
         import tpu_compile
@@ -126,10 +149,10 @@ def plan(args) -> int:
             raise SystemExit(f"error: {e}; or project at a stated MFU: --mfu 0.4")
         except KeyboardInterrupt:
             raise SystemExit(130)
+    runs = [run for run in runs if run.name not in cpu]  # the TPU runs, planned below
     for run in runs:
         path = paths[run.name]
-        refused = compiled and any("compiled_ms_per_train_step" not in device[k].get(run.name, {})
-                                   for k in ("host", "whole"))
+        refused = compiled and any(device[k].get(run.name, {}).get("refused", True) for k in ("host", "whole"))
         if isinstance(sizes[path], Exception) or refused:
             rows.append((run, None, None))
             continue
@@ -167,14 +190,39 @@ def plan(args) -> int:
           + ("; the compiler's estimates assume Google's published clock and HBM bandwidth, only a TPU measures "
              "a step (launch.sh smoke)" if compiled else ""))
     for path, error in sizes.items():
-        if isinstance(error, Exception):
-            names = [r.name for r, h, _ in rows if h is None and paths[r.name] == path]
+        names = [r.name for r, h, _ in rows if h is None and paths[r.name] == path]
+        if isinstance(error, Exception) and names:
             print(f"not projected: {len(names)} run(s) of {path}: its size cannot be read ({error}); build it first, "
                   f"or declare its sizes in the study file: @dataset {path} groups=G examples=E test=T")
     for key, where in (("host", host.name), ("whole", spec.name)):
         for name, fields in device[key].items():
-            if "compiled_ms_per_train_step" not in fields:
-                print(f"not projected: {name} does not compile for {where}: {fields['compiled_source']}")
+            if fields["refused"]:
+                print(f"not projected: {name}'s {', '.join(fields['refused'])} does not compile for {where}: "
+                      f"{fields['compiled_source']}")
+    return 0
+
+
+def plan_on_cpu(args, runs: list, sizes: dict, configs: dict) -> int:
+    """The plan of a study whose runs all train on the CPU: each run's steps (from its dataset's
+    sizes, or at most its optim.max_steps while the dataset is not built yet); `study.py run`
+    trains them one after another on this machine."""
+    width = max(len(r.name) for r in runs)
+    print(f"study {args.study}: {len(runs)} runs of {len({r.configuration for r in runs})} configurations, all on "
+          "the CPU (`study.py run` trains them one after another here); --slice, --fleet and --mfu do not apply")
+    print(f"{'run'.ljust(width)}  {'preset':<10}  {'steps':>9}  flags beyond the preset")
+    for run in runs:
+        config = configs[run.name]
+        known = sizes[config.data.path]
+        if not isinstance(known, Exception):
+            steps = f"{run_schedule(known, config.optim, config.eval.every_epochs)[0]:,}"
+        else:
+            steps = "?" if config.optim.max_steps is None else f"<={config.optim.max_steps:,}"
+        flags = " ".join(changed_flags(run)) or "(the preset)"
+        print(f"{run.name.ljust(width)}  {run.preset:<10}  {steps:>9}  {flags}")
+    missing = sorted({c.data.path for c in configs.values() if isinstance(sizes[c.data.path], Exception)})
+    if missing:
+        print(f"steps as at most --optim.max-steps (or ?) where the dataset is not built yet: {', '.join(missing)} "
+              "(train.py builds the demo's at its first run)")
     return 0
 
 
@@ -212,7 +260,8 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="study.py", description=__doc__.split("\n\n")[0],
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = commands.add_parser("plan", help="the expanded runs, their steps and projected cost, the makespans")
+    p = commands.add_parser("plan", help="the expanded runs and their steps; for TPU runs their projected cost and "
+                                         "the makespans (runs that name the CPU: steps only, nothing compiled)")
     p.add_argument("study", help="the study file (local or gs://)")
     p.add_argument("--slice", default="v4-64",
                    help="the TPU slice of the one-run-at-a-time projection, each run over it whole (default v4-64)")

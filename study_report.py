@@ -41,6 +41,11 @@ T95 = [12.706204736, 4.302652730, 3.182446305, 2.776445105, 2.570581836, 2.44691
        2.045229642, 2.042272456]
 """Student t quantiles t(0.975, df) for df = 1..30 (beyond: the normal's, corrected by 1/df)."""
 METRICS = ("exact_accuracy", "accuracy", "steps")
+TABLE1 = ("effective_depth", "forward_passes")
+"""The columns the TRM paper's Table 1 reads beside the accuracy (projection.recursion_counts):
+effective depth per supervision step, T(n + 1)·n_layers (block applications of one ACT step), and
+forward passes of the recursion per example and training step (NFP: 2 where the Q-continue target
+takes a second pass)."""
 
 
 def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
@@ -78,6 +83,8 @@ class RunResult:
     steps_done: int = 0
     steps_total: int | None = None
     train_flops: float | None = None
+    effective_depth: int | None = None  # block applications per ACT step (the TRM paper's Table 1 "Depth")
+    forward_passes: int | None = None  # forward passes per example per training step (Table 1's "NFP")
     device_hours: float | None = None
     final: dict | None = None  # the final evaluation's metrics
     best: tuple[float, int, int] | None = None  # (exact accuracy, examples, step)
@@ -115,10 +122,24 @@ def parameter_count(model_config) -> int:
         return sum(p.numel() for p in TRM(model_config).parameters())
 
 
+def trained_flops(config, metadata, steps: int) -> float | None:
+    """Model FLOPs of a run's first `steps` training steps over the global batch, each at the
+    cycles it recursed with (a recursion curriculum's stages: projection.train_stages, placed in
+    steps by the train split's `metadata`); None for a curriculum whose dataset cannot be read
+    (its stages cannot be placed)."""
+    from projection import train_flops_of, train_stages
+
+    if not config.optim.curriculum_epochs:
+        return float(train_flops_of(config, [((config.model.H_cycles, config.model.L_cycles), steps)]))
+    if metadata is None or isinstance(metadata, Exception):
+        return None
+    return float(train_flops_of(config, train_stages(config, metadata, steps)))
+
+
 def collect(out: str) -> list[RunResult]:
     """Every run of the study directory `out` (DIR/study/runs.json), with what it has done so far."""
     from config import config_from_dict, with_new_fields
-    from projection import model_flops
+    from projection import recursion_counts
     from schedule import run_schedule
 
     listing = _read_json(storage.join_url(out, "study", "runs.json"))
@@ -141,6 +162,7 @@ def collect(out: str) -> list[RunResult]:
         config = config_from_dict(with_new_fields(saved)) if saved else run.config()
         result.data_path, result.host, result.ckpt_every = config.data.path, status.get("host"), config.run.ckpt_every
         result.parameters = parameter_count(config.model)
+        result.effective_depth, _, result.forward_passes = recursion_counts(config.model)
         result.trajectories = ptrm.saved_curve_columns(run_dir)
         records = _records(run_dir)
         trained = [r["step"] for r in records if r.get("kind") == "train"]
@@ -152,7 +174,7 @@ def collect(out: str) -> list[RunResult]:
             result.steps_total = run_schedule(sizes[config.data.path], config.optim, config.eval.every_epochs)[0]
         except Exception:  # noqa: BLE001 - the table says "?" for a dataset it cannot read
             result.steps_total = final["step"] if final else None
-        result.train_flops = model_flops(config.model)["train"] * config.optim.global_batch_size * result.steps_done
+        result.train_flops = trained_flops(config, sizes.get(config.data.path), result.steps_done)
         if final and result.seconds is not None:
             result.device_hours = result.seconds * final.get("devices", 0) / 3600
         evals = [r for r in records if r.get("kind") == "eval" and r.get("exact_accuracy") is not None]
@@ -194,7 +216,10 @@ def configurations(results: list[RunResult]) -> list[dict]:
         row["min"], row["max"] = (min(values), max(values)) if values else (None, None)
         done = [r for r in row["results"] if r.final is not None]
         row["parameters"] = row["results"][0].parameters
-        row["train_flops"] = sum(r.train_flops for r in done) / len(done) if done else None
+        row["effective_depth"] = row["results"][0].effective_depth
+        row["forward_passes"] = row["results"][0].forward_passes
+        counted = [r.train_flops for r in done if r.train_flops is not None]
+        row["train_flops"] = sum(counted) / len(counted) if counted else None
     return list(rows.values())
 
 
@@ -217,6 +242,7 @@ def run_rows(results: list[RunResult], study: goodput.StudyTime) -> list[dict]:
         rows.append({
             "kind": "run", "name": r.run.name, "configuration": r.run.configuration, "status": status,
             "preset": r.run.preset, **{k: v for k, v in r.varied.items()}, "parameters": r.parameters,
+            "effective_depth": r.effective_depth, "forward_passes": r.forward_passes,
             "steps": f"{r.steps_done}/{r.steps_total if r.steps_total is not None else '?'}",
             "train_flops": None if r.train_flops is None else f"{r.train_flops:.3g}",
             "device_hours": None if device_hours is None else round(device_hours, 4),
@@ -244,7 +270,8 @@ def configuration_rows(configs: list[dict], papers: dict[str, float] | None = No
         halts = [r.final["mean_halt_step"] for r in c["results"] if r.final and "mean_halt_step" in r.final]
         rows.append({"kind": "configuration", "name": c["configuration"], "configuration": c["configuration"],
                      "status": f"{c['seeds']} of {c['runs']} seeds done", "preset": c["preset"], **c["varied"],
-                     "parameters": c["parameters"], "seeds": c["seeds"], "mean_exact_%": _pct(c["mean"]),
+                     "parameters": c["parameters"], "effective_depth": c.get("effective_depth"),
+                     "forward_passes": c.get("forward_passes"), "seeds": c["seeds"], "mean_exact_%": _pct(c["mean"]),
                      "mean_exact_95%": f"{_pct(c['low'])}-{_pct(c['high'])}" if c["low"] is not None else "",
                      "paper_%": papers.get(c["configuration"], ""), "min_exact_%": _pct(c["min"]),
                      "max_exact_%": _pct(c["max"]),
@@ -270,11 +297,12 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
     """results.csv, results.md; returns the text printed to the terminal."""
     # test-time scaling of the runs evaluated at several K (ptrm.saved_curve_columns)
     scaling = list(dict.fromkeys(k for r in runs for k in r if k.startswith("exact_K")))
-    run_columns = ["name", "status", "preset", *varied, "parameters", "steps", "train_flops", "device_hours",
+    run_columns = ["name", "status", "preset", *varied, "parameters", *TABLE1, "steps", "train_flops", "device_hours",
                    "final_exact_%", "final_exact_95%", "best_exact_%", "best_exact_95%", "token_accuracy_%",
                    "arc_aggregated_pass@2_%", "steps_to_95%_of_final", "mean_act_steps", "mean_halt_step",
                    "wall_time_s", *goodput.COLUMNS, *scaling]
-    config_columns = ["name", "status", "preset", *varied, "parameters", "seeds", "mean_exact_%", "mean_exact_95%",
+    config_columns = ["name", "status", "preset", *varied, "parameters", *TABLE1, "seeds", "mean_exact_%",
+                      "mean_exact_95%",
                       "paper_%", "min_exact_%", "max_exact_%", "mean_halt_step"]
     buffer = io.StringIO()
     all_columns = ["kind", "configuration"] + list(dict.fromkeys(run_columns + config_columns))
@@ -292,8 +320,8 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
     short = ["name", "status", *varied, "parameters", "steps", "final_exact_%", "final_exact_95%", "best_exact_%",
              "steps_to_95%_of_final", "mean_halt_step", "device_hours", "goodput_%", *scaling]
     return (table_text(runs, short) + "\n\n"
-            + table_text(configs, ["name", "status", *varied, "seeds", "mean_exact_%", "mean_exact_95%", "paper_%",
-                                   "min_exact_%", "max_exact_%", "mean_halt_step"]) + "\n\n" + spent)
+            + table_text(configs, ["name", "status", *varied, *TABLE1, "seeds", "mean_exact_%", "mean_exact_95%",
+                                   "paper_%", "min_exact_%", "max_exact_%", "mean_halt_step"]) + "\n\n" + spent)
 
 
 def main(args) -> int:

@@ -8,7 +8,7 @@ those imply.
     python tpu_compile.py arc1 --slice v4-64 --optim.global-batch-size 1536   # any train.py flag
     python tpu_compile.py maze --slice v5e-8 --programs train_step
 
-How (DESIGN.md section 9): the run's real training step and evaluation ACT step (config.py,
+How (docs/speed.md, "Compiled for a TPU"): the run's real training step and evaluation ACT step (config.py,
 trainer.py, capture.py, the host-ordered mesh, the split puzzle table) are traced, not run, on
 a virtual CPU mesh of the slice's device count with the run's global batch; the pending program
 (capture.program_hlo: every input's sharding, the donated state) goes to libtpu's compile-only
@@ -48,6 +48,7 @@ import tyro
 
 import hlo_stats
 import ptrm
+from compiled_costs import eval_ms_per_puzzle
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config, presets_for
 from model import TRMConfig
 from projection import PAPER_DATASETS, model_flops, slice_spec
@@ -272,8 +273,9 @@ def require_compiler() -> None:
 
 
 def _quiet_libtpu(topo: Topology) -> None:
-    """libtpu would otherwise look for a TPU VM's metadata and warn (DESIGN.md section 9), and
-    refuse to load in a second process at once (its lockfile guards chips; here there are none)."""
+    """libtpu would otherwise query a TPU VM's metadata server and warn when there is none (these
+    variables answer it: the compile needs only the topology), and refuse to load in a second
+    process at once (its lockfile guards chips; here there are none)."""
     for key, value in {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": topo.slice,
                        "TPU_WORKER_HOSTNAMES": "localhost", "TPU_WORKER_ID": "0"}.items():
         os.environ.setdefault(key, value)
@@ -390,6 +392,21 @@ def _store(key: str, result: dict) -> None:
     partial.replace(Path(CACHE_DIR) / f"{key}.json")
 
 
+def clean_partials() -> int:
+    """Remove the cache's .partial files (`_store`'s) whose writer has ended (killed mid-write);
+    those of a process still running (another plan's) stay. Returns how many it removed."""
+    removed = 0
+    for path in Path(CACHE_DIR).glob(".*.partial") if Path(CACHE_DIR).is_dir() else ():
+        try:
+            os.kill(int(path.name.rsplit(".", 2)[-2]), 0)  # its writer runs
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed += 1
+        except (ValueError, PermissionError):  # not a pid of ours, or another user's running process
+            pass
+    return removed
+
+
 def compiled_result(traced: Traced, config: Config, program: str, topo: Topology, top: int = 10, say=print) -> dict:
     """The result dict of one traced program compiled for the topology (see `analyse`;
     `compiled` False with the compiler's `error` and advice when it refuses)."""
@@ -413,7 +430,7 @@ def compiled_result(traced: Traced, config: Config, program: str, topo: Topology
 def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo: Topology, programs) -> list[dict]:
     k, noise = ptrm.training_trajectories(config.eval)
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
-              "global_batch": config.optim.global_batch_size,
+              "global_batch": config.optim.global_batch_size, "cycles": [config.model.H_cycles, config.model.L_cycles],
               "batch_per_device": config.optim.global_batch_size // topo.devices}
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
                   "puzzles_per_batch": config.optim.global_batch_size // k}
@@ -443,14 +460,6 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
     return _with_run_fields(results, config, preset, topo, programs)
 
 
-def eval_ms_per_puzzle(result: dict) -> float | None:
-    """An evaluation program's device time per test puzzle: halt_max_steps ACT steps of the
-    estimated step time over the batch's puzzles (global_batch_size // K)."""
-    if not result.get("compiled") or "puzzles_per_batch" not in result:
-        return None
-    return result["estimate_ms"] * result["halt_max_steps"] / result["puzzles_per_batch"]
-
-
 def cached_results(config: Config, slice_name: str, programs=PROGRAMS) -> list[dict] | None:
     """The cached results of each program for the slice, or None if one is not cached."""
     topo = topology(slice_name)
@@ -467,9 +476,10 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min" if seconds >= 100 else f"{seconds:.0f}s"
 
 
-def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top: int = 10, use_cache: bool = True,
+def compile_isolated(jobs: list[tuple], programs=PROGRAMS, top: int = 10, use_cache: bool = True,
                      processes: int | None = None, say=print, labels: list[str] | None = None) -> list[list[dict]]:
-    """compile_programs for each (preset, config, slice) of `jobs` (or its cached results), in
+    """compile_programs for each (preset, config, slice) of `jobs` (or its cached results; a job
+    (preset, config, slice, its programs) names its own programs instead of `programs`), in
     processes that end (bounded_processes.py; `processes` at once, None: as many as the memory
     allows): one trace per distinct (settings, slice) writes the HLO, one compile per program
     writes its cache entry at once (a run cut short keeps it). A line per program as it ends: its
@@ -477,13 +487,18 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
     import bounded_processes
 
     started, tmp = time.perf_counter(), Path(tempfile.mkdtemp(prefix="trm-tpu-compile-"))
+    wanted = [tuple(job[3]) if len(job) > 3 else tuple(programs) for job in jobs]
+    jobs = [job[:3] for job in jobs]
     topos = [_checked(config, slice_name) for _, config, slice_name in jobs]
-    keys = [{p: program_key(config, p, topo) for p in programs} for (_, config, _), topo in zip(jobs, topos)]
-    traces: dict[tuple, tuple[int, list[str]]] = {}  # (settings, slice) -> (first job, its programs not cached)
+    keys = [{p: program_key(config, p, topo) for p in wanted[i]}
+            for i, ((_, config, _), topo) in enumerate(zip(jobs, topos))]
+    traces: dict[tuple, tuple[int, list[str]]] = {}  # (settings, slice) -> (first job, the programs not cached)
     for i, (_, config, slice_name) in enumerate(jobs):
-        missing = [p for p in programs if _cached(keys[i][p], use_cache) is None]
+        missing = [p for p in wanted[i] if _cached(keys[i][p], use_cache) is None]
         if missing:
-            traces.setdefault((program_settings(config), slice_name), (i, missing))
+            first, before = traces.get((program_settings(config), slice_name), (i, []))
+            traces[(program_settings(config), slice_name)] = (first, before + [p for p in missing if p not in before])
+            keys[first].update({p: keys[i][p] for p in missing})
     total = sum(len(missing) for _, missing in traces.values())
     progress, fresh = {"done": 0, "peak": 0}, set()
 
@@ -522,8 +537,8 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
             preset, config, slice_name = jobs[i]
             return [bounded_processes.Task(f"{label} {p}", worker("compile", {
                 "preset": preset, "config": dataclasses.asdict(config), "slice": slice_name, "program": p,
-                "top": top, "key": keys[i][p], "hlo": str(tmp / f"{i}-{p}.hlo")}, f"{i}-{p}"), f"compile {slice_name}",
-                compiled(p, keys[i][p], label)) for p in missing]
+                "top": top, "key": keys[i][p], "hlo": str(tmp / f"{i}-{p}.hlo")}, f"{i}-{p}"),
+                f"compile {p} {preset} {slice_name}", compiled(p, keys[i][p], label)) for p in missing]
         return then
 
     failures, tasks = [], []
@@ -532,7 +547,7 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
         label = f"{labels[i] if labels else f'{preset} (batch {config.optim.global_batch_size})'} for {slice_name}"
         tasks.append(bounded_processes.Task(label, worker("trace", {
             "config": dataclasses.asdict(config), "slice": slice_name, "programs": missing, "out": str(tmp),
-            "job": i}, f"{i}-trace"), f"trace {slice_name}", traced(i, missing, label)))
+            "job": i}, f"{i}-trace"), f"trace {preset} {slice_name}", traced(i, missing, label)))
     if tasks:
         say(f"{total} program(s) to compile, {len(tasks)} trace(s) first; "
             + (f"{processes} process(es) at once" if processes else
@@ -547,13 +562,14 @@ def compile_isolated(jobs: list[tuple[str, Config, str]], programs=PROGRAMS, top
         for f in tmp.iterdir():
             f.unlink()
         tmp.rmdir()
+        clean_partials()  # what a compile killed mid-write left (its process has ended by now)
     if tasks:
         say(f"compiled {total - len(failures)} of {total} program(s) in {_minutes(time.perf_counter() - started)}; "
             f"the largest process peaked at {progress['peak'] / 1e9:.1f} GB (measured)", flush=True)
     if failures:
         raise CompileError("compiling failed:\n" + "\n".join(failures))
-    return [_with_run_fields({p: dict(_cached(keys[i][p]), cached=keys[i][p] not in fresh) for p in programs},
-                             config, preset, topos[i], programs) for i, (preset, config, _) in enumerate(jobs)]
+    return [_with_run_fields({p: dict(_cached(keys[i][p]), cached=keys[i][p] not in fresh) for p in wanted[i]},
+                             config, preset, topos[i], wanted[i]) for i, (preset, config, _) in enumerate(jobs)]
 
 
 def _worker(kind: str, request_path: str) -> None:
@@ -573,17 +589,6 @@ def _worker(kind: str, request_path: str) -> None:
     shardings = {int(k): v for k, v in parameters["shardings"].items()}
     _store(request["key"], compiled_result((hlo.read_bytes(), parameters["donors"], shardings), config,
                                            request["program"], topo, request["top"]))
-
-
-def device_time_fields(results: list[dict]) -> dict:
-    """A projection record's device time of each step from compiled results
-    (projection.project_paper_run reads these keys; a refused program leaves its key out)."""
-    fields = {f"compiled_ms_per_{r['program'].removesuffix('_step')}_step": r["estimate_ms"]
-              for r in results if r["compiled"]}
-    compiled = next((r for r in results if r["compiled"]), None)
-    fields["compiled_source"] = ("compiled TPU program: " + compiled["estimate_source"]) if compiled else \
-        "not compiled: " + results[0].get("error", "")[:200]
-    return fields
 
 
 def _versions() -> dict:

@@ -47,7 +47,7 @@ from batches import PrefetchedBatches, TrainBatches, total_train_steps
 from checkpoint import Checkpoints
 from config import PRESETS, Config, ConfigError, parse_config, settings_lines
 from evaluate import Evaluations
-from launches import Launch
+from launches import Launch, first_launch_start
 from lifecycle import EXIT_RETRYABLE, Preempted, Preemption, ShutdownDeadline, Watchdog, check_devices, start
 from report import HostLog, Profile, RunLog
 from restore import resume_or_start
@@ -84,7 +84,8 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
         raise SystemExit(f"error: {e}")
     full_steps = total_train_steps(train_set.metadata, optim.epochs, optim.global_batch_size)
     config, curriculum = resolve_anneal(config, full_steps), Curriculum(config, full_steps)
-    log = RunLog(config, total_steps, sharding.is_main_process(), sharding)
+    log = RunLog(config, total_steps, sharding.is_main_process(), sharding, curriculum=curriculum,
+                 first_launch=lambda: first_launch_start(config.run.dir))  # names the run's W&B run, if mirrored
     log.say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
             f"global batch {optim.global_batch_size}, {total_steps} steps, {len(eval_steps)} evaluations "
             f"(steps {', '.join(map(str, eval_steps[:3]))}{', ...' if len(eval_steps) > 4 else ''}"

@@ -17,13 +17,15 @@ network, wandb.log raising) prints one warning and the mirror carries on without
 TensorBoard files, metrics records and the run are the same as without a mirror. At the end
 `close()` waits at most CLOSE_TIMEOUT_S, and W&B's own finish is bounded by that too.
 
-Resume: the W&B run id is derived from the run directory's URL at its first launch ("trm-" and a
-hash) and kept in {run.dir}/wandb.json, with the last step the mirror sent; a relaunch continues
-the same W&B run (resume="allow"). W&B keeps a run's history in increasing steps, so a relaunch
-sends nothing at or below the last step an earlier launch sent (wandb.json's, or for an online
-run the resumed run's own starting step, whichever is later): after a resume from an earlier
-checkpoint the redone steps keep the values the first launch sent, and the mirror goes on from
-the step after.
+Resume: the W&B run id names the run, not its directory: "trm-" and a hash of the run
+directory's URL and its first launch's start (launches.first_launch_start: the oldest launch
+record in {run.dir}/launches/), kept in {run.dir}/wandb.json (written when the mirror starts)
+with the last step the mirror sent. A relaunch continues the same W&B run (resume="allow"); a new
+run in the same directory (after it was deleted) has another first launch, so another W&B run,
+never the old one's. W&B keeps a run's history in increasing steps, so a relaunch sends nothing
+at or below the last step an earlier launch sent (wandb.json's, or for an online run the resumed
+run's own starting step, whichever is later): after a resume from an earlier checkpoint the
+redone steps keep the values the first launch sent, and the mirror goes on from the step after.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import storage
 
@@ -51,9 +54,12 @@ def run_url(run_dir: str) -> str:
     return run_dir.rstrip("/") if "://" in run_dir else os.path.abspath(run_dir)
 
 
-def run_id(run_dir: str) -> str:
-    """The W&B run id a run directory gets at its first launch: the same for every launch."""
-    return "trm-" + hashlib.sha256(run_url(run_dir).encode()).hexdigest()[:20]
+def run_id(run_dir: str, first_launch: float) -> str:
+    """The W&B run id of the run in `run_dir` first launched at `first_launch`
+    (launches.first_launch_start): the same for every launch of the run, another for another run
+    in the same directory."""
+    identity = json.dumps([run_url(run_dir), first_launch])
+    return "trm-" + hashlib.sha256(identity.encode()).hexdigest()[:20]
 
 
 def import_wandb():
@@ -95,10 +101,14 @@ class Mirror:
     """The mirror of one run (process 0): `log(step, values)` in step order (report.RunLog calls it
     from its reader thread, in the order TensorBoard gets them), `close()` at the end."""
 
-    def __init__(self, config, config_dict: dict):
+    def __init__(self, config, config_dict: dict, first_launch: Callable[[], float]):
         """config: config.Config (read: report.wandb_*, run.dir); config_dict: the resolved
-        configuration as a dict (the W&B run's config)."""
+        configuration as a dict (the W&B run's config); first_launch: when the run was first
+        launched (train.py gives launches.first_launch_start of the run directory), asked on the
+        mirror's thread when wandb.json holds no id yet."""
         self.report, self.url = config.report, run_url(config.run.dir)
+        self.first_launch_of = first_launch
+        self.first_launch = None  # the run's first launch's start (wandb.json's), which its id names
         self.record_url = storage.join_url(config.run.dir, RECORD)
         self.config = {**config_dict, "run_dir_url": self.url}
         self.queue: queue.Queue = queue.Queue()
@@ -158,14 +168,20 @@ class Mirror:
         try:
             record = json.loads(storage.read_bytes(self.record_url, attempts=1)) \
                 if storage.exists(self.record_url) else {}
-        except Exception as e:  # noqa: BLE001 - without it: a new id from the URL, every step sent
+        except Exception as e:  # noqa: BLE001 - without it: the id from the first launch, every step sent
             print(f"W&B mirror: cannot read {self.record_url} ({e}); going on as a first launch", flush=True)
             record = {}
         problem = credentials_problem(wandb)
         if problem:
             raise RuntimeError(problem)
         r = self.report
-        run = wandb.init(project=r.wandb_project, entity=r.wandb_entity, id=record.get("id") or run_id(self.url),
+        if not record.get("id"):  # the run's first mirrored launch: its id, kept before anything is sent
+            first = self.first_launch_of()
+            record = {"id": run_id(self.url, first), "first_launch": first, "project": r.wandb_project,
+                      "entity": r.wandb_entity, "last_step": -1}
+            self._write_record(record)
+        self.first_launch = record.get("first_launch")
+        run = wandb.init(project=r.wandb_project, entity=r.wandb_entity, id=record["id"],
                          resume="allow", name=r.wandb_name or os.path.basename(self.url), group=r.wandb_group,
                          tags=list(r.wandb_tags) or None, config=self.config, notes=f"run directory: {self.url}",
                          dir=local_dir(self.url), settings=settings(wandb))
@@ -189,13 +205,18 @@ class Mirror:
             return
         self.sent += 1
         if step > self.recorded:
-            record = {"id": run.id, "project": self.report.wandb_project, "entity": self.report.wandb_entity,
-                      "last_step": step, "time": round(time.time(), 3)}
-            try:
-                storage.write_bytes(self.record_url, json.dumps(record).encode(), attempts=1)
+            record = {"id": run.id, "first_launch": self.first_launch, "project": self.report.wandb_project,
+                      "entity": self.report.wandb_entity, "last_step": step, "time": round(time.time(), 3)}
+            if self._write_record(record):
                 self.recorded = step
-            except Exception as e:  # noqa: BLE001 - the next step's write tries again
-                self._warn(f"could not write {self.record_url}", e)
+
+    def _write_record(self, record: dict) -> bool:
+        try:
+            storage.write_bytes(self.record_url, json.dumps(record).encode(), attempts=1)
+            return True
+        except Exception as e:  # noqa: BLE001 - the next step's write tries again
+            self._warn(f"could not write {self.record_url}", e)
+            return False
 
 
 def as_media(wandb, value):

@@ -85,11 +85,111 @@ def test_flop_formula_equals_the_models_matmuls(preset, no_act_continue):
         assert counted_flops(dataclasses.replace(config, attention="sdpa"), train_mode=True) == flops["train"]
 
 
-def test_sudoku_mlp_costs_what_the_design_notes_say():
+def test_sudoku_mlp_costs_what_its_shapes_say():
     flops = model_flops(PRESETS["sudoku-mlp"][1].model)
-    assert 42e9 < flops["train"] < 44e9  # DESIGN.md section 2: about 43 GFLOP per example
+    # about 43 GFLOP per example (projection.model_flops: 21 of the 42 block applications
+    # forward, 14 of them backward at twice the cost, the heads, and the recursion's forward again)
+    assert 42e9 < flops["train"] < 44e9
     ms = projected_ms(flops["train"], 768, slice_spec("v4-64"))
     assert 3.5 < ms < 4.0  # the paper's global batch on v4-64 at full speed: about 4 ms
+
+
+def test_a_curriculum_counts_each_stage_at_its_own_cycles():
+    """The recursion curriculum's early stages recurse with fewer cycles (schedule.Curriculum):
+    their steps' FLOPs are their cycles' (the model's own recursing with them, as
+    Trainer.recursing runs it, counted by torch), and so are the step line's MFU, the run's
+    training FLOPs and its projected hours; counting them at the model's cycles overstated the
+    first Sudoku stage's MFU 3.9 times."""
+    import report
+    from projection import stage_flops, train_flops_of, train_stages
+    from schedule import Curriculum
+    from tests.test_train import _Slice
+    from trainer import TRAIN_METRICS
+
+    tiny = dataclasses.replace(bench.tiny_model(PRESETS["sudoku-mlp"][1].model), seq_len=20, num_puzzle_identifiers=5)
+    torch.manual_seed(0)
+    model = TRM(tiny)
+    model.config = dataclasses.replace(tiny, H_cycles=1, L_cycles=2)  # what Trainer.recursing((1, 2)) does
+    batch = {"inputs": torch.randint(0, tiny.vocab_size, (3, tiny.seq_len)),
+             "labels": torch.randint(0, tiny.vocab_size, (3, tiny.seq_len)),
+             "puzzle_identifiers": torch.randint(0, 5, (3,))}
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        carry, outputs = model(model.initial_carry(batch), batch)
+        loss_and_metrics(carry, outputs)[0].backward()
+    assert counter.get_total_flops() / 3 == stage_flops(tiny, (1, 2))["train"] < model_flops(tiny)["train"]
+
+    config = dataclasses.replace(PRESETS["sudoku-mlp"][1], optim=dataclasses.replace(
+        PRESETS["sudoku-mlp"][1].optim, curriculum_epochs=10000))
+    stages = train_stages(config, PAPER_DATASETS["sudoku-mlp"], 65104)
+    assert stages == [((1, 2), 3256), ((1, 3), 3255), ((2, 4), 3255), ((2, 5), 3255), ((3, 6), 52083)]
+    first, final = stage_flops(config.model, (1, 2))["train"], model_flops(config.model)["train"]
+    assert final / first == pytest.approx(3.888, abs=1e-3)
+    assert train_flops_of(config, stages) == sum(stage_flops(config.model, c)["train"] * n for c, n in stages) * 768
+    assert train_flops_of(config, stages) < final * 65104 * 768  # the curriculum row's train_flops, 11% lower
+    import study_report  # the report's train_flops column: the same, or none where the stages cannot be placed
+
+    assert study_report.trained_flops(config, PAPER_DATASETS["sudoku-mlp"], 65104) == train_flops_of(config, stages)
+    assert study_report.trained_flops(config, None, 65104) is None
+    assert study_report.trained_flops(PRESETS["sudoku-mlp"][1], None, 100) == final * 768 * 100
+
+    # The step line: 100 steps in 2 s on 32 devices of a v4, in the first stage and across the
+    # second stage's start (steps 3201-3300: 56 of them at (1, 2), 44 at (1, 3)).
+    curriculum = Curriculum(config, 65104)
+    assert curriculum.stage_steps(3201, 3300) == [((1, 2), 56), ((1, 3), 44)]
+    sums = torch.zeros(len(TRAIN_METRICS))
+    sums[TRAIN_METRICS.index("count")] = 768 * 100
+    mfu = {}
+    for last, given in ((100, curriculum), (3300, curriculum), (100, None)):
+        log = report.RunLog(config, 65104, main_host=False, sharding=_Slice(32, "TPU v4"), curriculum=given)
+        log._report_train(sums, last, 100, 2.0, 1e-4)
+        log.close()
+        mfu[last, given is not None] = log.history[-1]["mfu"]
+    per_example = (56 * first + 44 * stage_flops(config.model, (1, 3))["train"]) / 100
+    assert mfu[100, True] == pytest.approx(first * 768 / (0.02 * 32 * 275e12))
+    assert mfu[3300, True] == pytest.approx(per_example * 768 / (0.02 * 32 * 275e12))
+    assert mfu[100, False] / mfu[100, True] == pytest.approx(final / first)  # as it was counted before
+
+    # The projection prices each stage at its own device time: compiled where the record has it,
+    # else the stage's FLOPs at the MFU.
+    record = flop_record("sudoku-mlp", config, slice_spec("v4-8"))
+    at_flops = project_paper_run(record, config, PAPER_DATASETS["sudoku-mlp"], 0.4)
+    assert [s["steps"] for s in at_flops["train_stages"]] == [n for _, n in stages]
+    assert at_flops["train_hours"] == pytest.approx(
+        sum(projected_ms(stage_flops(config.model, c)["train"], 768, slice_spec("v4-8")) / 0.4 * n
+            for c, n in stages) / 3.6e6)
+    compiled = dict(record, compiled_ms_per_train_step=30.0, compiled_ms_per_eval_step=5.0,
+                    compiled_ms_per_train_stage={"1,2": 10.0, "1,3": 12.0, "2,4": 18.0, "2,5": 21.0, "3,6": 30.0},
+                    compiled_source="compiled")
+    run = project_paper_run(compiled, config, PAPER_DATASETS["sudoku-mlp"], 0.4)
+    assert run["train_hours"] == pytest.approx((3256 * 10 + 3255 * (12 + 18 + 21) + 52083 * 30) / 3.6e6)
+
+
+def test_a_curriculum_run_compiles_each_stages_training_step():
+    """compiled_costs.run_programs: a curriculum run compiles its evaluation step and the training
+    step of each stage (the model at the stage's cycles, the curriculum off: the program
+    Trainer.recursing runs); device_time_fields names each stage's estimate by its cycles."""
+    import compiled_costs
+
+    config = dataclasses.replace(PRESETS["sudoku-mlp"][1], optim=dataclasses.replace(
+        PRESETS["sudoku-mlp"][1].optim, curriculum_epochs=10000))
+    programs = compiled_costs.run_programs(config, PAPER_DATASETS["sudoku-mlp"])
+    assert programs[0] == (config, ("train_step", "eval_step"))
+    assert [(c.model.H_cycles, c.model.L_cycles, c.optim.curriculum_epochs, p) for c, p in programs[1:]] == [
+        (1, 2, 0, ("train_step",)), (1, 3, 0, ("train_step",)), (2, 4, 0, ("train_step",)), (2, 5, 0, ("train_step",))]
+    short = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_steps=100))  # the first stage only
+    assert [(c.model.H_cycles, c.model.L_cycles, p) for c, p in compiled_costs.run_programs(
+        short, PAPER_DATASETS["sudoku-mlp"])] == [(3, 6, ("eval_step",)), (1, 2, ("train_step",))]
+    assert compiled_costs.run_programs(PRESETS["sudoku-mlp"][1], PAPER_DATASETS["sudoku-mlp"]) == [
+        (PRESETS["sudoku-mlp"][1], ("train_step", "eval_step"))]
+    results = [{"program": "train_step", "cycles": [3, 6], "compiled": True, "estimate_ms": 30.0,
+                "estimate_source": "XLA"},
+               {"program": "eval_step", "cycles": [3, 6], "compiled": True, "estimate_ms": 5.0},
+               {"program": "train_step", "cycles": [1, 2], "compiled": True, "estimate_ms": 10.0},
+               {"program": "train_step", "cycles": [1, 3], "compiled": False, "error": "RESOURCE_EXHAUSTED"}]
+    fields = compiled_costs.device_time_fields(results, (3, 6))
+    assert fields["compiled_ms_per_train_step"] == 30.0 and fields["compiled_ms_per_eval_step"] == 5.0
+    assert fields["compiled_ms_per_train_stage"] == {"3,6": 30.0, "1,2": 10.0}
+    assert fields["refused"] == ["train_step (H_cycles 1 L_cycles 3)"]
 
 
 def test_slice_names():
@@ -182,7 +282,7 @@ def test_paper_run_projection(max_examples, host_ms, eval_act_steps, train_hours
 
 def test_paper_runs_of_the_presets():
     """The recipes' step counts: Sudoku 50,000 epochs of 1000 one-example groups at 768 per
-    step (DESIGN.md: about 65k steps), evaluated every 5000 epochs with 16 ACT steps per batch
+    step (int(50,000 x 1000 / 768): 65,104 steps), evaluated every 5000 epochs with 16 ACT steps per batch
     of the 423k test puzzles (README: about 88k ACT steps)."""
     sudoku = project_paper_run(flop_record("sudoku-mlp", PRESETS["sudoku-mlp"][1],
                                                        slice_spec("v4-64")),

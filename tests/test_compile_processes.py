@@ -87,3 +87,79 @@ def test_a_killed_plan_keeps_what_it_compiled_and_the_next_compiles_only_the_res
     # Wider programs do more work: the compiler's FLOPs grow with the width.
     flops = [r["flops"] for r in widths]
     assert flops == sorted(flops) and flops[0] < flops[-1], flops
+
+
+def test_a_writer_killed_mid_write_leaves_no_partial_file_for_ever(tmp_path, monkeypatch):
+    """_store writes .KEY.PID.partial, then renames it: a compile killed between the two leaves
+    the file. clean_partials (which compile_isolated runs as it ends) removes those whose writer
+    has ended and keeps one whose writer still runs (another plan writing now)."""
+    import tpu_compile
+
+    monkeypatch.setattr(tpu_compile, "CACHE_DIR", str(tmp_path))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dead, alive = tmp_path / f".k1.{ended.pid}.partial", tmp_path / f".k2.{os.getpid()}.partial"
+    dead.write_text("{")
+    alive.write_text("{")
+    tpu_compile._store("k3", {"compiled": True})
+    assert tpu_compile.clean_partials() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name, "k3.json"]
+
+
+def test_memory_kinds_are_per_program_and_preset_so_a_sudoku_peak_never_sizes_an_arc_program(monkeypatch, tmp_path):
+    """bounded_processes sizes the next process of a kind by the largest peak of that kind: the
+    traces and compiles of a Sudoku and an ARC program in one plan are of different kinds (and
+    the two programs of one run too), so neither's peak sizes the other's."""
+    import dataclasses
+
+    import bounded_processes
+    import tpu_compile
+    from config import PRESETS
+
+    monkeypatch.setattr(tpu_compile, "CACHE_DIR", str(tmp_path))
+    kinds = {}
+
+    def run(tasks, processes=None):  # what compile_isolated hands bounded_processes: the traces, then their compiles
+        for task in tasks:
+            kinds[task.name] = task.kind
+            for compile_task in task.then(bounded_processes.Finished(task, 0, 1.0, 1 << 30)):
+                kinds[compile_task.name] = compile_task.kind
+        raise KeyboardInterrupt  # nothing traced or compiled
+
+    monkeypatch.setattr(bounded_processes, "run", run)
+    jobs = [(p, dataclasses.replace(PRESETS[p][1], model=tpu_compile.narrow(PRESETS[p][1].model)), "v4-8")
+            for p in ("sudoku-mlp", "arc1")]
+    with pytest.raises(KeyboardInterrupt):
+        tpu_compile.compile_isolated(jobs, labels=["sudoku", "arc"], say=lambda *a, **k: None)
+    assert kinds == {"sudoku for v4-8": "trace sudoku-mlp v4-8", "arc for v4-8": "trace arc1 v4-8",
+                     "sudoku for v4-8 train_step": "compile train_step sudoku-mlp v4-8",
+                     "sudoku for v4-8 eval_step": "compile eval_step sudoku-mlp v4-8",
+                     "arc for v4-8 train_step": "compile train_step arc1 v4-8",
+                     "arc for v4-8 eval_step": "compile eval_step arc1 v4-8"}
+
+
+THREADED_PARENT = """
+import sys, threading, time
+import bounded_processes
+threading.Thread(target=lambda: [time.sleep(0.001) for _ in iter(int, 1)], daemon=True).start()  # a busy thread
+bounded_processes.run([bounded_processes.Task("sleeper", ["sleep", "120"], "sleep")], processes=1)
+"""
+
+
+def test_a_child_of_a_threaded_parent_dies_with_it():
+    """The parent-death signal is prepared before the fork (nothing is imported or loaded in the
+    child of a threaded parent, which could deadlock): a child started beside a busy thread
+    starts, and dies when its parent is killed."""
+    parent = subprocess.Popen([sys.executable, "-c", THREADED_PARENT], cwd=PROJECT_DIR, start_new_session=True)
+    session = lambda: subprocess.run(["ps", "-o", "pid=,args=", "-s", str(parent.pid)], capture_output=True,  # noqa: E731
+                                     text=True).stdout.splitlines()
+    deadline = time.time() + 60
+    while not any("sleep 120" in line for line in session()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert any("sleep 120" in line for line in session()), session()
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.time() + 30
+    while session() and time.time() < deadline:
+        time.sleep(0.2)
+    assert session() == []

@@ -84,3 +84,46 @@ def test_every_doc_the_readme_links_exists_and_every_doc_is_linked():
     readme = (PROJECT_DIR / "README.md").read_text()
     docs = sorted(p.name for p in (PROJECT_DIR / "docs").glob("*.md"))
     assert docs and all(f"(docs/{name}" in readme for name in docs), docs
+
+
+def test_ruff_counts_every_project_module_as_first_party():
+    """ruff.toml's isort finds first-party modules in the project's root (src = ["."]) instead of
+    a list that each new file had to join: every module sorts in the first-party block, after the
+    third-party one, and ruff says so where one is put among the third-party imports."""
+    import subprocess
+    import sys
+
+    modules = [m for m in MODULES if m.isidentifier()] + ["tests"]
+    probe = str(PROJECT_DIR / "layout_probe.py")  # never written: ruff reads the text from stdin
+
+    def sorted_right(text: str) -> bool:
+        done = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "I", "--no-cache",
+                               "--stdin-filename", probe, "-"], input=text, capture_output=True, text=True,
+                              cwd=PROJECT_DIR, timeout=60)
+        assert done.returncode in (0, 1), done.stderr
+        return done.returncode == 0
+
+    first_party = "".join(f"import {m}\n" for m in sorted(modules))
+    assert sorted_right(f"import os\n\nimport numpy\n\n{first_party}")
+    assert not sorted_right("import os\n\nimport numpy\nimport wandb_mirror\n")  # as a third-party module
+
+
+def test_the_product_cites_only_what_it_ships():
+    """No shipped file points its reader at the design notes kept beside the project (a clone has
+    no such file): each fact is stated where it is used, or in docs/."""
+    import subprocess
+
+    notes = "DESIGN" + ".md"  # spelled apart so that this file does not cite it either
+    listed = subprocess.run(["git", "ls-files"], cwd=PROJECT_DIR, capture_output=True, text=True)
+    files = listed.stdout.split() if listed.returncode == 0 else [  # not a git checkout: every file but data
+        str(p.relative_to(PROJECT_DIR)) for p in PROJECT_DIR.rglob("*")
+        if p.is_file() and not set(p.relative_to(PROJECT_DIR).parts) & {".git", "data", "runs", "__pycache__"}]
+    assert "README.md" in files, files[:20]
+    citing = []
+    for name in files:
+        path = PROJECT_DIR / name
+        if name.startswith("tests/reference/") or not path.is_file() or path.suffix in (".png", ".gz", ".npy"):
+            continue
+        text = path.read_bytes().decode(errors="replace")
+        citing += [f"{name}:{n}" for n, line in enumerate(text.splitlines(), 1) if notes in line]
+    assert citing == [], citing

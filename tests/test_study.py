@@ -144,7 +144,7 @@ def test_a_generation_deleted_and_written_again_by_a_long_stalled_process_does_n
 def test_plan_prints_steps_cost_and_makespans(demo_path, tmp_path):
     path = tmp_path / "plan.txt"
     path.write_text(f"w demo --data.path {demo_path} --model.hidden-size {{32,64}} --model.puzzle-emb-ndim 32 "
-                    "--seeds 2\n")
+                    "--run.device tpu --seeds 2\n")  # the demo's runs name the CPU: these are planned for TPUs
     # An hour of start-up each: the runs' own minutes do not reach the printed tenth of an hour.
     done = study("plan", str(path), "--slice", "v4-16", "--fleet", "v4-8x3", "--mfu", "0.5", "--startup-minutes", "60")
     out = done.communicate(timeout=120)[0]
@@ -282,6 +282,28 @@ def report_of(out):
         return text, list(csv.DictReader(f))
 
 
+def test_a_cpu_study_is_planned_as_one_without_compiling(tmp_path):
+    """studies/tiny.txt's runs name the CPU (the demo preset's run.device): `plan` lists them and
+    their steps (at most their max_steps while the demo data is not built), compiles nothing and
+    counts no TPU hours; a study with both kinds plans the TPU runs and says which are CPU runs."""
+    done = study("plan", os.path.join(PROJECT_DIR, "studies", "tiny.txt"), env={"TRM_TPU_COMPILE_CACHE": str(tmp_path)})
+    out = done.communicate(timeout=120)[0]
+    assert done.returncode == 0, out
+    assert "4 of 4 run(s) name the CPU" in out and "all on the CPU" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("width-")]
+    assert [r[:3] for r in rows] == [[f"width-{w}-s{s}", "demo", "<=150"] for w in (32, 64) for s in (0, 1)]
+    assert "compiling" not in out and "TFLOP/s" not in out and "makespan" not in out and not os.listdir(tmp_path)
+    mixed = tmp_path / "mixed.txt"
+    mixed.write_text("@dataset gs://b/x groups=100 examples=1 test=300\n"
+                     "cpu demo --data.path gs://b/x\ntpu demo --data.path gs://b/x --run.device tpu\n")
+    done = study("plan", str(mixed), "--mfu", "0.4", "--slice", "v4-8")
+    out = done.communicate(timeout=120)[0]
+    assert done.returncode == 0, out
+    assert "1 of 2 run(s) name the CPU" in out and "1 runs of 1 configurations" in out
+    assert [line.split()[:3] for line in out.splitlines() if line.startswith(("cpu ", "tpu "))] == \
+        [["tpu", "demo", "156"]]
+
+
 def test_report_of_a_finished_study(finished_study):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import metadata as hparams_metadata
@@ -305,6 +327,8 @@ def test_report_of_a_finished_study(finished_study):
         assert float(low) == pytest.approx(100 * max(0.0, mean - half), abs=0.005)
         assert float(high) == pytest.approx(100 * min(1.0, mean + half), abs=0.005)
         assert row["seeds"] == "2" and row["model.L_cycles"] == name[-1]
+        # Table 1's columns: the demo's H_cycles 2 x (L_cycles + 1) x 2 layers, one forward pass (trm)
+        assert (row["effective_depth"], row["forward_passes"]) == (str(2 * (int(name[-1]) + 1) * 2), "1")
     for row in runs:
         final = json.loads((out / row["name"] / "final.json").read_text())["metrics"]
         low, high = wilson(final["exact_accuracy"], int(final["num_examples"]))

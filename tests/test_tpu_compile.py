@@ -310,7 +310,8 @@ def test_tpu_compile_plans_a_study_from_compiled_programs_and_declared_sizes(tmp
 
     study = tmp_path / "study.txt"
     path = tmp_path / "not-built"
-    study.write_text(f"@dataset {path} groups=100 examples=1 test=300\nw demo --data.path {path} --seeds 2\n")
+    study.write_text(f"@dataset {path} groups=100 examples=1 test=300\nw demo --data.path {path} --run.device tpu "
+                     "--seeds 2\n")  # the demo's runs name the CPU, which a plan does not compile for
     env = {"TRM_TPU_COMPILE_CACHE": str(demo_cache)}
     done = run_compile("study.py", "plan", str(study), "--slice", "v4-8", env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import launches
 import wandb_mirror
 from config import config_from_dict, parse_config, with_new_fields
 from tests.study_fixtures import study
@@ -151,7 +152,8 @@ def test_an_offline_run_holds_the_tensorboard_scalars_and_pictures_at_the_same_s
     assert run["config"]["run_dir_url"] == str(run_dir) and run["config"]["model"]["num_puzzle_identifiers"] == 1
     # One id, derived from the run directory, and recorded there with the last step sent.
     record = json.loads((run_dir / wandb_mirror.RECORD).read_text())
-    assert run["id"] == record["id"] == wandb_mirror.run_id(str(run_dir)) and record["last_step"] == 40
+    first = min(r["process_start"] for r in launches.read_launches(str(run_dir)))  # the run's first launch
+    assert run["id"] == record["id"] == wandb_mirror.run_id(str(run_dir), first) and record["last_step"] == 40
     assert run["project"] == "trm-test" and f"W&B mirror: run {run['id']} of project trm-test (offline" in ran_text
     assert "W&B mirror: " in ran_text and "warning: the W&B mirror" not in ran_text
 
@@ -193,13 +195,45 @@ def test_a_resumed_run_continues_one_wandb_run_without_repeating_a_step(demo_pat
     _, stdout = run_in_fresh_process(tiny_args(demo_path, tmp_path, "--optim.max-steps", "60", *flags))
     assert "(step 20)" in stdout and "steps up to 40 were sent by an earlier launch" in stdout, stdout
     first, second = offline_runs(run_dir)
-    assert first["id"] == second["id"] == wandb_mirror.run_id(str(run_dir))  # one W&B run (`wandb sync` joins them)
+    started = min(r["process_start"] for r in launches.read_launches(str(run_dir)))  # the first launch's
+    assert first["id"] == second["id"] == wandb_mirror.run_id(str(run_dir), started)  # one W&B run (`wandb sync`)
     assert sorted(first["history"]) == [10, 20, 30, 40] and sorted(second["history"]) == [50, 60]
     assert "eval/exact_accuracy" in first["history"][40] and "eval/exact_accuracy" in second["history"][60]
     tb_scalars, _ = tensorboard(run_dir)  # the relaunch's values of 50 and 60 are TensorBoard's
     for step in (50, 60):
         assert dict(tb_scalars["train/loss"])[step] == pytest.approx(second["history"][step]["train/loss"], rel=1e-6)
     assert json.loads((run_dir / wandb_mirror.RECORD).read_text())["last_step"] == 60
+
+
+def test_a_new_run_in_a_deleted_run_directory_is_a_new_wandb_run(tmp_path):
+    """The W&B run id names the run by its directory and its first launch (the oldest launch
+    record): every launch of one run, its wandb.json lost or not, continues one W&B run, and a run
+    started again in the same directory after it was deleted gets another (reopening the old one
+    would drop every step up to the old run's last online)."""
+    run_dir = tmp_path / "run"
+    config = parse_config(["demo", "--data.path", str(tmp_path / "data"), "--run.dir", str(run_dir),
+                           "--report.wandb-project", "trm-test"])
+
+    def mirrored(first_launch: float | None) -> str:
+        """The id a launch's mirror opens, after the launch records of a run first launched then."""
+        if first_launch is not None:
+            records = run_dir / launches.LAUNCH_DIR
+            records.mkdir(parents=True, exist_ok=True)
+            (records / "launch-first.json").write_text(json.dumps({"process_start": first_launch}))
+        mirror = wandb_mirror.Mirror(config, {}, lambda: launches.first_launch_start(str(run_dir)))
+        mirror.log(1, {"train/loss": 1.0})
+        mirror.close()
+        record = json.loads((run_dir / wandb_mirror.RECORD).read_text())
+        assert record["id"] == wandb_mirror.run_id(str(run_dir), record["first_launch"]), record
+        return record["id"]
+
+    first = mirrored(1000.0)
+    (run_dir / wandb_mirror.RECORD).unlink()  # wandb.json lost: the launch records still name the run
+    assert mirrored(None) == first
+    shutil.rmtree(run_dir)  # the run deleted, and started again in the same directory
+    assert mirrored(2000.0) != first
+    shutil.rmtree(run_dir)  # a first launch whose own record is not written yet: this process's start
+    assert mirrored(None) == wandb_mirror.run_id(str(run_dir), launches.process_start_time()) != first
 
 
 def run_with_wandb_down(args) -> tuple[dict, str]:
