@@ -267,76 +267,158 @@ ONE_DEVICE_EVAL = """
 import json, sys
 sys.path.insert(0, {project!r})
 import sharding
+import testtime_curve
 from eval_command import evaluate_command
-result = evaluate_command({args!r})
-print("RESULT" + json.dumps({{"curve": result["trajectories"], "xla": sharding.xla_counters()}}))
+evaluate_command({args!r})
+print("RESULT" + json.dumps({{"curve": testtime_curve.saved_settings({run_dir!r}), "xla": sharding.xla_counters()}}))
 """
 
 
-def test_eval_curve_compiles_one_program_per_k_gives_the_same_answers_on_1_and_8_devices_and_in_predict(demo_path,
-                                                                                                       tmp_path):
-    """`train.py eval --eval.trajectories 1,2,4`: K=1 without noise is the evaluation's own
-    result; each K compiles one program and reads its metrics once; the curve, its JSON and PNG
-    are saved; the same seed gives the same accuracies on 1 device as on the 8 of the mesh."""
+@pytest.fixture(scope="module")
+def k3_run(demo_path, tmp_path_factory):
+    """A demo run (float32: the partitioned program rounds differently from the one-device one,
+    test_train) whose evaluations run K=3 trajectories at noise 0.5 in batches of 32 rows (10
+    puzzles and 2 padding rows): (its directory, train.main's result, the common eval flags)."""
+    tmp_path = tmp_path_factory.mktemp("k3")
+    steps = ("--optim.max-steps", "30", "--eval.every-epochs", "1000", "--model.forward-dtype", "float32",
+             "--eval.trajectories", "3", "--eval.noise", "0.5")
+    trained = train.main(parse_config(tiny_args(demo_path, tmp_path, *steps)))
+    common = ["--init-from", str(tmp_path / "run"), "--data.path", demo_path, "--data.cache-dir",
+              str(tmp_path / "cache")]
+    return tmp_path, trained, common
+
+
+def test_training_evaluations_at_k_are_the_standalone_evaluation_at_that_setting(k3_run):
+    """Training's evaluation at K=3, noise 0.5 (the last of the flags) is `train.py eval` at that
+    setting, and not the evaluation without trajectories (whose lm_loss differs)."""
+    tmp_path, trained, common = k3_run
+    final = trained["final"]
+    at_k = evaluate_command([*common, "--run.dir", str(tmp_path / "a")])  # the run's own flags: K=3, noise 0.5
+    plain = evaluate_command([*common, "--run.dir", str(tmp_path / "b"), "--eval.trajectories", "1",
+                              "--eval.noise", "0"])
+    assert (at_k["trajectories"], at_k["noise"], plain["trajectories"]) == (3, 0.5, 1)
+    for name in ("count", "exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy"):
+        assert final[name] == at_k[name], name
+    assert final["lm_loss"] == pytest.approx(at_k["lm_loss"], rel=1e-6)
+    assert final["lm_loss"] != pytest.approx(plain["lm_loss"], rel=1e-4)
+    assert final["count"] == 40 and final["pass_exact_accuracy"] >= max(final["exact_accuracy"],
+                                                                         final["mode_exact_accuracy"])
+    assert plain["mode_exact_accuracy"] == plain["pass_exact_accuracy"] == plain["exact_accuracy"]
+
+
+def test_eval_writes_each_setting_into_the_run_resumably_and_leaves_its_eval_unchanged(k3_run, capsys):
+    """`train.py eval --init-from RUN` at K 1,2 and noise 0,0.5: RUN/test-time/K1-noise0-D4,
+    K1-noise0.5-D4, K2-noise0.5-D4 (noise 0 at K=1 only), each metrics.json with the settings'
+    keys; RUN's own eval/ byte for byte unchanged; a second command skips every done setting."""
+    tmp_path, trained, common = k3_run
     run_dir = tmp_path / "run"
-    # float32: the partitioned program rounds differently from the one-device one (test_train).
-    steps = ("--optim.max-steps", "30", "--eval.every-epochs", "1000", "--model.forward-dtype", "float32")
-    train.main(parse_config(tiny_args(demo_path, tmp_path, *steps)))
-    common = ["--init-from", str(run_dir), "--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache"),
-              "--optim.global-batch-size", "32"]
-    baseline = evaluate_command([*common, "--run.dir", str(tmp_path / "base")])
-    args = [*common, "--run.dir", str(tmp_path / "curve"), "--eval.trajectories", "1,2,4", "--eval.noise", "0,0.5"]
+    own = {p: p.read_bytes() for p in sorted((run_dir / "eval").rglob("*")) if p.is_file()}
+    assert any(p.name == "metrics.json" for p in own)
+    args = [*common, "--eval.trajectories", "1,2", "--eval.noise", "0,0.5"]
     result = evaluate_command(args)
-    curve = result["trajectories"]
-    # Without noise only K=1 runs (its trajectories would all be the first, test above).
-    assert [(r["trajectories"], r["noise"]) for r in curve] == [(1, 0), (1, 0.5), (2, 0.5), (4, 0.5)]
-    assert curve[0]["exact_accuracy"] == baseline["exact_accuracy"] and curve[0]["accuracy"] == baseline["accuracy"]
-    # K=1 without noise is the evaluation program compiled for `baseline`; every other K, one.
-    assert [r["compiles"] for r in curve] == [0, 1, 1, 1]
-    assert all(r["transfers"] == 1 for r in curve)  # the metric sums, read after the last batch
-    assert curve[0]["examples"] == 40
-    assert all(r["oracle_exact_accuracy"] >= r["exact_accuracy"] for r in curve)
-    saved = tmp_path / "curve" / "eval" / "step_30"
-    assert json.loads((saved / ptrm.CURVE_FILE).read_text()) == curve
-    assert (saved / ptrm.CURVE_PLOT).read_bytes()[:4] == b"\x89PNG"
-    # The study report's columns of a run evaluated so (its eval/step_N/trajectories.json).
-    columns = ptrm.saved_curve_columns(str(tmp_path / "curve"))
-    assert list(columns) == ["exact_K1_noise0_%", "exact_K1_noise0.5_%", "exact_K2_noise0.5_%", "exact_K4_noise0.5_%"]
-    assert columns["exact_K4_noise0.5_%"] == f"{100 * curve[-1]['exact_accuracy']:.2f}"
-    assert ptrm.saved_curve_columns(str(tmp_path / "base")) == {}
+    assert {p: p.read_bytes() for p in sorted((run_dir / "eval").rglob("*")) if p.is_file()} == own
+    names = ["K1-noise0-D4", "K1-noise0.5-D4", "K2-noise0.5-D4"]
+    assert sorted(p.name for p in (run_dir / "test-time").iterdir() if p.is_dir()) == sorted(names)
+    saved = [json.loads((run_dir / "test-time" / n / "metrics.json").read_text()) for n in names]
+    for row, (k, noise) in zip(saved, ((1, 0.0), (1, 0.5), (2, 0.5))):
+        assert {"trajectories": k, "noise": noise, "act_steps": 4, "noise_latent": "z_L", "num_puzzles": 40,
+                "step": 30, "act_steps_per_puzzle": k * 4}.items() <= row.items()
+        assert row["best_q_exact_accuracy"] == row["exact_accuracy"] and row["token_accuracy"] == row["accuracy"]
+        assert row["pass_exact_accuracy"] >= row["exact_accuracy"]
+    assert saved[-1] == result
+    assert all(r["transfers"] == 1 for r in saved)  # the metrics, read once per setting
+    assert (run_dir / "test-time" / "trajectories.png").read_bytes()[:4] == b"\x89PNG"
+    import testtime_curve
+    assert [testtime_curve.name_of(r) for r in testtime_curve.saved_settings(str(run_dir))] == names
+    columns = testtime_curve.curve_columns(str(run_dir))
+    assert columns["exact_K2-noise0.5-D4_%"] == f"{100 * result['exact_accuracy']:.2f}"
+    capsys.readouterr()
+    stamps = {n: (run_dir / "test-time" / n / "metrics.json").stat().st_mtime_ns for n in names}
+    assert evaluate_command(args) == result
+    assert capsys.readouterr().out.count("skipped") == 3
+    assert {n: (run_dir / "test-time" / n / "metrics.json").stat().st_mtime_ns for n in names} == stamps
+
+
+def test_depth_d_is_the_evaluation_at_halt_max_steps_and_goes_on_from_the_carry_beyond(k3_run):
+    """--eval.act-steps 4 (the demo's halt_max_steps) is the evaluation without the flag; 6 is the
+    EMA model's recursion run 6 ACT steps by hand from the initial state, eagerly."""
+    from config import PRESETS
+    from restore import load_weights_for_eval
+
+    tmp_path, _, common = k3_run
+    plain = ["--eval.trajectories", "1", "--eval.noise", "0"]
+    default = evaluate_command([*common, *plain, "--run.dir", str(tmp_path / "d")])
+    at_4 = evaluate_command([*common, *plain, "--run.dir", str(tmp_path / "d4"), "--eval.act-steps", "4"])
+    at_6 = evaluate_command([*common, *plain, "--run.dir", str(tmp_path / "d6"), "--eval.act-steps", "6"])
+    assert {k: v for k, v in at_4.items() if k not in ("seconds_per_puzzle", "cpu_seconds_per_puzzle",
+                                                        "compile_seconds", "compiles")} == \
+        {k: v for k, v in default.items() if k not in ("seconds_per_puzzle", "cpu_seconds_per_puzzle",
+                                                        "compile_seconds", "compiles")}
+    assert (tmp_path / "d6" / "test-time" / "K1-noise0-D6" / "metrics.json").exists()
+    assert sum(at_6[f"halted_at_{s}"] for s in range(1, 7)) + at_6["never_halted"] == pytest.approx(1.0)
+    config, weights, _, _ = load_weights_for_eval(common[1], PRESETS["demo"][1], [])
+    trm = TRM(config.model).eval()
+    trm.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})
+    test_set = data.open_dataset(common[3], "test")
+    inputs, labels = torch.from_numpy(test_set.inputs), torch.from_numpy(test_set.labels).long()
+    ids = torch.from_numpy(np.repeat(test_set.puzzle_identifiers, np.diff(test_set.puzzle_indices)))
+    by_depth = {}
+    with torch.no_grad():
+        x = trm.embed(inputs, ids)
+        h_init, l_init = config.model.scheme.initial_states(trm)
+        shape = (len(inputs), config.model.total_len, config.model.hidden_size)
+        z_H, z_L = h_init.expand(shape), l_init.expand(shape)
+        for depth in range(1, 7):
+            z_H, z_L, logits, _, _ = trm.recurse(z_H, z_L, x)
+            right = logits.argmax(-1) == labels
+            by_depth[depth] = (right.all(-1).float().mean().item(), right.float().mean(-1).mean().item())
+    assert by_depth[4] != by_depth[6]
+    for result, depth in ((default, 4), (at_6, 6)):
+        # float32 eager against the 8-device program: rounding may flip a token, not more
+        assert result["exact_accuracy"] == pytest.approx(by_depth[depth][0], abs=1 / 40 + 1e-9)
+        assert result["accuracy"] == pytest.approx(by_depth[depth][1], abs=1 / 640 + 1e-6)
+
+
+def test_a_k_that_does_not_divide_the_batch_answers_as_a_dividing_batch_in_eval_on_1_and_8_devices_and_predict(
+        k3_run):
+    """K=3 at batches of 32 rows (10 puzzles, 2 padding rows) and of 48 (16 puzzles): the same
+    answers; on one device as on the 8 of the mesh; and in predict."""
+    tmp_path, _, common = k3_run
+    args = [*common, "--run.dir", str(tmp_path / "k32"), "--eval.trajectories", "3", "--eval.noise", "0.5"]
+    at_32 = evaluate_command(args)
+    at_48 = evaluate_command([*common, "--run.dir", str(tmp_path / "k48"), "--eval.trajectories", "3",
+                              "--eval.noise", "0.5", "--optim.global-batch-size", "48"])
+    for name in ("count", "exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy"):
+        assert at_32[name] == at_48[name], name
+    assert at_32["accuracy"] == pytest.approx(at_48["accuracy"], rel=1e-6)
 
     # predict takes one K and noise and gives the evaluation's answers (the same noise per puzzle).
-    test_set = data.open_dataset(demo_path, "test")
+    test_set = data.open_dataset(common[3], "test")
     digits = lambda tokens: "".join(str(int(t) - 1) for t in tokens)  # noqa: E731
     csv_file = tmp_path / "test.csv"
     csv_file.write_text("source,question,answer,rating\n" + "".join(
         f"demo,{digits(q)},{digits(a)},0\n" for q, a in zip(test_set.inputs, test_set.labels)))
-    predicted = predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle-file", str(csv_file),
-                                         "--eval.trajectories", "4", "--eval.noise", "0.5"])
-    assert predicted["exact_accuracy"] == pytest.approx(curve[-1]["exact_accuracy"])
+    predicted = predict.predict_command(["demo", common[0], common[1], "--puzzle-file", str(csv_file),
+                                         "--eval.trajectories", "3", "--eval.noise", "0.5"])
+    assert predicted["exact_accuracy"] == pytest.approx(at_32["exact_accuracy"])
     with pytest.raises(SystemExit, match="predict takes one --eval.trajectories K"):
-        predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle-file", str(csv_file),
+        predict.predict_command(["demo", common[0], common[1], "--puzzle-file", str(csv_file),
                                  "--eval.trajectories", "1,4"])
 
-    script = textwrap.dedent(ONE_DEVICE_EVAL.format(project=str(PROJECT_DIR),
-                                                    args=args + ["--run.cpu-devices", "1"]))
+    one_dir = str(tmp_path / "one")
+    script = textwrap.dedent(ONE_DEVICE_EVAL.format(project=str(PROJECT_DIR), run_dir=one_dir,
+                                                    args=[*args[:-6], "--run.dir", one_dir, *args[-4:],
+                                                          "--run.cpu-devices", "1"]))
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = json.loads(proc.stdout.split("RESULT")[1])
     assert not one["xla"]["fallbacks"]
-    for a, b in zip(curve, one["curve"]):
-        assert a["exact_accuracy"] == b["exact_accuracy"], (a, b)
-        assert a["accuracy"] == pytest.approx(b["accuracy"], rel=1e-5)
-    assert np.isfinite([r["seconds_per_puzzle"] for r in curve]).all()
-
-
-def test_training_evaluations_may_use_trajectories(demo_path, tmp_path):
-    """--eval.trajectories / --eval.noise in training: its evaluations run the last K and noise,
-    counting each test puzzle once."""
-    trained = train.main(parse_config(tiny_args(demo_path, tmp_path, "--optim.max-steps", "4", "--eval.every-epochs",
-                                                "1000", "--eval.trajectories", "1,2", "--eval.noise", "0.3")))
-    assert trained["final"]["count"] == 40
+    (row,) = one["curve"]
+    for name in ("exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy"):
+        assert row[name] == at_32[name], name
+    assert row["accuracy"] == pytest.approx(at_32["accuracy"], rel=1e-5)
+    assert np.isfinite(at_32["seconds_per_puzzle"])
 
 
 def test_projection_of_an_evaluation_at_k_trajectories():
