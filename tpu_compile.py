@@ -652,7 +652,8 @@ def format_results(results: list[dict]) -> str:
             f"{est['memory_bound_ms']:.2f}, "
             + (f"XLA's estimate {est['xla_estimate_ms']:.2f}" if est.get("xla_estimate_ms") else "no XLA estimate")
             + f" -> {r['estimate_ms']:.2f} ms ({r['estimate_source']}); MFU ceiling {r['mfu_ceiling']:.0%}",
-        ] + ([f"  per test puzzle: {eval_ms_per_puzzle(r):.4f} ms of device time ({r['halt_max_steps']} ACT steps of "
+        ] + ([f"  per test puzzle: {eval_ms_per_puzzle(r):.4f} ms of device time "
+              f"({r.get('act_steps', r['halt_max_steps'])} ACT steps of "
               f"{r['estimate_ms']:.2f} ms over {r['puzzles_per_batch']} puzzles a batch: K={r['trajectories']} "
               f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K)"]
              if eval_ms_per_puzzle(r) is not None else []) + [
