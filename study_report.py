@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 
 import goodput
-import ptrm
 import storage
+import testtime_curve
 from config import flat_config
 from study_plan import StudyRun, declared_papers
 from study_run import read_status
@@ -95,7 +95,7 @@ class RunResult:
     data_path: str = ""
     host: int | None = None  # the study host it ran on (None: the study ran without --host)
     ckpt_every: int | None = None
-    trajectories: dict = field(default_factory=dict)  # exact % at (K, noise): ptrm.saved_curve_columns
+    trajectories: dict = field(default_factory=dict)  # exact % at (K, noise): testtime_curve.curve_columns
 
 
 def _read_json(url: str):
@@ -163,7 +163,7 @@ def collect(out: str) -> list[RunResult]:
         result.data_path, result.host, result.ckpt_every = config.data.path, status.get("host"), config.run.ckpt_every
         result.parameters = parameter_count(config.model)
         result.effective_depth, _, result.forward_passes = recursion_counts(config.model)
-        result.trajectories = ptrm.saved_curve_columns(run_dir)
+        result.trajectories = testtime_curve.curve_columns(run_dir)
         records = _records(run_dir)
         trained = [r["step"] for r in records if r.get("kind") == "train"]
         result.steps_done = final["step"] if final else max(trained, default=0)
@@ -295,7 +295,7 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
 
 def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[str], spent: str) -> str:
     """results.csv, results.md; returns the text printed to the terminal."""
-    # test-time scaling of the runs evaluated at several K (ptrm.saved_curve_columns)
+    # test-time scaling of the runs evaluated at several K (testtime_curve.curve_columns)
     scaling = list(dict.fromkeys(k for r in runs for k in r if k.startswith("exact_K")))
     run_columns = ["name", "status", "preset", *varied, "parameters", *TABLE1, "steps", "train_flops", "device_hours",
                    "final_exact_%", "final_exact_95%", "best_exact_%", "best_exact_95%", "token_accuracy_%",
