@@ -3,7 +3,7 @@ head first says halt.
 
 An evaluation runs all its D ACT steps (eval.act_steps, the model's halt_max_steps unless told:
 as the reference's does), so halting never shortens it; what the Q head *would* do is counted
-instead, by the rule training halts by (halting.says_halt: q_halt > 0 with no_ACT_continue, else
+instead, by the rule training halts by (the arch's halt_score > 0: q_halt > 0 with no_ACT_continue, else
 q_halt > q_continue). `first_halt` tracks, for each row, the first ACT step it said so (0: not
 yet); at the batch's last ACT step, where the row is counted (halted, with labels), its step
 lands in one of D + 1 buckets: steps 1..D, and `never_halted` for a row whose Q head never said
@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from data import IGNORE_LABEL_ID
-from halting import says_halt
 
 
 def metric_names(steps: int) -> tuple[str, ...]:
@@ -27,13 +26,13 @@ def metric_names(steps: int) -> tuple[str, ...]:
 
 
 def first_halt_counts(first_halt: torch.Tensor, carry, outputs: dict[str, torch.Tensor], steps_max: int,
-                      no_ACT_continue: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      halt_score) -> tuple[torch.Tensor, torch.Tensor]:
     """(the new first_halt [B] int32, float32 [steps_max + 1] counts of the rows counted at this
     ACT step by their first halting step, metric_names' order). `carry` is the step's new carry:
     a row at its step 1 starts over; a counted row is halted and has labels."""
     steps = carry.steps
     first_halt = torch.where(steps == 1, 0, first_halt)
-    halts = says_halt(outputs["q_halt_logits"], outputs.get("q_continue_logits"), no_ACT_continue)
+    halts = halt_score(outputs["q_halt_logits"], outputs.get("q_continue_logits")) > 0
     first_halt = torch.where((first_halt == 0) & halts, steps, first_halt)
     counted = carry.halted & (carry.current_data["labels"] != IGNORE_LABEL_ID).any(-1)
     bucket = torch.where(first_halt == 0, steps_max, first_halt - 1)

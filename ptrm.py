@@ -18,7 +18,7 @@ Trajectory k draws the same noise at every K, so the trajectories of K=4 are the
 K=16.
 
 Selection, after every ACT step (the answer scored is the one chosen at the last, step D):
-- best-Q: the trajectory that the arch's halting rule most wants to halt (halting.halt_score:
+- best-Q: the trajectory that the arch's halting rule most wants to halt (TRMConfig.halt_score:
   q_halt, or q_halt - q_continue for archs that halt on q_halt > q_continue); ties: the lowest
   trajectory index. Its answer gives the evaluation's usual metrics (exact_accuracy, accuracy...).
 - mode@K: the most frequent whole answer (the predicted token sequence, every position) among the
@@ -30,11 +30,11 @@ evaluation, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 import counter_hash
-import halting
 from counter_hash import int32, mix
 from model import IGNORE_LABEL_ID, Carry
 
@@ -66,8 +66,9 @@ class Trajectories:
     """Where the noise enters: z_L, z_H or both (testtime.NOISE_LATENTS)."""
     host_rows: int = 0
     """Rows of each host's part of a batch, each part laid out alone; 0: the whole batch is one."""
-    halt_on_continue: bool = False
-    """The arch halts on q_halt > q_continue (no_ACT_continue False): rank by q_halt - q_continue."""
+    halt_score: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+    """The arch's halting rule (TRMConfig.halt_score: q_halt, or q_halt - q_continue for hrm and
+    transformers_baseline) that ranks the trajectories; None: q_halt alone."""
 
     # -- the layout -----------------------------------------------------------------------------
 
@@ -137,8 +138,10 @@ class Trajectories:
 
     def scores(self, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """[rows] float32: how much each trajectory wants to halt, by its arch's halting rule."""
-        q_continue = outputs.get("q_continue_logits") if self.halt_on_continue else None
-        return halting.halt_score(outputs["q_halt_logits"], q_continue)
+        q_halt, q_continue = outputs["q_halt_logits"].float(), outputs.get("q_continue_logits")
+        if self.halt_score is None:
+            return q_halt
+        return self.halt_score(q_halt, None if q_continue is None else q_continue.float())
 
     def best(self, scores: torch.Tensor) -> torch.Tensor:
         """Bool [puzzles, K]: each puzzle's best-Q trajectory, the first with the highest score."""
@@ -193,10 +196,10 @@ def _first_of(values: torch.Tensor, where) -> torch.Tensor:
 
 
 def trajectories_of(k: int, noise: float, seed: int, latent: str = "z_L", host_rows: int = 0,
-                    halt_on_continue: bool = False) -> Trajectories | None:
+                    halt_score=None) -> Trajectories | None:
     """What Trainer.set_evaluation takes for K and sigma: None (the reference's evaluation,
     untouched) for one trajectory without noise."""
-    return None if k == 1 and noise == 0 else Trajectories(k, noise, seed, latent, host_rows, halt_on_continue)
+    return None if k == 1 and noise == 0 else Trajectories(k, noise, seed, latent, host_rows, halt_score)
 
 
 def set_evaluation(trainer, setting, global_batch_size: int | None = None) -> Trajectories | None:
@@ -207,6 +210,6 @@ def set_evaluation(trainer, setting, global_batch_size: int | None = None) -> Tr
     config = trainer.config
     rows = (global_batch_size or config.optim.global_batch_size) // trainer.sharding.data_split()[1]
     trajectories = trajectories_of(setting.k, setting.noise, config.run.seed, setting.latent, rows,
-                                   halt_on_continue=not config.model.no_ACT_continue)
+                                   halt_score=config.model.halt_score)
     trainer.set_evaluation(trajectories, setting.act_steps)
     return trajectories

@@ -48,8 +48,8 @@ import tyro
 
 import hlo_stats
 import ptrm
-from compiled_costs import eval_ms_per_puzzle
 import testtime
+from compiled_costs import eval_ms_per_puzzle
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config, presets_for
 from model import TRMConfig
 from projection import PAPER_DATASETS, model_flops, slice_spec

@@ -338,7 +338,7 @@ class Trainer:
             carry, outputs, extra = trajectories.select(carry, outputs)
         _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
         first_halt, halts = halt_steps.first_halt_counts(self.first_halt, carry, outputs, self.eval_steps,
-                                                         self.config.model.no_ACT_continue)
+                                                         self.config.model.halt_score)
         self.first_halt = self.sharding.shard_batch_dim(first_halt, self.mesh)
         predictions = outputs["logits"].argmax(-1)
         vector = torch.cat([torch.stack([metrics[k] for k in EVAL_METRICS] + extra), halts])

@@ -40,7 +40,8 @@ def test_first_halt_buckets_exploration_anneal_and_curriculum_stages_are_their_c
             says = (first > 0) & (first <= step)
             outputs = {"q_halt_logits": torch.where(says, says_value, quiet_value),
                        "q_continue_logits": torch.full((rows,), 0.5)}
-            tracked, counts = halt_steps.first_halt_counts(tracked, carry, outputs, steps_max, no_act_continue)
+            rule = model.TRMConfig(no_ACT_continue=no_act_continue).halt_score
+            tracked, counts = halt_steps.first_halt_counts(tracked, carry, outputs, steps_max, rule)
             total = total + counts
         assert total.tolist() == expected == [2, 1, 2, 2, 2], no_act_continue
     # The other rule on the Q-continue logits reads 0.4 as halt: every counted row at step 1.
@@ -50,7 +51,7 @@ def test_first_halt_buckets_exploration_anneal_and_curriculum_stages_are_their_c
         says = (first > 0) & (first <= step)
         outputs = {"q_halt_logits": torch.where(says, 0.6, 0.4), "q_continue_logits": torch.full((rows,), 0.5)}
         tracked, counts = halt_steps.first_halt_counts(tracked, types_carry(step, steps_max, labels), outputs,
-                                                       steps_max, True)
+                                                       steps_max, model.TRMConfig(no_ACT_continue=True).halt_score)
         wrong = wrong + counts
     assert wrong.tolist() == [9, 0, 0, 0, 0]
     result = dict(zip(halt_steps.metric_names(steps_max), (total / len(counted)).tolist()), count=len(counted))

@@ -22,7 +22,7 @@ import testtime_batches
 import train
 from config import parse_config
 from eval_command import evaluate_command
-from model import TRM, Carry, loss_and_metrics
+from model import TRM, Carry, TRMConfig, loss_and_metrics
 from tests.test_model import random_batch, tiny_config
 from tests.test_train import PROJECT_DIR, tiny_args
 
@@ -122,6 +122,10 @@ def test_best_q_mode_and_pass_at_k_on_planted_answers_with_ties_and_padding():
     assert t.select(carry, {"logits": logits, "q_halt_logits": q_halt[:12]})[2][1] == any_exact == 3
 
 
+HRM_RULE = TRMConfig(arch="hrm", no_ACT_continue=False).halt_score
+"""hrm's halting rule, read from its registered scheme: q_halt - q_continue."""
+
+
 def test_archs_that_halt_on_q_continue_rank_by_q_halt_minus_q_continue(monkeypatch):
     """hrm / transformers_baseline halt on q_halt > q_continue: that rule ranks their trajectories
     (selection) and reads the chosen one (halting histogram); TRM ranks by q_halt alone."""
@@ -129,14 +133,14 @@ def test_archs_that_halt_on_q_continue_rank_by_q_halt_minus_q_continue(monkeypat
     q_continue = torch.tensor([-0.5, -3.0])  # q_halt - q_continue: -0.5, 1.0
     carry, logits = planted([0, 1], [1, 1], 2)
     outputs = {"logits": logits, "q_halt_logits": q_halt, "q_continue_logits": q_continue}
-    by_q_halt, by_rule = ptrm.Trajectories(2, 0.5), ptrm.Trajectories(2, 0.5, halt_on_continue=True)
+    by_q_halt, by_rule = ptrm.Trajectories(2, 0.5), ptrm.Trajectories(2, 0.5, halt_score=HRM_RULE)
     assert by_q_halt.best(by_q_halt.scores(outputs)).tolist() == [[True, False]]
     assert by_rule.best(by_rule.scores(outputs)).tolist() == [[False, True]]
     picked, selected, _ = by_rule.select(carry, outputs)
     assert loss_and_metrics(picked, selected, halted_losses=True)[1]["exact_accuracy"] == 1
     # The halting histogram reads the chosen trajectory's rule: it says halt (-2 > -3) at step 1.
     carry = dataclasses.replace(picked, steps=torch.ones(2, dtype=torch.int32))
-    _, counts = halt_steps.first_halt_counts(torch.zeros(2, dtype=torch.int32), carry, selected, 4, False)
+    _, counts = halt_steps.first_halt_counts(torch.zeros(2, dtype=torch.int32), carry, selected, 4, HRM_RULE)
     assert counts.tolist() == [1, 0, 0, 0, 0]
     # mode@K ties go to the rule's best trajectory too.
     assert by_rule.mode(logits.argmax(-1), by_rule.scores(outputs)).tolist() == [[False, True]]
@@ -145,11 +149,13 @@ def test_archs_that_halt_on_q_continue_rank_by_q_halt_minus_q_continue(monkeypat
         got = {}
         trainer = SimpleNamespace(config=SimpleNamespace(optim=SimpleNamespace(global_batch_size=32),
                                                          run=SimpleNamespace(seed=0),
-                                                         model=SimpleNamespace(no_ACT_continue=no_continue)),
+                                                         model=TRMConfig(no_ACT_continue=no_continue)),
                                   sharding=SimpleNamespace(data_split=lambda: (0, 1)),
                                   set_evaluation=lambda t, d, got=got: got.update(t=t, d=d))
         ptrm.set_evaluation(trainer, testtime.Setting(4, 0.3, 16))
-        assert got["t"].halt_on_continue is expected and got["d"] == 16 and got["t"].host_rows == 32
+        ranked = got["t"].scores({"q_halt_logits": q_halt, "q_continue_logits": q_continue})
+        assert torch.equal(ranked, q_halt - q_continue if expected else q_halt)
+        assert got["d"] == 16 and got["t"].host_rows == 32
 
 
 def test_the_counter_hash_is_int32_and_draws_what_the_int64_hash_drew():
