@@ -1,0 +1,229 @@
+"""Test-time compute as a study axis: a study file's `@test-time` lines (study_plan.ScalingGrid)
+name settings (K trajectories per puzzle, noise sigma, D ACT steps, the latent the noise enters)
+at which `study.py run` evaluates every finished run, claimed under the same leases as training;
+the report's columns and plot of each setting; and the grid's price for `study.py plan`.
+
+    @test-time K=1,16,100 noise=0,0.3 D=16,64     # every run: 1 + 2 x 3 ... settings (noise 0 at K=1 only)
+    @test-time trm,hrm-* K=100 noise=0.3 D=64     # the runs of these configurations (fnmatch patterns)
+
+Each (run, setting) is one `Evaluation`, claimed as RUN+SETTING (claims.py: OUT/study/claims/
+RUN+K16-noise0.3-D64/, status in OUT/study/status/RUN+K16-noise0.3-D64.json) by any study process,
+after every training run of the study is claimed (most ACT steps per puzzle first), and only once
+its run has trained to its end (OUT/RUN/final.json). It runs
+
+    python train.py eval PRESET --init-from OUT/RUN --run.dir OUT/RUN --data.path DATA \\
+        --eval.trajectories K --eval.noise S --eval.act-steps D [--eval.noise-latent L] [flags after --]
+
+which writes OUT/RUN/test-time/SETTING/ (testtime.py), metrics.json last: a setting whose
+metrics.json exists is done and skipped; a holder killed during one loses its lease and another
+holder evaluates the setting again; a failed one is tried again by a later study process, as a
+failed run is.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import storage
+import testtime
+from study_plan import StudyRun, scaling_settings
+
+PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+SELECTIONS = (("best_q_exact_accuracy", "best-Q"), ("mode_exact_accuracy", "mode"), ("pass_exact_accuracy", "pass@K"))
+"""The exact accuracies of a setting's metrics.json the report shows, each by its column's name:
+the answer of the trajectory with the best Q (the halting rule's), the most frequent answer
+(mode@K), and any trajectory right (pass@K, an oracle)."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One test-time setting of one finished run: the study's unit of claim besides a training run."""
+
+    run: StudyRun
+    setting: testtime.Setting
+    out: str
+    """The study's directory."""
+
+    @property
+    def name(self) -> str:
+        """The claim's and status file's name: RUN+SETTING ('+' is in no run name)."""
+        return f"{self.run.name}+{self.setting.name}"
+
+    @property
+    def configuration(self) -> str:
+        return self.run.configuration
+
+    @property
+    def run_dir(self) -> str:
+        return storage.join_url(self.out, self.run.name)
+
+    @property
+    def directory(self) -> str:
+        """Where `train.py eval` writes this setting: OUT/RUN/test-time/SETTING."""
+        return storage.join_url(self.run_dir, testtime.DIR, self.setting.name)
+
+    @property
+    def preset(self) -> str:  # what study_run.py prints after "train.py": the eval command
+        return "eval"
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """`train.py eval`'s arguments (the study's flags after -- go after them)."""
+        s = self.setting
+        return (self.run.preset, "--init-from", self.run_dir, "--run.dir", self.run_dir,
+                "--data.path", self.run.config().data.path, "--eval.trajectories", str(s.k),
+                "--eval.noise", f"{s.noise:g}", "--eval.act-steps", str(s.act_steps),
+                *(() if s.latent == "z_L" else ("--eval.noise-latent", s.latent)))
+
+    def command(self, python: str = sys.executable, extra: tuple[str, ...] = ()) -> list[str]:
+        return [python, os.path.join(PROJECT_DIR, "train.py"), "eval", *self.flags, *extra]
+
+    def ready(self) -> bool:
+        """Its run has trained to its end (train.py wrote final.json)."""
+        return storage.exists(storage.join_url(self.run_dir, "final.json"))
+
+    def done(self) -> bool:
+        """Evaluated: metrics.json, which `train.py eval` writes last, exists."""
+        return storage.exists(storage.join_url(self.directory, "metrics.json"))
+
+    def summary(self) -> str:
+        """The line the study prints once it is done: each selection's exact accuracy."""
+        metrics = json.loads(storage.read_bytes(storage.join_url(self.directory, "metrics.json")))
+        return ", ".join(f"{label} {100 * metrics[key]:.2f}%" for key, label in SELECTIONS if key in metrics) + \
+            f" exact over {metrics.get('num_puzzles', '?')} puzzles"
+
+
+def evaluations(runs: list[StudyRun], text: str, out: str) -> list[Evaluation]:
+    """The study's evaluations (its `@test-time` lines over its runs), in the order they are
+    claimed: the most ACT steps per puzzle (K x D) first, then the runs' order."""
+    settings = scaling_settings(text, runs)
+    found = [Evaluation(run, s, out) for run in runs for s in settings.get(run.name, [])]
+    position = {run.name: i for i, run in enumerate(runs)}
+    return sorted(found, key=lambda e: (-e.setting.k * e.setting.act_steps, position[e.run.name]))
+
+
+# ----------------------------------------------------------------------------------------------
+# The report
+
+
+def setting_columns(name: str) -> list[str]:
+    """The report's columns of one setting: its exact accuracy in % under each selection."""
+    return [f"{name}_{label}_%" for _, label in SELECTIONS]
+
+
+def run_scaling(run_dir: str) -> dict[str, dict]:
+    """{setting name: its metrics.json} of every test-time setting evaluated in a run directory
+    (those of the study's grid and any evaluated by hand)."""
+    fs, path = storage.filesystem(storage.join_url(run_dir, testtime.DIR))
+    try:
+        found = sorted(fs.glob(f"{path.rstrip('/')}/*/metrics.json"))
+    except FileNotFoundError:
+        return {}
+    results = {}
+    for file in found:
+        name = file.rstrip("/").split("/")[-2]
+        results[name] = json.loads(storage.read_bytes(storage.join_url(run_dir, testtime.DIR, name, "metrics.json")))
+    return results
+
+
+def settings_in_order(out: str, scaling: dict[str, dict[str, dict]]) -> list[str]:
+    """The setting names the report shows: the study file's grid in its order (OUT/study.txt), then
+    any other setting a run was evaluated at, in name order."""
+    names: list[str] = []
+    listing, text = storage.join_url(out, "study", "runs.json"), storage.join_url(out, "study.txt")
+    if storage.exists(listing) and storage.exists(text):
+        runs = [StudyRun(r["name"], r["preset"], tuple(r["flags"]), r["line"])
+                for r in json.loads(storage.read_bytes(listing))["runs"]]
+        for settings in scaling_settings(storage.read_bytes(text).decode(), runs).values():
+            names += [s.name for s in settings if s.name not in names]
+    return names + sorted({n for found in scaling.values() for n in found} - set(names))
+
+
+def _pct(value) -> str:
+    return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.2f}"
+
+
+def run_cells(found: dict[str, dict], names: list[str]) -> dict[str, str]:
+    """A run row's cells of each setting (empty: not evaluated yet)."""
+    cells = {}
+    for name in names:
+        metrics = found.get(name, {})
+        cells.update({column: _pct(metrics.get(key)) for column, (key, _) in zip(setting_columns(name), SELECTIONS)})
+    return cells
+
+
+def configuration_cells(members: list[dict[str, dict]], names: list[str]) -> dict[str, str]:
+    """A configuration row's cells of each setting: the mean over its runs evaluated there."""
+    cells = {}
+    for name in names:
+        for column, (key, _) in zip(setting_columns(name), SELECTIONS):
+            values = [found[name][key] for found in members if key in found.get(name, {})]
+            cells[column] = _pct(sum(values) / len(values)) if values else ""
+    return cells
+
+
+def plot_points(configs: list[dict], scaling: dict[str, dict[str, dict]]) -> list[dict]:
+    """One point per (configuration, setting) evaluated: its test-time compute (K x D ACT steps per
+    puzzle), its training compute, and each selection's exact accuracy, mean over its runs."""
+    points = []
+    for c in configs:
+        members = [scaling.get(r.run.name, {}) for r in c["results"]]
+        for name in sorted({n for found in members for n in found}):
+            rows = [found[name] for found in members if name in found]
+            first = rows[0]
+            points.append({
+                "configuration": c["configuration"], "setting": name, "runs": len(rows),
+                "k": first["trajectories"], "noise": first["noise"], "act_steps": first["act_steps"],
+                "latent": first.get("noise_latent", "z_L"),
+                "compute": first.get("act_steps_per_puzzle", first["trajectories"] * first["act_steps"]),
+                "train_flops": c.get("train_flops"),
+                **{label: sum(r[key] for r in rows) / len(rows) for key, label in SELECTIONS
+                   if all(key in r for r in rows)}})
+    return points
+
+
+# ----------------------------------------------------------------------------------------------
+# The price (study.py plan)
+
+
+def evaluation_batches(setting: testtime.Setting, global_batch: int, puzzles: int) -> int:
+    """Evaluation batches of `global_batch` rows that hold every puzzle's K trajectories: each batch
+    holds global_batch // K whole puzzles (the rest of its rows padding: K need not divide the
+    batch); a K above the batch takes ceil(K / batch) batches per puzzle."""
+    per_batch = global_batch // setting.k
+    return math.ceil(puzzles / per_batch) if per_batch else puzzles * math.ceil(setting.k / global_batch)
+
+
+def evaluation_hours(setting: testtime.Setting, global_batch: int, puzzles: int, ms_per_act_step: float) -> float:
+    """Device hours of one evaluation of `puzzles` test puzzles at the setting: batches x D ACT
+    steps x the evaluation program's time per ACT step (one batch of global_batch rows)."""
+    return evaluation_batches(setting, global_batch, puzzles) * setting.act_steps * ms_per_act_step / 3.6e6
+
+
+def eval_config(config, setting: testtime.Setting):
+    """The run's configuration as `train.py eval` runs it at the setting: its evaluation program
+    (tpu_compile.py traces one ACT step at the run's global batch, with the setting's K and noise)."""
+    import dataclasses
+
+    fields = {"trajectories": str(setting.k), "noise": f"{setting.noise:g}"}
+    names = {f.name for f in dataclasses.fields(config.eval)}
+    fields.update({k: v for k, v in (("act_steps", setting.act_steps), ("noise_latent", setting.latent))
+                   if k in names})
+    return dataclasses.replace(config, eval=dataclasses.replace(config.eval, **fields))
+
+
+def add_columns(out: str, results: list, runs: list[dict], configs: list[dict], configurations: list[dict]
+                ) -> list[str]:
+    """The report's test-time columns, added to its run rows (`results`' order) and configuration
+    rows (`configurations`' order): each setting's exact % under each selection; the names of
+    those columns, in the grid's order."""
+    scaling = {r.run.name: r.scaling for r in results}
+    names = settings_in_order(out, scaling)
+    for result, row in zip(results, runs):
+        row.update(run_cells(result.scaling, names))
+    for c, row in zip(configurations, configs):
+        row.update(configuration_cells([r.scaling for r in c["results"]], names))
+    return [column for name in names for column in setting_columns(name)]
