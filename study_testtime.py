@@ -227,3 +227,119 @@ def add_columns(out: str, results: list, runs: list[dict], configs: list[dict], 
     for c, row in zip(configurations, configs):
         row.update(configuration_cells([r.scaling for r in c["results"]], names))
     return [column for name in names for column in setting_columns(name)]
+
+
+def compiled_eval_ms(jobs: list[tuple[Evaluation, object]], slices: dict[str, str], processes: int | None = None
+                     ) -> dict[str, dict[str, dict]]:
+    """{slice key: {evaluation name: device_time_fields of its evaluation program}} for
+    (evaluation, the run's resolved config) jobs: each distinct evaluation program (the run's
+    model and batch at the setting's K, noise and latent: eval_config) compiled once per slice by
+    the TPU compiler (tpu_compile.compile_isolated, cached), its training step not compiled."""
+    import tpu_compile
+
+    configs = {e.name: eval_config(config, e.setting) for e, config in jobs}
+    distinct: dict[str, tuple] = {}
+    for e, _ in jobs:
+        distinct.setdefault(tpu_compile.program_settings(configs[e.name]),
+                            (e.run.preset, configs[e.name], f"{e.configuration} at {e.setting.name}"))
+    names = list(dict.fromkeys(slices.values()))
+    if distinct:
+        print(f"compiling {len(distinct)} distinct evaluation program(s) of the test-time grid for "
+              f"{' and '.join(names)} with the TPU compiler", flush=True)
+    compiled = tpu_compile.compile_isolated([(preset, config, name) for name in names
+                                             for preset, config, _ in distinct.values()], programs=("eval_step",),
+                                            processes=processes,
+                                            labels=[label for _ in names for _, _, label in distinct.values()])
+    results = {name: dict(zip(distinct, compiled[i * len(distinct):(i + 1) * len(distinct)]))
+               for i, name in enumerate(names)}
+    return {key: {e.name: tpu_compile.device_time_fields(results[name][tpu_compile.program_settings(
+        configs[e.name])]) for e, _ in jobs} for key, name in slices.items()}
+
+
+def plan_rows(runs: list[StudyRun], text: str, sizes: dict, specs: dict, mfu: dict, compiled: bool,
+              processes: int | None = None) -> list[dict]:
+    """One row per evaluation of the study's grid: its batches, ACT steps per puzzle, and device
+    hours on each slice of `specs` ({key: SliceSpec}), from each evaluation program's time per ACT
+    step compiled for that slice (`compiled`), else the model's evaluation FLOPs at mfu[key] of
+    the slice's peak; `sizes`: {dataset path: PaperDataset, or the Exception reading it}. Its whole
+    test split each, every K x D ACT steps of it: `evaluation_hours`."""
+    from projection import flop_record
+    from study_plan import resolved_config
+
+    found = evaluations(runs, text, "OUT")
+    jobs, rows = [], []
+    for e in found:
+        size = sizes.get(e.run.config().data.path)
+        if size is not None and not isinstance(size, Exception):
+            jobs.append((e, resolved_config(e.run, size)))
+    device = compiled_eval_ms(jobs, {k: s.name for k, s in specs.items()}, processes) if compiled and jobs else {}
+    for e, config in jobs:
+        row = {"evaluation": e, "puzzles": sizes[config.data.path].test_examples,
+               "batches": evaluation_batches(e.setting, config.optim.global_batch_size,
+                                             sizes[config.data.path].test_examples)}
+        for key, spec in specs.items():
+            fields = device.get(key, {}).get(e.name, {})
+            ms = fields.get("compiled_ms_per_eval_step") if compiled else \
+                flop_record(e.run.preset, config, spec)["projected_device_ms_per_eval_step"] / mfu[key]
+            row[key] = None if ms is None else {
+                "ms_per_act_step": ms, "hours": evaluation_hours(e.setting, config.optim.global_batch_size,
+                                                                 row["puzzles"], ms)}
+            row[key + "_why"] = fields.get("compiled_source", "")
+        rows.append(row)
+    return rows + [{"evaluation": e, "unknown": True} for e in found if e.name not in {j.name for j, _ in jobs}]
+
+
+def fleet_makespan(training: list[tuple[str, float]], tests: list[tuple[str, str, float]], vms: int) -> float:
+    """Hours until the last evaluation ends on `vms` VMs claiming as `study.py run` does: the
+    training runs ((name, hours), in claim order) then the evaluations ((name, its run, hours), in
+    claim order), each onto the VM that frees first, an evaluation not before its run ended."""
+    free, ended = [0.0] * vms, {}
+    for name, hours in training:
+        vm = min(range(vms), key=lambda h: (free[h], h))
+        free[vm] += hours
+        ended[name] = free[vm]
+    for _, run, hours in tests:
+        vm = min(range(vms), key=lambda h: (max(free[h], ended.get(run, 0.0)), h))
+        free[vm] = max(free[vm], ended.get(run, 0.0)) + hours
+    return max(free, default=0.0)
+
+
+def _hours(hours: float) -> str:
+    return f"{hours:,.1f}" if hours >= 10 else f"{hours:.2f}" if hours >= 0.1 else f"{hours:.2g}"
+
+
+def print_plan(runs, text, sizes, host, spec, vms: int, mfu: float, whole_mfu: float, compiled: bool,
+               processes: int | None, training: list[tuple[str, float]], whole_training_h: float,
+               startup_h: float) -> None:
+    """`study.py plan`'s part for the study's `@test-time` grid: each evaluation's batches and
+    device-hours on one fleet VM, the total, and the makespans with the evaluations."""
+    if not any(line.lstrip().startswith("@test-time") for line in text.splitlines()):
+        return
+    rows = plan_rows(runs, text, sizes, {"host": host, "whole": spec}, {"host": mfu, "whole": whole_mfu}, compiled,
+                     processes)
+    how = "each evaluation program compiled for the slice (the TPU compiler's estimate)" if compiled else \
+        f"{100 * mfu:g}% MFU"
+    print(f"\ntest-time evaluations (@test-time): {len(rows)}, each of its run's whole test split at K trajectories "
+          f"per puzzle (global batch // K puzzles per batch) and D ACT steps per batch, on one {host.name} at {how}")
+    width = max(len(r["evaluation"].name) for r in rows)
+    print(f"{'evaluation'.ljust(width)}  {'K x D':>7}  {'batches':>9}  {'ms/ACT step':>11}  {'VM h':>7}  "
+          f"{'device-h':>8}")
+    done = []
+    for row in rows:
+        e = row["evaluation"]
+        on_host = None if row.get("unknown") else row["host"]
+        if on_host is None:
+            reason = "dataset size unknown" if row.get("unknown") else f"not compiled: {row['host_why']}"
+            print(f"{e.name.ljust(width)}  {e.setting.k * e.setting.act_steps:>7,}  ? ({reason})")
+            continue
+        done.append(row)
+        print(f"{e.name.ljust(width)}  {e.setting.k * e.setting.act_steps:>7,}  {row['batches']:>9,}  "
+              f"{on_host['ms_per_act_step']:>11.4g}  {_hours(on_host['hours']):>7}  "
+              f"{_hours(on_host['hours'] * host.chips):>8}")
+    tests = [(r["evaluation"].name, r["evaluation"].run.name, r["host"]["hours"] + startup_h) for r in done]
+    whole = sum(r["whole"]["hours"] + startup_h for r in done if r.get("whole"))
+    print(f"test-time total: {sum(r['host']['hours'] for r in done) * host.chips:,.1f} device-hours on {host.name} VMs "
+          f"(each evaluation {60 * startup_h:g} min of start-up besides)")
+    print(f"makespan with the evaluations on {vms} {host.name} VM(s), evaluations claimed after every training run: "
+          f"{fleet_makespan(training, tests, vms):.1f} h; on {spec.name}, one at a time: "
+          f"{whole_training_h + whole:.1f} h")
