@@ -22,8 +22,9 @@ from typing import Literal
 import tyro
 
 import data
-import ptrm
 import storage
+import testtime
+import testtime_batches
 from model import TRMConfig
 from optim import DENSE_OPTIMIZERS
 from ranges import range_problems, ranged
@@ -112,9 +113,13 @@ class EvalConfig:
     as the reference reports ARC scores; `train.py eval` votes over its own and the saved votes
     of earlier steps in {run.dir}/eval/step_N/arc_votes.json.gz. Needs --eval.arc."""
     trajectories: str = resumable("1")
-    """Test-time scaling (ptrm.py, docs/test-time-scaling.md): K noisy trajectories per puzzle, the answer of the highest q_halt; `train.py eval` takes a comma list (1,4,16) and saves the curve, training's evaluations use the last K."""  # noqa: E501 (one line: tyro keeps line breaks)
+    """Test-time scaling (ptrm.py, docs/test-time-scaling.md): K noisy trajectories per puzzle (any K up to the batch), scored by best-Q, mode@K and pass@K; `train.py eval` takes a comma list (1,4,16) and writes one {run.dir}/test-time/ setting each, training's evaluations use the last K."""  # noqa: E501 (one line: tyro keeps line breaks)
     noise: str = resumable("0")
-    """Standard deviation of the Gaussian noise added to z_L at every ACT step of each trajectory; `train.py eval` takes a comma list (0.1,0.3), training's evaluations use the last."""  # noqa: E501
+    """Standard deviation of the Gaussian noise added to the latent (eval.noise_latent) at every ACT step of each trajectory; `train.py eval` takes a comma list (0.1,0.3), training's evaluations use the last."""  # noqa: E501
+    act_steps: int | None = resumable(None, ge=1, note="leave it out for the model's halt_max_steps")
+    """D, the ACT steps each evaluation runs per puzzle (test-time depth); None: model.halt_max_steps, the reference's evaluation. Beyond it the recursion goes on from the carry."""  # noqa: E501
+    noise_latent: Literal["z_L", "z_H", "both"] = resumable("z_L")
+    """Where test-time noise enters at every ACT step: z_L (the low-level latent), z_H, or both."""
 
 
 @dataclass
@@ -283,10 +288,10 @@ def check_config(config: Config) -> None:
                                  ("optim.lr_schedule", config.optim.lr_schedule, LR_SCHEDULES)):
         if value not in choices:
             problems.append(f"{name}={value!r} must be one of {', '.join(choices)} (set it with {flag(name)})")
-    # Each K must parse and divide the global batch into whole puzzles; each noise must parse.
-    checks = (("eval.trajectories", lambda text: [ptrm.puzzles_per_batch(config.optim.global_batch_size, k, 1)
-                                                  for k in ptrm.parse_trajectories(text)]),
-              ("eval.noise", ptrm.parse_noises))
+    # Each K must parse and fit the global batch (the puzzles' rows padded, any K); each noise must parse.
+    checks = (("eval.trajectories", lambda text: [testtime_batches.host_puzzles(config.optim.global_batch_size, k, 1)
+                                                  for k in testtime.parse_trajectories(text)]),
+              ("eval.noise", testtime.parse_noises))
     for name, check in checks:
         try:
             check(getattr(config.eval, name.split(".")[1]))

@@ -1,4 +1,5 @@
-"""Evaluation: exactly halt_max_steps ACT steps per test batch with the EMA weights, the
+"""Evaluation: D ACT steps per test batch (eval.act_steps; the model's halt_max_steps, as the
+reference runs) with the EMA weights, the
 reference's metrics over real (non-padding) examples, and for ARC the votes over augmentations
 (and over every evaluation of a run), saved under {run.dir}/eval/step_N/; and the training
 loop's periodic evaluation (`Evaluations`), which decides itself which steps are its steps.
@@ -13,9 +14,11 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import data
-import halting
+import halt_steps
 import ptrm
 import storage
+import testtime
+import testtime_batches
 from arc import REFERENCE_PASS_KS, VOTES_FILE, ArcEvaluator, decode_summary, encode_summary, write_submission
 from batches import EvalBatches
 from lifecycle import Preempted
@@ -30,9 +33,10 @@ if TYPE_CHECKING:
 
 def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda *a: None,
              eval_root: str | None = None, step: int = 0, aggregate: bool = False,
-             between_batches=lambda done: False, first_predictions=None, each_act_step=None):
-    """Exactly halt_max_steps ACT steps per batch with the EMA weights; the reference's
-    metrics over real (non-padding) examples, the halting-step distribution (halting.py:
+             between_batches=lambda done: False, first_predictions=None, each_act_step=None,
+             votes_url: str | None = None):
+    """D ACT steps per batch (trainer.eval_steps) with the EMA weights; the reference's
+    metrics over real (non-padding) examples, the halting-step distribution (halt_steps.py:
     halted_at_S and never_halted, fractions, and mean_halt_step), plus ARC pass@k when `arc`
     (an ArcEvaluator) is given. Returns (metrics, ARC submission or None), or (None, None) when
     `between_batches(batches done)`, called after every batch, returns True (a SIGTERM).
@@ -40,13 +44,17 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     `each_act_step(batch index, host batch, preds, q_halt)` is called after every ACT step with
     its device outputs (predict reads them all; a training run's evaluation does not).
     With `trainer.trajectories` (ptrm.py), `batches` holds each puzzle's K rows in a row
-    (ptrm.TrajectoryBatches) and the metrics and votes count each puzzle's chosen answer once.
+    (testtime_batches.TrajectoryBatches) and the metrics and votes count each puzzle's best-Q
+    answer once; mode_exact_accuracy and pass_exact_accuracy are mode@K's and pass@K's. Without,
+    all three selections are the one answer: best_q_, mode_ and pass_exact_accuracy are
+    exact_accuracy.
 
     With `arc` and `eval_root`, process 0 saves this evaluation's votes to
-    {eval_root}/step_{step}/arc_votes.json.gz; with `aggregate` too, aggregated_pass@k (and the
+    {eval_root}/step_{step}/arc_votes.json.gz (to `votes_url` instead when given: a test-time
+    evaluation's own directory); with `aggregate` too, aggregated_pass@k (and the
     submission) are a vote over them and the saved votes of every earlier step."""
     sharding = trainer.sharding
-    every = 1 if trainer.trajectories is None else trainer.trajectories.count
+    trajectories = trainer.trajectories
     names, sums = trainer.eval_metric_names(), trainer.eval_sums()
     started, report_every = time.time(), max(1, len(batches) // 10)
     if arc is not None:
@@ -56,7 +64,7 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
         for index in range(len(batches)):
             host_batch = batches.batch(index)
             batch = sharding.host_batch_to_global(host_batch, trainer.mesh)
-            for _ in range(trainer.config.model.halt_max_steps):
+            for _ in range(trainer.eval_steps):
                 # preds and q_halt stay referenced across the sync, so every ACT step is the
                 # same graph whether or not this batch's predictions are read.
                 sums, preds, q_halt = trainer.eval_act_step(batch, sums)
@@ -65,14 +73,16 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
                     each_act_step(index, host_batch, preds, q_halt)
             if arc is not None or (index == 0 and first_predictions is not None):
                 # this host's rows only; of K trajectories (ptrm.py), each puzzle's first row
-                # holds its chosen answer
-                predicted = sharding.local_rows(preds)[1].numpy()[::every]
-                puzzles = {k: v[::every] for k, v in host_batch.items()}
+                # holds its best-Q answer
+                rows = len(host_batch["inputs"])
+                every = slice(None) if trajectories is None else trajectories.host_puzzle_rows(rows)
+                predicted = sharding.local_rows(preds)[1].numpy()[every]
+                puzzles = {k: v[every] for k, v in host_batch.items()}
                 if index == 0 and first_predictions is not None:
                     first_predictions(puzzles, predicted)
                 if arc is not None:  # votes are summarised before crossing hosts
-                    arc.update(puzzles, predicted, sharding.local_rows(q_halt)[1].float().numpy()[::every],
-                               batches.valid(index)[::every])
+                    arc.update(puzzles, predicted, sharding.local_rows(q_halt)[1].float().numpy()[every],
+                               batches.valid(index)[every])
             done = index + 1
             if between_batches(done):
                 trainer.model.train()
@@ -85,15 +95,21 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     # The reference's evaluate divides every sum, the losses included, by count.
     sums = dict(zip(names, sums.cpu().numpy().tolist()))
     result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
-    halting.summarize(result, trainer.config.model.halt_max_steps)  # mean_halt_step
+    halt_steps.summarize(result, trainer.eval_steps)  # mean_halt_step
+    for name in ("mode_exact_accuracy", "pass_exact_accuracy"):  # one answer: every selection's
+        result.setdefault(name, result["exact_accuracy"])
+    result["best_q_exact_accuracy"] = result["exact_accuracy"]
     result["num_examples"] = batches.num_examples
     submission = None
     if arc is not None:
         split_over_hosts = sharding.data_split()[1] > 1  # else this host voted on every row
         votes = arc.merge(sharding.all_gather_object(arc.summary()) if split_over_hosts else [arc.summary()])
         result.update(arc.result(votes, REFERENCE_PASS_KS))
-        if eval_root is not None and sharding.is_main_process():
-            save_arc_votes(eval_root, step, votes)
+        if sharding.is_main_process():
+            if votes_url is not None:
+                storage.write_bytes(votes_url, encode_summary(votes))
+            elif eval_root is not None:
+                save_arc_votes(eval_root, step, votes)
         if aggregate:
             if eval_root is None:
                 raise ValueError("evaluate: aggregate needs eval_root, where the earlier votes are saved")
@@ -139,9 +155,9 @@ class Evaluations:
         self.scheduled = set(eval_steps[:-1])  # the final one runs after the loop
         self.root = storage.join_url(config.run.dir, "eval")
         self.arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
-        # K trajectories must leave each host whole puzzles: said at start-up, not at the first evaluation
-        ptrm.puzzles_per_batch(config.optim.global_batch_size, ptrm.training_trajectories(config.eval)[0],
-                               trainer.sharding.data_split()[1])
+        # K must fit a host's rows of a batch: said at start-up, not at the first evaluation
+        self.setting = testtime.training_eval_setting(config.eval, config.model.halt_max_steps)
+        testtime_batches.host_puzzles(config.optim.global_batch_size, self.setting.k, trainer.sharding.data_split()[1])
 
     def after_step(self, step: int) -> None:
         if step in self.scheduled:
@@ -162,11 +178,11 @@ class Evaluations:
         config, sharding = self.config, self.trainer.sharding
         started = time.time()
         index, count = sharding.data_split()
-        # Test-time scaling (ptrm.py) if asked for: the last K and noise of eval.trajectories / eval.noise.
-        k, noise = ptrm.training_trajectories(config.eval)
-        self.trainer.set_trajectories(ptrm.trajectories_of(k, noise, config.run.seed))
-        batches = ptrm.eval_batches(self.test_set, config.optim.global_batch_size, k, index, count,
-                                    None if final else config.eval.max_examples, config.run.seed)
+        # Test-time scaling (ptrm.py) if asked for: the last K and noise of eval.trajectories /
+        # eval.noise, at eval.act_steps
+        ptrm.set_evaluation(self.trainer, self.setting)
+        batches = testtime_batches.eval_batches(self.test_set, config.optim.global_batch_size, self.setting.k, index,
+                                                count, None if final else config.eval.max_examples, config.run.seed)
 
         def between_batches(done: int) -> bool:  # True: stop (SIGTERM on some host)
             self.watchdog.progress(f"evaluation batch {done}/{len(batches)} at step {step}")

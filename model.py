@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention import ATTENTIONS, attend
+from counter_hash import hashed_uniform  # noqa: F401 (model.hashed_uniform: the exploration's draws)
 from device_grads import use
 from halting import exploration_prob, says_halt
 from ranges import range_problems, ranged
@@ -346,20 +347,6 @@ class Carry:
         return cls(current_data=data, **{k: v for k, v in tensors.items() if "." not in k})
 
 
-def hashed_uniform(seed: int, counter: torch.Tensor, rows: torch.Tensor, stream: int) -> torch.Tensor:
-    """Uniform [0, 1) floats from a counter-based hash of (seed, counter, row, stream).
-
-    The exploration noise is a pure function of its key rather than a draw from a stateful
-    generator, so it is identical on CPU and XLA, sharded or not, and after a resume.
-    """
-    key = (seed * 0x27D4EB2F + stream * 0x165667B1) & 0xFFFFFFFF
-    x = (rows.to(torch.int64) * 0x9E3779B1 + counter * 0x85EBCA77 + key) & 0xFFFFFFFF
-    for multiplier in (0x7FEB352D, 0x4C8E9CF5, 0x2C1B3C6D):  # xorshift-multiply rounds (low 32 bits)
-        x = ((x ^ (x >> 16)) * multiplier) & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
-
-
 class TRM(nn.Module):
     """TRM with the ACT wrapper: `forward(carry, batch)` runs one ACT step (segment)."""
 
@@ -445,7 +432,7 @@ class TRM(nn.Module):
 
     def forward(self, carry: Carry, batch: dict[str, torch.Tensor],
                 perturb=None) -> tuple[Carry, dict[str, torch.Tensor]]:
-        """One ACT step. `perturb(z_L, data, steps)`, if given, returns the latent this step's
+        """One ACT step. `perturb(z_H, z_L, data, steps)`, if given, returns the latents this step's
         recursion starts from (test-time noise, ptrm.py; `steps` counts the row's earlier steps)."""
         config = self.config
         # Rows that halted at the previous step start over on the new batch's example.
@@ -457,7 +444,7 @@ class TRM(nn.Module):
         steps = torch.where(reset, 0, carry.steps)
         data = {k: torch.where(per_row(v), batch[k], v) for k, v in carry.current_data.items()}
         if perturb is not None:
-            z_L = perturb(z_L, data, steps)
+            z_H, z_L = perturb(z_H, z_L, data, steps)
 
         x = self.embed(data["inputs"], data["puzzle_identifiers"])
         z_H, z_L, logits, q_halt, q_continue = self.recurse(z_H, z_L, x)

@@ -9,7 +9,6 @@ confidence; run by evaluate() itself, so that the answers are the evaluation's.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -21,14 +20,16 @@ import compile_cache
 import data
 import ptrm
 import storage
+import testtime
+import testtime_batches
 from arc import Q_SCALE, ArcEvaluator, grid_key, parse_arc_identifier, sigmoid
 from batches import EvalBatches
-from commands import WeightsCommand, parse_weights_command
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config
 from evaluate import evaluate
 from lifecycle import start
 from restore import load_weights_for_eval
 from trainer import Trainer
+from weights_flags import WeightsCommand, parse_weights_command
 
 
 @dataclass
@@ -100,23 +101,18 @@ def _predict_runtime(config: Config):
 def _predict_batches(split: data.Dataset, config: Config, sharding, k: int = 1):
     """The puzzles in batches of at most optim.global_batch_size rows, the last padded to a
     multiple of the device count (as evaluation pads its last batch); with K trajectories
-    (ptrm.py), each puzzle's row K times in a row."""
+    (ptrm.py), each puzzle's row K times in a row, then padding rows (testtime_batches.py)."""
     num_devices, _ = sharding.device_counts()
     if sharding.process_count() > 1:
         raise SystemExit("error: predict runs on one host (a CPU or one TPU VM, e.g. a v4-8), not on a "
                          f"slice of {sharding.process_count()} hosts")
-    step = num_devices // math.gcd(k, num_devices)  # puzzles whose K rows fill whole devices
-    size = min(config.optim.global_batch_size // k // step * step if k > 1 else config.optim.global_batch_size,
-               -(-split.num_examples // step) * step)
-    if size < 1:
-        raise SystemExit(f"error: --eval.trajectories {k} leaves no puzzle in a batch of "
-                         f"{config.optim.global_batch_size} rows over {num_devices} devices: lower K or raise "
-                         "--optim.global-batch-size")
+    rows = min(config.optim.global_batch_size, -(-split.num_examples * k // num_devices) * num_devices)
     try:
-        check_batch_layout(size * k, num_devices, 1)
-    except ConfigError as e:
+        check_batch_layout(rows, num_devices, 1)
+        testtime_batches.host_puzzles(rows, k, 1)
+    except (ConfigError, ValueError) as e:
         raise SystemExit(f"error: {e}")
-    return EvalBatches(split, size) if k == 1 else ptrm.TrajectoryBatches(EvalBatches(split, size), k)
+    return testtime_batches.eval_batches(split, rows, k), rows
 
 
 def run_predictions(trainer: Trainer, batches: EvalBatches, sync, arc=None):
@@ -126,13 +122,15 @@ def run_predictions(trainer: Trainer, batches: EvalBatches, sync, arc=None):
     outputs after each ACT step."""
     local_rows = trainer.sharding.local_rows
     tokens, logits, steps = [], [], []
-    every = 1 if trainer.trajectories is None else trainer.trajectories.count  # each puzzle's first row
+    trajectories = trainer.trajectories
 
     def read(index, host_batch, preds, q_halt):
-        steps.append(local_rows(q_halt)[1].float().numpy()[::every])
-        if len(steps) == trainer.config.model.halt_max_steps:  # the batch's last ACT step
-            valid = batches.valid(index)[::every]
-            tokens.append(local_rows(preds)[1].numpy()[::every][valid])
+        rows = len(host_batch["inputs"])  # each puzzle's first row (its best-Q answer)
+        every = slice(None) if trajectories is None else trajectories.host_puzzle_rows(rows)
+        steps.append(local_rows(q_halt)[1].float().numpy()[every])
+        if len(steps) == trainer.eval_steps:  # the batch's last ACT step
+            valid = batches.valid(index)[every]
+            tokens.append(local_rows(preds)[1].numpy()[every][valid])
             logits.append(np.stack(steps, axis=1)[valid])
             steps.clear()
 
@@ -148,17 +146,19 @@ def act_steps_used(q_halt_logits):
 
 
 def _model_for_predict(config: Config, weights: dict, sharding, split: data.Dataset):
-    ks, noises = ptrm.parse_trajectories(config.eval.trajectories), ptrm.parse_noises(config.eval.noise)
+    ks, noises = testtime.parse_trajectories(config.eval.trajectories), testtime.parse_noises(config.eval.noise)
     if len(ks) > 1 or len(noises) > 1:
         raise SystemExit(f"error: predict takes one --eval.trajectories K and one --eval.noise, got "
                          f"{config.eval.trajectories!r} and {config.eval.noise!r} (a curve is `train.py eval`'s)")
-    batches = _predict_batches(split, config, sharding, ks[0])
+    batches, rows = _predict_batches(split, config, sharding, ks[0])
     mesh = sharding.data_mesh()
     trainer = Trainer(config, sharding, mesh, weights)
-    trainer.set_trajectories(ptrm.trajectories_of(ks[0], noises[0], config.run.seed))
+    setting = testtime.Setting(ks[0], noises[0], testtime.act_steps_of(config.eval, config.model.halt_max_steps),
+                               config.eval.noise_latent)
+    ptrm.set_evaluation(trainer, setting, rows)
     if trainer.trajectories is not None:
-        print(f"test-time scaling: {ks[0]} trajectories per puzzle, noise {noises[0]:g} on z_L; each answer is "
-              "its puzzle's trajectory with the highest q_halt logit", flush=True)
+        print(f"test-time scaling: {ks[0]} trajectories per puzzle, noise {noises[0]:g} on {setting.latent}; each "
+              "answer is its puzzle's best-Q trajectory (the halting rule's highest score)", flush=True)
     trainer.init_carries(sharding.host_batch_to_global(batches.batch(0), mesh))
     sharding.sync()
     return trainer, batches
@@ -182,7 +182,7 @@ def predict_puzzles(config: Config, weights: dict, source: str, strings: list[st
     split = _in_memory_split(where, metadata, inputs, labels, np.zeros(len(inputs)))
     trainer, batches = _model_for_predict(config, weights, sharding, split)
     print(f"predicting {len(strings)} {kind}(s) with {source} on {device_kind} "
-          f"({config.model.halt_max_steps} ACT steps)", flush=True)
+          f"({trainer.eval_steps} ACT steps)", flush=True)
     tokens, q_halt = run_predictions(trainer, batches, sharding.sync)
     used = act_steps_used(q_halt)
     puzzles = []
@@ -194,7 +194,7 @@ def predict_puzzles(config: Config, weights: dict, source: str, strings: list[st
             entry["correct"] = answer == build_data.puzzle_string(kind, labels[i])
         puzzles.append(entry)
         verdict = "" if not answers else ("; correct" if entry["correct"] else "; WRONG")
-        print(f"{kind} {i + 1}: halts at ACT step {entry['act_steps']} of {config.model.halt_max_steps}, "
+        print(f"{kind} {i + 1}: halts at ACT step {entry['act_steps']} of {trainer.eval_steps}, "
               f"q_halt confidence {entry['q_halt_confidence']:.4f}{verdict}")
         rows = zip(build_data.puzzle_grid(text).split("\n"), build_data.puzzle_grid(answer).split("\n"))
         print("\n".join(f"  {given}   {'->' if r == 0 else '  '}   {found}" for r, (given, found) in enumerate(rows)))
@@ -244,7 +244,7 @@ def predict_arc_tasks(config: Config, weights: dict, step: int, trained_on: str 
                              test_set.labels[examples], identifiers)
     trainer, batches = _model_for_predict(config, weights, sharding, split)
     print(f"predicting {len(tasks)} ARC task(s) with {source} (step {step}) on {device_kind}: {len(examples)} "
-          f"augmented test inputs of {config.data.path}, {config.model.halt_max_steps} ACT steps", flush=True)
+          f"augmented test inputs of {config.data.path}, {trainer.eval_steps} ACT steps", flush=True)
     arc.begin()
     tokens, q_halt = run_predictions(trainer, batches, sharding.sync, arc)
     votes = arc.summary()

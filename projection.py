@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import ptrm
+import testtime
 from attention import blockwise_extra_flops
 from model import TRMConfig, swiglu_width
 from recursion import BOOTSTRAPS_Q_CONTINUE
@@ -210,7 +210,7 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
       evaluations  schedule.run_schedule's evaluation steps, the final one included; each reads
                    ceil(examples / (global batch // K)) batches (examples: the whole test split, or
                    eval.max_examples of it except in the final one; K: eval.trajectories, ptrm.py),
-                   halt_max_steps ACT steps each
+                   D ACT steps each (eval.act_steps; the model's halt_max_steps)
       checkpoints  every run.ckpt_every steps and the final one (checkpoint.Checkpoints), each
                    pausing the loop for checkpoint_pause_ms
     Not counted: start-up, compiles, the evaluation's other host work (reading predictions,
@@ -224,11 +224,11 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
     capped = min(dataset.test_examples, config.eval.max_examples or dataset.test_examples)
     # At K trajectories per puzzle (ptrm.py; eval.trajectories' last K, as training takes it) a
     # batch of the same rows holds global_batch // K puzzles.
-    trajectories = ptrm.training_trajectories(config.eval)[0]
-    puzzles_per_batch = global_batch // trajectories
+    setting = testtime.training_eval_setting(config.eval, model.halt_max_steps)
+    puzzles_per_batch = global_batch // setting.k
     eval_batches = (len(evaluation_at) - 1) * math.ceil(capped / puzzles_per_batch) \
         + math.ceil(dataset.test_examples / puzzles_per_batch)
-    eval_act_steps = eval_batches * model.halt_max_steps
+    eval_act_steps = eval_batches * setting.act_steps
     checkpoints = (train_steps - 1) // config.run.ckpt_every + 1
     # Device time: the compiled TPU program's estimate where the record has one (tpu_compile.py,
     # `compiled_ms_per_*_step`), else the model FLOPs at `mfu` of the slice's peak.
@@ -248,8 +248,9 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
         "evaluations": len(evaluation_at), "eval_batches": eval_batches, "eval_act_steps": eval_act_steps,
         "eval_ms_per_act_step": eval_step_ms, "eval_hours": eval_h,
         # one evaluation of the whole test split at K (`train.py eval --eval.trajectories K`)
-        "trajectories": trajectories, "eval_ms_per_puzzle": model.halt_max_steps * eval_step_ms / puzzles_per_batch,
-        "test_eval_hours": math.ceil(dataset.test_examples / puzzles_per_batch) * model.halt_max_steps
+        "trajectories": setting.k, "act_steps": setting.act_steps,
+        "eval_ms_per_puzzle": setting.act_steps * eval_step_ms / puzzles_per_batch,
+        "test_eval_hours": math.ceil(dataset.test_examples / puzzles_per_batch) * setting.act_steps
         * eval_step_ms / 3.6e6,
         "checkpoints": checkpoints, "checkpoint_pause_ms": pause_ms, "checkpoint_minutes": checkpoint_h * 60,
         "total_hours": train_h + eval_h + checkpoint_h,

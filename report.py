@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-import halting
+import halt_steps
 import storage
 from projection import model_flops, peak_tflops_per_device
 from trainer import TRAIN_METRICS
@@ -591,11 +591,11 @@ class RunLog:
         if self.metrics:  # in order with the train records (the reader adds those)
             self._in_order(self.metrics.add, {"kind": "eval", "step": step, "time": round(time.time(), 3),
                                               **{k: v for k, v in {**result, **timing}.items() if k != "step"}})
-        if self.tb:  # the halting buckets as one histogram (halting.py), not a scalar each
+        if self.tb:  # the halting buckets as one histogram (halt_steps.py), not a scalar each
             self._in_order(self._scalars, {f"eval/{k}": v for k, v in {**result, **timing}.items()
-                                           if not halting.is_bucket(k)}, step)
-            if halting.histogram(result):
-                self._in_order(self._histogram, "eval/halt_step", halting.histogram(result), step)
+                                           if not halt_steps.is_bucket(k)}, step)
+            if halt_steps.histogram(result):
+                self._in_order(self._histogram, "eval/halt_step", halt_steps.histogram(result), step)
             self._in_order(self._upload_tb)
 
     def drain(self) -> None:

@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass, field
 
 import goodput
-import ptrm
 import storage
 import study_testtime
+import testtime_curve
 from config import flat_config
 from study_plan import StudyRun, declared_papers
 from study_run import read_status
@@ -89,7 +89,7 @@ class RunResult:
     data_path: str = ""
     host: int | None = None  # the study host it ran on (None: the study ran without --host)
     ckpt_every: int | None = None
-    trajectories: dict = field(default_factory=dict)  # exact % at (K, noise): ptrm.saved_curve_columns
+    trajectories: dict = field(default_factory=dict)  # exact % at (K, noise): testtime_curve.curve_columns
     scaling: dict = field(default_factory=dict)  # {test-time setting: its metrics}: study_testtime.run_scaling
 
 
@@ -143,7 +143,7 @@ def collect(out: str) -> list[RunResult]:
         config = config_from_dict(with_new_fields(saved)) if saved else run.config()
         result.data_path, result.host, result.ckpt_every = config.data.path, status.get("host"), config.run.ckpt_every
         result.parameters = parameter_count(config.model)
-        result.trajectories = ptrm.saved_curve_columns(run_dir)
+        result.trajectories = testtime_curve.curve_columns(run_dir)
         result.scaling = study_testtime.run_scaling(run_dir)
         records = _records(run_dir)
         trained = [r["step"] for r in records if r.get("kind") == "train"]
@@ -273,7 +273,7 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
                   test_time: list[str] = ()) -> str:
     """results.csv, results.md; returns the text printed to the terminal. `test_time`: the columns
     of the test-time settings (study_testtime.add_columns): in the CSV, and a table of their own."""
-    # test-time scaling of the runs evaluated at several K (ptrm.saved_curve_columns)
+    # test-time scaling of the runs evaluated at several K (testtime_curve.curve_columns)
     scaling = list(dict.fromkeys(k for r in runs for k in r if k.startswith("exact_K")))
     run_columns = ["name", "status", "preset", *varied, "parameters", "steps", "train_flops", "device_hours",
                    "final_exact_%", "final_exact_95%", "best_exact_%", "best_exact_95%", "token_accuracy_%",

@@ -48,6 +48,7 @@ import tyro
 
 import hlo_stats
 import ptrm
+import testtime
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config, presets_for
 from model import TRMConfig
 from projection import PAPER_DATASETS, model_flops, slice_spec
@@ -146,7 +147,15 @@ def program_settings(config: Config) -> str:
     return json.dumps({"model": dataclasses.asdict(config.model), "batch": config.optim.global_batch_size,
                        "optim": [config.optim.optimizer, config.optim.ema_rate],
                        "table_split": config.run.shard_puzzle_table,
-                       "trajectories": list(ptrm.training_trajectories(config.eval))}, sort_keys=True)
+                       "trajectories": _evaluation_setting(config)}, sort_keys=True)
+
+
+def _evaluation_setting(config: Config) -> list:
+    """[K, noise] of training's evaluations, with [D, latent] after them where they are not the defaults."""
+    setting = testtime.training_eval_setting(config.eval, config.model.halt_max_steps)
+    extra = [] if (setting.act_steps, setting.latent) == (config.model.halt_max_steps, "z_L") \
+        else [setting.act_steps, setting.latent]
+    return [setting.k, setting.noise, *extra]
 
 
 # The project files whose code shapes a traced program or its figures (the compile cache's key):
@@ -154,7 +163,7 @@ def program_settings(config: Config) -> str:
 # project (tests/test_tpu_compile.py checks), the trainer that builds the step, and this reader.
 PROGRAM_SOURCES = ("model.py", "attention.py", "device_grads.py", "ranges.py", "optim.py", "trainer.py",
                    "capture.py", "sharding.py", "tpu_compile.py", "hlo_stats.py", "ptrm.py",
-                   "recursion.py", "halting.py")
+                   "recursion.py", "halting.py", "halt_steps.py", "counter_hash.py")
 
 
 def program_key(config: Config, program: str, topo: Topology) -> str:
@@ -234,8 +243,8 @@ def _trace_programs(config: Config, programs: tuple[str, ...], sharding) -> dict
     if "eval_step" in programs:  # first: the training step below leaves the state pending
         with trainer.ema.swapped_into(trainer.model):
             trainer.model.eval()
-            # at K trajectories (ptrm.py) the same rows hold global_batch_size // K puzzles
-            trainer.set_trajectories(ptrm.trajectories_of(*ptrm.training_trajectories(config.eval), config.run.seed))
+            # at K trajectories (ptrm.py) the same rows hold global_batch_size // K puzzles, at depth D
+            ptrm.set_evaluation(trainer, testtime.training_eval_setting(config.eval, config.model.halt_max_steps))
             outputs = list(trainer.eval_act_step(batch, trainer.eval_sums())) + [trainer.first_halt] + \
                 list(trainer.eval_carry.tensors().values())
             state = [s.get() for s in trainer.state_tensors()]
@@ -411,11 +420,13 @@ def compiled_result(traced: Traced, config: Config, program: str, topo: Topology
 
 
 def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo: Topology, programs) -> list[dict]:
-    k, noise = ptrm.training_trajectories(config.eval)
+    setting = testtime.training_eval_setting(config.eval, config.model.halt_max_steps)
+    k, noise = setting.k, setting.noise
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
               "global_batch": config.optim.global_batch_size,
               "batch_per_device": config.optim.global_batch_size // topo.devices}
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
+                  "act_steps": setting.act_steps, "noise_latent": setting.latent,
                   "puzzles_per_batch": config.optim.global_batch_size // k}
     return [dict(common, program=p, **(evaluation if p == "eval_step" else {}), **results[p]) for p in programs]
 

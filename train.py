@@ -38,9 +38,10 @@ import sys
 import time
 
 import checkpoint
-import commands
 import compile_cache
 import data
+import eval_command
+import export
 import predict
 import storage
 from batches import PrefetchedBatches, TrainBatches, total_train_steps
@@ -174,8 +175,20 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
             "preempted": preempted, "start_step": start_step}
 
 
-COMMANDS = {"eval": commands.evaluate_command, "export": commands.export_command, "predict": predict.predict_command}
+COMMANDS = {"eval": eval_command.evaluate_command, "export": export.export_command, "predict": predict.predict_command}
 """The commands besides training (`python train.py COMMAND --help` for each one's flags)."""
+
+
+def usage() -> str:
+    """`python train.py --help`: the presets and the commands."""
+    width = max(map(len, PRESETS))
+    return "\n".join([
+        "usage: python train.py PRESET [FLAGS]                          train (PRESET --help: every flag)",
+        "       python train.py eval [PRESET] --init-from URL [FLAGS]   evaluate weights on a test split",
+        "       python train.py export SOURCE --out URL                 the EMA weights as one safetensors file",
+        "       python train.py predict [PRESET] --init-from URL ...    answers to --puzzle / --puzzle-file / --task",
+        "", "presets:", *(f"  {name.ljust(width)}  {about}" for name, (about, _) in PRESETS.items()),
+        "", "Each command's --help lists its flags; flags take `--flag value` or `--flag=value`."])
 
 
 def command_line(argv: list[str]) -> int:
@@ -183,7 +196,7 @@ def command_line(argv: list[str]) -> int:
     relaunch would repeat, EXIT_RETRYABLE one it may not (storage failing beyond its retries, a
     lost peer host; the watchdog exits with it too)."""
     if not argv or argv[0] in ("-h", "--help"):
-        print(commands.usage(), file=sys.stdout if argv else sys.stderr)
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     try:
         if argv[0] in COMMANDS:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-import halting
+import halt_steps
 import ptrm
 from checkpoint import IncompleteCheckpointError, Shard, assign_owners, state_differences
 from device_grads import per_device_weight_grads
@@ -95,8 +95,9 @@ class Trainer:
         self.ema = EMA(self.model, rate=optim.ema_rate)
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
-        self.first_halt: torch.Tensor | None = None  # [B] int32: each eval row's first halting step (halting.py)
+        self.first_halt: torch.Tensor | None = None  # [B] int32: each eval row's first halting step (halt_steps.py)
         self.trajectories = None  # ptrm.Trajectories of the evaluation ACT step; None: one, no noise
+        self.act_steps: int | None = None  # D, ACT steps per evaluation batch; None: model.halt_max_steps
         self.captured_train = self.captured_eval = None  # capture.py's steps, made at first use
         self.captured_cycles = None  # the (H_cycles, L_cycles) captured_train recurses with
         if len(restored_weights) < len(restore):  # a whole checkpoint, not only weights to start from
@@ -279,9 +280,14 @@ class Trainer:
 
     def eval_metric_names(self) -> tuple[str, ...]:
         """The names of the evaluation step's metric vector, in its order: EVAL_METRICS, ptrm's
-        extra ones with trajectories, then the halting buckets (halting.metric_names)."""
+        extra ones with trajectories, then the halting buckets (halt_steps.metric_names)."""
         extra = () if self.trajectories is None else ptrm.EXTRA_METRICS
-        return EVAL_METRICS + extra + halting.metric_names(self.config.model.halt_max_steps)
+        return EVAL_METRICS + extra + halt_steps.metric_names(self.eval_steps)
+
+    @property
+    def eval_steps(self) -> int:
+        """D: the ACT steps an evaluation runs per batch (eval.act_steps; the model's halt_max_steps)."""
+        return self.act_steps or self.config.model.halt_max_steps
 
     def eval_sums(self) -> torch.Tensor:
         """Zero sums of the evaluation step's metric vector, on the devices."""
@@ -301,12 +307,14 @@ class Trainer:
         metrics, predictions, q_halt = self.eval_step(batch)
         return sums + metrics, predictions, q_halt
 
-    def set_trajectories(self, trajectories) -> None:
+    def set_evaluation(self, trajectories, act_steps: int | None = None) -> None:
         """Evaluate with K noisy trajectories per puzzle (a ptrm.Trajectories; its batches are
-        ptrm.repeat_rows of the puzzles) or, with None, as the reference does. A new value is a
-        new evaluation program: the captured one is traced again at its next call."""
-        if trajectories != self.trajectories:
-            self.trajectories, self.captured_eval = trajectories, None
+        testtime_batches') or, with None, one per puzzle as the reference does; for D = act_steps
+        ACT steps per batch (None: the model's halt_max_steps). A new value is a new evaluation
+        program: the captured one is traced again at its next call."""
+        act_steps = None if act_steps == self.config.model.halt_max_steps else act_steps
+        if (trajectories, act_steps) != (self.trajectories, self.act_steps):
+            self.trajectories, self.act_steps, self.captured_eval = trajectories, act_steps, None
 
     @torch.no_grad()
     def eval_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -315,18 +323,22 @@ class Trainer:
         row's first halting step (`first_halt`) follows the carry. With
         `trajectories`, every row holds its puzzle's chosen trajectory's outputs and the
         metrics count each puzzle once (ptrm.Trajectories.select)."""
-        trajectories = self.trajectories
-        carry, outputs = self.model(self.eval_carry, batch,
-                                    perturb=None if trajectories is None else trajectories.perturb)
+        trajectories, model = self.trajectories, self.model
+        # D ACT steps: the rows halt (and the next batch loads) at step D instead of halt_max_steps
+        depth = dataclasses.replace(model.config, halt_max_steps=self.eval_steps)
+        saved, model.config = model.config, depth
+        try:
+            carry, outputs = model(self.eval_carry, batch,
+                                   perturb=None if trajectories is None else trajectories.perturb)
+        finally:
+            model.config = saved
         self.eval_carry = self._sharded_carry(carry)
         extra = []
-        if trajectories is not None:
-            extra = [trajectories.solved_by_any(carry, outputs)]  # EVAL_METRICS + ptrm.EXTRA_METRICS
-            carry, outputs = trajectories.select(carry, outputs)
+        if trajectories is not None:  # best-Q's outputs; mode@K and pass@K (ptrm.EXTRA_METRICS) as sums
+            carry, outputs, extra = trajectories.select(carry, outputs)
         _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
-        model = self.config.model
-        first_halt, halts = halting.first_halt_counts(self.first_halt, carry, outputs, model.halt_max_steps,
-                                                      model.no_ACT_continue)
+        first_halt, halts = halt_steps.first_halt_counts(self.first_halt, carry, outputs, self.eval_steps,
+                                                         self.config.model.no_ACT_continue)
         self.first_halt = self.sharding.shard_batch_dim(first_halt, self.mesh)
         predictions = outputs["logits"].argmax(-1)
         vector = torch.cat([torch.stack([metrics[k] for k in EVAL_METRICS] + extra), halts])

@@ -10,8 +10,9 @@ import typing
 import pytest
 
 import train
-from commands import evaluate_command, export
 from config import PRESETS, Config, check_config, config_differences, parse_config, resumable_fields
+from eval_command import evaluate_command
+from export import export
 from lifecycle import start
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,10 +13,11 @@ import pytest
 import tyro
 
 import build_data
-import commands
+import export
 import predict
 import study
 import train
+import weights_flags
 from bench import BenchConfig
 from config import PRESETS, check_config
 from tests.test_launch import Pod
@@ -60,10 +61,10 @@ def check_train_py(argv: list[str]) -> None:
         assert done.value.code in (0, None)
         return
     if argv[0] == "export":
-        tyro.cli(commands.ExportCommand, args=argv[1:])
+        tyro.cli(export.ExportCommand, args=argv[1:])
         return
     if argv[0] in ("eval", "predict"):
-        parse = (lambda a: commands.parse_weights_command("eval", a, "")) if argv[0] == "eval" \
+        parse = (lambda a: weights_flags.parse_weights_command("eval", a, "")) if argv[0] == "eval" \
             else predict.parse_predict_command
         preset, _, overrides = parse(argv[1:])
         config = tyro.cli(type(PRESETS[preset][1]), default=PRESETS[preset][1], args=overrides)

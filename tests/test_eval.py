@@ -18,8 +18,8 @@ import reference_weights
 import train
 from batches import EvalBatches, total_train_steps
 from build_arc import build_arc
-from commands import evaluate_command
 from config import PRESETS, ConfigError, parse_config
+from eval_command import evaluate_command
 from restore import load_weights_for_eval
 from schedule import evaluation_steps
 from tests.data_fixtures import ARC_EVALUATION_SOLUTIONS, arc_files

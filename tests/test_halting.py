@@ -16,8 +16,8 @@ import halting
 import model
 import train
 from batches import EvalBatches
-from commands import evaluate_command
 from config import PRESETS, parse_config
+from eval_command import evaluate_command
 from schedule import Curriculum, resolve_anneal
 
 

@@ -12,11 +12,11 @@ import data
 import predict
 import train
 from build_arc import build_arc
-from commands import usage
 from config import PROJECT_DIR, parse_config
 from tests.data_fixtures import arc_files
 from tests.test_checkpoint import subprocess_env
 from tests.test_eval import TINY_ARC, small
+from train import usage
 
 
 def digits(tokens) -> str:

@@ -14,8 +14,8 @@ import data
 import predict
 import ptrm
 import train
-from commands import evaluate_command
 from config import parse_config
+from eval_command import evaluate_command
 from model import TRM, Carry, loss_and_metrics
 from tests.test_model import random_batch, tiny_config
 from tests.test_train import PROJECT_DIR, tiny_args
@@ -144,7 +144,7 @@ ONE_DEVICE_EVAL = """
 import json, sys
 sys.path.insert(0, {project!r})
 import sharding
-from commands import evaluate_command
+from eval_command import evaluate_command
 result = evaluate_command({args!r})
 print("RESULT" + json.dumps({{"curve": result["trajectories"], "xla": sharding.xla_counters()}}))
 """

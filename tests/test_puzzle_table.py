@@ -15,8 +15,8 @@ import data
 import sharding
 import train
 from build_arc import build_arc
-from commands import export
 from config import check_against_dataset, parse_config
+from export import export
 from restore import load_initial_weights
 from tests.data_fixtures import arc_files
 from tests.test_train import run_in_fresh_process
