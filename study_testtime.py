@@ -290,17 +290,25 @@ def plan_rows(runs: list[StudyRun], text: str, sizes: dict, specs: dict, mfu: di
 
 
 def fleet_makespan(training: list[tuple[str, float]], tests: list[tuple[str, str, float]], vms: int) -> float:
-    """Hours until the last evaluation ends on `vms` VMs claiming as `study.py run` does: the
-    training runs ((name, hours), in claim order) then the evaluations ((name, its run, hours), in
-    claim order), each onto the VM that frees first, an evaluation not before its run ended."""
+    """Hours until the last evaluation ends on `vms` VMs claiming as `study.py run` does: each VM,
+    once free, takes the first item in claim order that it may start, the training runs ((name,
+    hours), longest first) before the evaluations ((name, its run, hours)), an evaluation only once
+    its run has ended (with none ready, the VM waits for the next run's end)."""
+    pending = [(name, None, hours) for name, hours in training] + list(tests)
     free, ended = [0.0] * vms, {}
-    for name, hours in training:
+    while pending:
         vm = min(range(vms), key=lambda h: (free[h], h))
+        ready = [i for i, (_, run, _) in enumerate(pending) if run is None or ended.get(run, math.inf) <= free[vm]]
+        if not ready:
+            later = [ended[run] for _, run, _ in pending if ended.get(run, math.inf) < math.inf]
+            if not later:  # evaluations of runs not projected: not counted
+                break
+            free[vm] = min(later)
+            continue
+        name, run, hours = pending.pop(ready[0])
         free[vm] += hours
-        ended[name] = free[vm]
-    for _, run, hours in tests:
-        vm = min(range(vms), key=lambda h: (max(free[h], ended.get(run, 0.0)), h))
-        free[vm] = max(free[vm], ended.get(run, 0.0)) + hours
+        if run is None:
+            ended[name] = free[vm]
     return max(free, default=0.0)
 
 
