@@ -455,11 +455,23 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
 
 
 def eval_ms_per_puzzle(result: dict) -> float | None:
-    """An evaluation program's device time per test puzzle: halt_max_steps ACT steps of the
-    estimated step time over the batch's puzzles (global_batch_size // K)."""
-    if not result.get("compiled") or "puzzles_per_batch" not in result:
+    """An evaluation program's device time per test puzzle: D ACT steps (--eval.act-steps, default
+    halt_max_steps) of the estimated step time over the batch's puzzles (global_batch_size // K)."""
+    if not result.get("compiled") or not result.get("puzzles_per_batch"):
         return None
-    return result["estimate_ms"] * result["halt_max_steps"] / result["puzzles_per_batch"]
+    return result["estimate_ms"] * result.get("act_steps", result["halt_max_steps"]) / result["puzzles_per_batch"]
+
+
+def eval_test_split_hours(result: dict) -> tuple[int, float] | None:
+    """(test puzzles, device hours on the slice) of one evaluation of the preset's paper dataset's
+    whole test split (PAPER_DATASETS) at the program's K and D: ceil(puzzles / puzzles a batch)
+    batches of D ACT steps each; None without a paper dataset or a compiled program."""
+    dataset = PAPER_DATASETS.get(result.get("preset"))
+    if dataset is None or eval_ms_per_puzzle(result) is None:
+        return None
+    batches = -(-dataset.test_examples // result["puzzles_per_batch"])
+    return dataset.test_examples, batches * result.get("act_steps", result["halt_max_steps"]) \
+        * result["estimate_ms"] / 3.6e6
 
 
 def cached_results(config: Config, slice_name: str, programs=PROGRAMS) -> list[dict] | None:
@@ -652,10 +664,15 @@ def format_results(results: list[dict]) -> str:
             f"{est['memory_bound_ms']:.2f}, "
             + (f"XLA's estimate {est['xla_estimate_ms']:.2f}" if est.get("xla_estimate_ms") else "no XLA estimate")
             + f" -> {r['estimate_ms']:.2f} ms ({r['estimate_source']}); MFU ceiling {r['mfu_ceiling']:.0%}",
-        ] + ([f"  per test puzzle: {eval_ms_per_puzzle(r):.4f} ms of device time ({r['halt_max_steps']} ACT steps of "
+        ] + ([f"  per test puzzle: {eval_ms_per_puzzle(r):.4f} ms of device time "
+              f"({r.get('act_steps', r['halt_max_steps'])} ACT steps of "
               f"{r['estimate_ms']:.2f} ms over {r['puzzles_per_batch']} puzzles a batch: K={r['trajectories']} "
-              f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K)"]
-             if eval_ms_per_puzzle(r) is not None else []) + [
+              f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K, --eval.act-steps D)"]
+             if eval_ms_per_puzzle(r) is not None else [])
+        + ([f"  the {r['preset']} paper test split ({split[0]:,} puzzles) at this K and D: {split[1]:,.2f} h on "
+            f"{r['slice']}, {split[1] * r['devices']:,.1f} chip-hours "
+            "(the compiler's estimate; a v4 or v5p chip is one device)"]
+           if (split := eval_test_split_hours(r)) else []) + [
             "  results of shape [..., seq, seq] (attention scores in HBM): "
             + (", ".join(r.get("sequence_square_shapes", [])[:4]) or "none"),
             "  bytes by kind of operation: " + ", ".join(f"{k['kind']} {k['count']}x {_gb(k['bytes'])} GB"
