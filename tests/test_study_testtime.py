@@ -99,6 +99,24 @@ def test_plan_prices_every_evaluation_of_the_grid(demo_path, tmp_path):
     assert "makespan with the evaluations on 2 v4-8 VM(s), evaluations claimed after every training run: 3.0 h" in out
 
 
+def test_an_evaluation_is_claimed_only_once_its_run_has_finished(demo_path, tmp_path):
+    from study_run import StudyRunner
+
+    text = f"w demo --data.path {demo_path} --model.puzzle-emb-ndim 32\n@test-time K=4 noise=0.3 D=2\n"
+    runs, out = parse_study(text), tmp_path / "out"
+    [evaluation] = evaluations(runs, text, str(out))
+    runner = StudyRunner(runs, str(out), text, "h", lease_s=60.0)
+    claims.Claims(str(out), "x", 60.0).write("w", 0, "failed")  # its run failed: nothing to claim, nothing held
+    assert runner.claim_next([evaluation]) == (None, 0)
+    (out / "w").mkdir()
+    (out / "w" / "final.json").write_text("{}")  # trained to its end: claimed
+    assert runner.claim_next([evaluation]) == (evaluation, 1)
+    assert claims.Claims(str(out), "y", 60.0).current("w+K4-noise0.3-D2")[1]["holder"] == "h"
+    (out / "w" / "test-time" / "K4-noise0.3-D2").mkdir(parents=True)
+    (out / "w" / "test-time" / "K4-noise0.3-D2" / "metrics.json").write_text("{}")
+    assert runner.done(evaluation) and runner.claim_next([evaluation]) == (None, 0)  # done: skipped
+
+
 # -- a tiny study with a test-time grid, run by real processes ---------------------------------------
 
 LEASE_S = 4.0
@@ -106,8 +124,7 @@ LEASE_S = 4.0
 
 @pytest.fixture(scope="module")
 def evaluated_study(demo_path, tmp_path_factory):
-    """A study of one run (trained 4 steps) and one whose dataset is missing (it fails: its
-    evaluations never start), with a grid of two settings. Holder c trains the run and is killed
+    """A study of one run (trained 4 steps) with a grid of three settings. Holder c trains the run and is killed
     (SIGKILL, with its train.py eval) in its first evaluation; holder a, started after the kill,
     evaluates the other setting and takes the killed one over once its lease is stale."""
     root = tmp_path_factory.mktemp("testtime-study")
@@ -115,7 +132,6 @@ def evaluated_study(demo_path, tmp_path_factory):
     study_file.write_text(
         f"w demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
         "--optim.global-batch-size 32 --optim.max-steps 4 --eval.every-epochs 1000 --run.cpu-devices 2\n"
-        f"gone demo --data.path {root}/no-such-dataset --run.cpu-devices 2\n"
         "@test-time K=1,4 noise=0,0.3 D=2\n")
     def holder(name, **popen):
         return study("run", str(study_file), "--out", str(out), "--holder", name, "--lease-s", str(LEASE_S),
@@ -149,14 +165,11 @@ def test_every_finished_run_is_evaluated_once_per_setting_and_a_killed_holders_e
         assert outputs["a"].count(f"study: {name}: done in") == 1
     assert f"study: {killed}: taking over from c (its lease" in outputs["a"]
     assert outputs["a"].index("study: w+K1-noise0") < outputs["a"].index(f"study: {killed}: taking over")
-    # The failed run's evaluations are never claimed; the study ends once every claim is over.
-    assert not (out / "gone" / "test-time").exists() and not (out / "study" / "claims" / "gone+K1-noise0-D2").exists()
-    assert json.loads((out / "study" / "status" / "gone.json").read_text())["state"] == "failed"
-    # Run again: everything done is skipped, nothing launched (the failed run is tried once more).
+    # Run again: everything done is skipped, nothing launched.
     again = study("run", str(out.parent / "study.txt"), "--out", str(out), "--holder", "a",
                   env={"CPU_NUM_DEVICES": "2"}).communicate(timeout=600)[0]
-    assert "finished before, skipped: w, w+K4-noise0.3-D2, w+K1-noise0-D2, w+K1-noise0.3-D2" in again
-    assert "train.py eval" not in again and "study: gone: resuming or starting (attempt 2)" in again
+    assert "finished before, skipped: w, w+K4-noise0.3-D2, w+K1-noise0-D2, w+K1-noise0.3-D2" in again, again
+    assert "starting" not in again and "0 done, 0 failed, 4 skipped" in again, again
 
 
 def test_the_report_has_a_column_per_setting_and_selection_and_the_test_time_plot(evaluated_study, tmp_path):
@@ -184,7 +197,13 @@ def test_the_report_has_a_column_per_setting_and_selection_and_the_test_time_plo
         for setting in settings[:2]:
             metrics = json.loads((out / "w" / "test-time" / setting / "metrics.json").read_text())
             assert row[f"{setting}_mode_%"] == f"{100 * metrics['mode_exact_accuracy']:.2f}"
-    assert all(rows["run", "gone"][c] == "" for c in columns)  # never evaluated: empty, not 0
+    (out / "w" / "test-time" / "K1-noise0-D2" / "metrics.json").unlink()  # as if not evaluated yet
+    done = study("report", str(out))
+    assert done.communicate(timeout=300)[0] and done.returncode == 0
+    with open(out / "results.csv") as f:
+        row = next(r for r in csv.DictReader(f) if r["kind"] == "run")
+    assert [row[f"K1-noise0-D2_{rule}_%"] for rule in ("best-Q", "mode", "pass@K")] == ["", "", ""]  # not 0
+    assert row["K4-noise0.3-D2_best-Q_%"] == "25.00"
     print(text[text.index("test-time settings"):])  # the tiny study's columns, for the record
     assert "test-time settings, exact accuracy in %:" in text
     png = (out / "plots" / "accuracy_vs_test_time_compute.png").read_bytes()
