@@ -334,6 +334,8 @@ def parse_study(text: str, source: str = "study") -> list[StudyRun]:
                             f"{seen[run.name]}); names must be unique")
         seen.setdefault(run.name, run.line)
         problems += [f"{source}:line {run.line}: {run.name}: {p}" for p in run_problems(run)]
+    if not problems:
+        problems += [f"{source}:{p}" for p in scaling_problems(grids, runs)]
     if not runs and not problems:
         problems.append(f"{source}: no runs (each line: NAME PRESET [train.py flags...])")
     if problems:
@@ -364,6 +366,37 @@ def _tyro_error(text: str) -> str:
     lines = [line for line in lines if line and not line.lower().startswith(("usage:", "for full helptext",
                                                                            "python", "train.py", "study.py"))]
     return " ".join(lines).replace("  ", " ").strip()
+
+
+def eval_config(config: Config, setting: testtime.Setting) -> Config:
+    """The run's configuration as `train.py eval` runs it at a test-time setting: its evaluation
+    program (tpu_compile.py traces one ACT step at the run's global batch, at the setting's K,
+    noise, D and latent)."""
+    fields = {"trajectories": str(setting.k), "noise": f"{setting.noise:g}"}
+    names = {f.name for f in dataclasses.fields(config.eval)}
+    fields.update({k: v for k, v in (("act_steps", setting.act_steps), ("noise_latent", setting.latent))
+                   if k in names})
+    return dataclasses.replace(config, eval=dataclasses.replace(config.eval, **fields))
+
+
+def scaling_problems(grids: list[ScalingGrid], runs: list[StudyRun]) -> list[str]:
+    """What train.py eval would refuse at each setting of the grids (check_config on each
+    configuration's first run at each of its settings): 'line N: @test-time: CONFIGURATION at
+    SETTING: why'."""
+    problems, seen = [], set()
+    for run in runs:
+        if run.configuration in seen or not any(g.applies_to(run) for g in grids):
+            continue
+        seen.add(run.configuration)
+        config = run.config()
+        for grid in grids:
+            for setting in grid.settings(config.model.halt_max_steps) if grid.applies_to(run) else []:
+                try:
+                    check_config(eval_config(config, setting))
+                except ConfigError as e:
+                    problems += [f"line {grid.line}: @test-time: {run.configuration} at {setting.name}: {p}"
+                                 for p in str(e).split("\nerror: ")]
+    return problems
 
 
 def changed_flags(run: StudyRun) -> list[str]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import storage
 import testtime
-from study_plan import StudyRun, scaling_settings
+from study_plan import StudyRun, eval_config, scaling_settings
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 SELECTIONS = (("best_q_exact_accuracy", "best-Q"), ("mode_exact_accuracy", "mode"), ("pass_exact_accuracy", "pass@K"))
@@ -189,44 +189,21 @@ def plot_points(configs: list[dict], scaling: dict[str, dict[str, dict]]) -> lis
 # The price (study.py plan)
 
 
-def evaluation_batches(setting: testtime.Setting, global_batch: int, puzzles: int) -> int:
-    """Evaluation batches of `global_batch` rows that hold every puzzle's K trajectories: each batch
-    holds global_batch // K whole puzzles (the rest of its rows padding: K need not divide the
-    batch); a K above the batch takes ceil(K / batch) batches per puzzle."""
-    per_batch = global_batch // setting.k
-    return math.ceil(puzzles / per_batch) if per_batch else puzzles * math.ceil(setting.k / global_batch)
+def evaluation_batches(setting: testtime.Setting, global_batch: int, puzzles: int, hosts: int = 1) -> int:
+    """Evaluation batches of `global_batch` rows that hold every puzzle's K trajectories on a slice
+    of `hosts` hosts: each host's global_batch / hosts rows hold (global_batch / hosts) // K whole
+    puzzles, the rest padding (K need not divide the batch: testtime_batches.py); ValueError
+    for a K above a host's rows."""
+    from testtime_batches import host_puzzles
+
+    return math.ceil(puzzles / (hosts * host_puzzles(global_batch, setting.k, hosts)))
 
 
-def evaluation_hours(setting: testtime.Setting, global_batch: int, puzzles: int, ms_per_act_step: float) -> float:
+def evaluation_hours(setting: testtime.Setting, global_batch: int, puzzles: int, ms_per_act_step: float,
+                     hosts: int = 1) -> float:
     """Device hours of one evaluation of `puzzles` test puzzles at the setting: batches x D ACT
     steps x the evaluation program's time per ACT step (one batch of global_batch rows)."""
-    return evaluation_batches(setting, global_batch, puzzles) * setting.act_steps * ms_per_act_step / 3.6e6
-
-
-def eval_config(config, setting: testtime.Setting):
-    """The run's configuration as `train.py eval` runs it at the setting: its evaluation program
-    (tpu_compile.py traces one ACT step at the run's global batch, with the setting's K and noise)."""
-    import dataclasses
-
-    fields = {"trajectories": str(setting.k), "noise": f"{setting.noise:g}"}
-    names = {f.name for f in dataclasses.fields(config.eval)}
-    fields.update({k: v for k, v in (("act_steps", setting.act_steps), ("noise_latent", setting.latent))
-                   if k in names})
-    return dataclasses.replace(config, eval=dataclasses.replace(config.eval, **fields))
-
-
-def add_columns(out: str, results: list, runs: list[dict], configs: list[dict], configurations: list[dict]
-                ) -> list[str]:
-    """The report's test-time columns, added to its run rows (`results`' order) and configuration
-    rows (`configurations`' order): each setting's exact % under each selection; the names of
-    those columns, in the grid's order."""
-    scaling = {r.run.name: r.scaling for r in results}
-    names = settings_in_order(out, scaling)
-    for result, row in zip(results, runs):
-        row.update(run_cells(result.scaling, names))
-    for c, row in zip(configurations, configs):
-        row.update(configuration_cells([r.scaling for r in c["results"]], names))
-    return [column for name in names for column in setting_columns(name)]
+    return evaluation_batches(setting, global_batch, puzzles, hosts) * setting.act_steps * ms_per_act_step / 3.6e6
 
 
 def compiled_eval_ms(jobs: list[tuple[Evaluation, object]], slices: dict[str, str], processes: int | None = None
@@ -274,17 +251,20 @@ def plan_rows(runs: list[StudyRun], text: str, sizes: dict, specs: dict, mfu: di
             jobs.append((e, resolved_config(e.run, size)))
     device = compiled_eval_ms(jobs, {k: s.name for k, s in specs.items()}, processes) if compiled and jobs else {}
     for e, config in jobs:
-        row = {"evaluation": e, "puzzles": sizes[config.data.path].test_examples,
-               "batches": evaluation_batches(e.setting, config.optim.global_batch_size,
-                                             sizes[config.data.path].test_examples)}
+        row = {"evaluation": e, "puzzles": sizes[config.data.path].test_examples}
         for key, spec in specs.items():
             fields = device.get(key, {}).get(e.name, {})
             ms = fields.get("compiled_ms_per_eval_step") if compiled else \
                 flop_record(e.run.preset, config, spec)["projected_device_ms_per_eval_step"] / mfu[key]
-            row[key] = None if ms is None else {
-                "ms_per_act_step": ms, "hours": evaluation_hours(e.setting, config.optim.global_batch_size,
-                                                                 row["puzzles"], ms)}
-            row[key + "_why"] = fields.get("compiled_source", "")
+            row[key], row[key + "_why"] = None, fields.get("compiled_source", "")
+            try:
+                batches = evaluation_batches(e.setting, config.optim.global_batch_size, row["puzzles"], spec.hosts)
+            except ValueError as error:  # K above a host's rows of the batch on this slice
+                row[key + "_why"] = str(error)
+                continue
+            if ms is not None:
+                row[key] = {"ms_per_act_step": ms, "batches": batches, "hours": batches * e.setting.act_steps * ms
+                            / 3.6e6}
         rows.append(row)
     return rows + [{"evaluation": e, "unknown": True} for e in found if e.name not in {j.name for j, _ in jobs}]
 
@@ -328,7 +308,8 @@ def print_plan(runs, text, sizes, host, spec, vms: int, mfu: float, whole_mfu: f
     how = "each evaluation program compiled for the slice (the TPU compiler's estimate)" if compiled else \
         f"{100 * mfu:g}% MFU"
     print(f"\ntest-time evaluations (@test-time): {len(rows)}, each of its run's whole test split at K trajectories "
-          f"per puzzle (global batch // K puzzles per batch) and D ACT steps per batch, on one {host.name} at {how}")
+          f"per puzzle (a host's rows // K puzzles per host and batch) and D ACT steps per batch, on one {host.name} "
+          f"at {how}")
     width = max(len(r["evaluation"].name) for r in rows)
     print(f"{'evaluation'.ljust(width)}  {'K x D':>7}  {'batches':>9}  {'ms/ACT step':>11}  {'VM h':>7}  "
           f"{'device-h':>8}")
@@ -337,15 +318,18 @@ def print_plan(runs, text, sizes, host, spec, vms: int, mfu: float, whole_mfu: f
         e = row["evaluation"]
         on_host = None if row.get("unknown") else row["host"]
         if on_host is None:
-            reason = "dataset size unknown" if row.get("unknown") else f"not compiled: {row['host_why']}"
+            reason = "dataset size unknown" if row.get("unknown") else f"not projected: {row['host_why']}"
             print(f"{e.name.ljust(width)}  {e.setting.k * e.setting.act_steps:>7,}  ? ({reason})")
             continue
         done.append(row)
-        print(f"{e.name.ljust(width)}  {e.setting.k * e.setting.act_steps:>7,}  {row['batches']:>9,}  "
+        print(f"{e.name.ljust(width)}  {e.setting.k * e.setting.act_steps:>7,}  {on_host['batches']:>9,}  "
               f"{on_host['ms_per_act_step']:>11.4g}  {_hours(on_host['hours']):>7}  "
               f"{_hours(on_host['hours'] * host.chips):>8}")
     tests = [(r["evaluation"].name, r["evaluation"].run.name, r["host"]["hours"] + startup_h) for r in done]
     whole = sum(r["whole"]["hours"] + startup_h for r in done if r.get("whole"))
+    for row in done:
+        if row.get("whole") is None:
+            print(f"not projected on {spec.name}: {row['evaluation'].name}: {row['whole_why']}")
     print(f"test-time total: {sum(r['host']['hours'] for r in done) * host.chips:,.1f} device-hours on {host.name} VMs "
           f"(each evaluation {60 * startup_h:g} min of start-up besides)")
     print(f"makespan with the evaluations on {vms} {host.name} VM(s), evaluations claimed after every training run: "

@@ -43,6 +43,8 @@ def test_grid_lines_expand_per_configuration_and_bad_values_are_refused():
         "@test-time K=4 K=8 noise=1": "line 2: @test-time: K given twice",
         "@test-time maze K=4 noise=1": "line 2: @test-time maze: no configuration matches it (configurations: w)",
         "@testtime K=4 noise=1": "line 2: @testtime: no such line; the study file's are @dataset, @paper, @test-time",
+        "@test-time K=1,200 noise=1": "line 2: @test-time: w at K200-noise1-D4: eval.trajectories K=200 exceeds "
+                                      "the 128 rows each of the 1 host(s) holds of a batch of 128",
     }
     for line, message in bad.items():
         with pytest.raises(StudyError, match=re.escape(f"study:{message}")):
@@ -70,7 +72,10 @@ def test_an_evaluation_is_priced_from_batches_of_whole_puzzles_and_d_act_steps()
     # 423,000 Sudoku-Extreme test puzzles at K=100, D=64 in batches of 768 rows: 7 puzzles a batch.
     assert evaluation_batches(Setting(100, 0.3, 64), 768, 423_000) == math.ceil(423_000 / 7) == 60_429
     assert evaluation_batches(Setting(16, 0.3, 64), 768, 1000) == math.ceil(1000 / 48)
-    assert evaluation_batches(Setting(100, 1.0, 16), 32, 40) == 40 * 4  # K above the batch: 4 batches a puzzle
+    # On 8 hosts each holds 96 of 768 rows: K=100 does not fit (train.py eval refuses it), at 1,600 rows 2 a host do.
+    with pytest.raises(ValueError, match="K=100 exceeds the 96 rows each of the 8 host"):
+        evaluation_batches(Setting(100, 0.3, 64), 768, 423_000, hosts=8)
+    assert evaluation_batches(Setting(100, 0.3, 64), 1600, 423_000, hosts=8) == math.ceil(423_000 / 16)
     assert evaluation_hours(Setting(100, 0.3, 64), 768, 423_000, 2.5) == pytest.approx(60_429 * 64 * 2.5 / 3.6e6)
     # Two VMs: a (3 h) and b (1 h) train; a's two evaluations wait for a, b's starts when b ends.
     assert fleet_makespan([("a", 3.0), ("b", 1.0)], [("a+x", "a", 2.0), ("a+y", "a", 2.0), ("b+x", "b", 1.0)], 2) \
@@ -83,17 +88,17 @@ def test_plan_prices_every_evaluation_of_the_grid(demo_path, tmp_path):
 
     path = tmp_path / "plan.txt"
     path.write_text(f"w demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
-                    "--optim.global-batch-size 32\n@test-time K=1,16,100 noise=0.3 D=4\n")
+                    "--optim.global-batch-size 32\n@test-time K=1,12,32 noise=0.3 D=4\n")
     done = study("plan", str(path), "--slice", "v4-8", "--fleet", "v4-8x2", "--mfu", "0.5", "--startup-minutes", "60")
     out = done.communicate(timeout=120)[0]
     assert done.returncode == 0, out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith("w+")}
-    # The demo's 40 test puzzles: 32 a batch at K=1, 2 at K=16, and 4 batches a puzzle at K=100 (above 32 rows).
+    # The demo's 40 test puzzles: 32 a batch at K=1, 2 at K=12 (8 rows padding), 1 at K=32.
     assert {name: int(row[2].replace(",", "")) for name, row in rows.items()} == {
-        "w+K1-noise0.3-D4": 2, "w+K16-noise0.3-D4": 20, "w+K100-noise0.3-D4": 160}
+        "w+K1-noise0.3-D4": 2, "w+K12-noise0.3-D4": 20, "w+K32-noise0.3-D4": 40}
     [run] = parse_study(path.read_text())
     ms = flop_record("demo", run.config(), slice_spec("v4-8"))["projected_device_ms_per_eval_step"] / 0.5
-    assert float(rows["w+K16-noise0.3-D4"][3]) == pytest.approx(ms, rel=1e-3)
+    assert float(rows["w+K12-noise0.3-D4"][3]) == pytest.approx(ms, rel=1e-3)
     assert "test-time evaluations (@test-time): 3" in out
     # An hour of start-up each: the training run on one VM, then its three evaluations on both.
     assert "makespan with the evaluations on 2 v4-8 VM(s), evaluations claimed after every training run: 3.0 h" in out
