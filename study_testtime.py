@@ -185,6 +185,20 @@ def plot_points(configs: list[dict], scaling: dict[str, dict[str, dict]]) -> lis
     return points
 
 
+def add_columns(out: str, results: list, runs: list[dict], configs: list[dict], configurations: list[dict]
+                ) -> list[str]:
+    """The report's test-time columns, added to its run rows (`results`' order) and configuration
+    rows (`configurations`' order): each setting's exact % under each selection; the names of
+    those columns, in the grid's order."""
+    scaling = {r.run.name: r.scaling for r in results}
+    names = settings_in_order(out, scaling)
+    for result, row in zip(results, runs):
+        row.update(run_cells(result.scaling, names))
+    for c, row in zip(configurations, configs):
+        row.update(configuration_cells([r.scaling for r in c["results"]], names))
+    return [column for name in names for column in setting_columns(name)]
+
+
 # ----------------------------------------------------------------------------------------------
 # The price (study.py plan)
 
@@ -336,16 +350,3 @@ def print_plan(runs, text, sizes, host, spec, vms: int, mfu: float, whole_mfu: f
           f"{fleet_makespan(training, tests, vms):.1f} h; on {spec.name}, one at a time: "
           f"{whole_training_h + whole:.1f} h")
 
-
-def add_columns(out: str, results: list, runs: list[dict], configs: list[dict], configurations: list[dict]
-                ) -> list[str]:
-    """The report's test-time columns, added to its run rows (`results`' order) and configuration
-    rows (`configurations`' order): each setting's exact % under each selection; the names of
-    those columns, in the grid's order."""
-    scaling = {r.run.name: r.scaling for r in results}
-    names = settings_in_order(out, scaling)
-    for result, row in zip(results, runs):
-        row.update(run_cells(result.scaling, names))
-    for c, row in zip(configurations, configs):
-        row.update(configuration_cells([r.scaling for r in c["results"]], names))
-    return [column for name in names for column in setting_columns(name)]
