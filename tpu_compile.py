@@ -668,11 +668,11 @@ def format_results(results: list[dict]) -> str:
               f"({r.get('act_steps', r['halt_max_steps'])} ACT steps of "
               f"{r['estimate_ms']:.2f} ms over {r['puzzles_per_batch']} puzzles a batch: K={r['trajectories']} "
               f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K, --eval.act-steps D)"]
-             if eval_ms_per_puzzle(r) is not None else [])
-        + ([f"  the {r['preset']} paper test split ({split[0]:,} puzzles) at this K and D: {split[1]:,.2f} h on "
-            f"{r['slice']}, {split[1] * r['devices']:,.1f} chip-hours "
-            "(the compiler's estimate; a v4 or v5p chip is one device)"]
-           if (split := eval_test_split_hours(r)) else []) + [
+             if eval_ms_per_puzzle(r) is not None else []) + (
+            [f"  the {r['preset']} paper test split ({split[0]:,} puzzles) at this K and D: {split[1]:,.2f} h on "
+             f"{r['slice']}, {split[1] * r['devices']:,.1f} chip-hours "
+             "(the compiler's estimate; a v4 or v5p chip is one device)"]
+            if (split := eval_test_split_hours(r)) else []) + [
             "  results of shape [..., seq, seq] (attention scores in HBM): "
             + (", ".join(r.get("sequence_square_shapes", [])[:4]) or "none"),
             "  bytes by kind of operation: " + ", ".join(f"{k['kind']} {k['count']}x {_gb(k['bytes'])} GB"
