@@ -3,7 +3,7 @@ name settings (K trajectories per puzzle, noise sigma, D ACT steps, the latent t
 at which `study.py run` evaluates every finished run, claimed under the same leases as training;
 the report's columns and plot of each setting; and the grid's price for `study.py plan`.
 
-    @test-time K=1,16,100 noise=0,0.3 D=16,64     # every run: 1 + 2 x 3 ... settings (noise 0 at K=1 only)
+    @test-time K=1,16,100 noise=0,0.3 D=16,64     # every run: 2 + 6 settings (noise 0 at K=1 only)
     @test-time trm,hrm-* K=100 noise=0.3 D=64     # the runs of these configurations (fnmatch patterns)
 
 Each (run, setting) is one `Evaluation`, claimed as RUN+SETTING (claims.py: OUT/study/claims/
@@ -277,8 +277,8 @@ def plan_rows(runs: list[StudyRun], text: str, sizes: dict, specs: dict, mfu: di
                 row[key + "_why"] = str(error)
                 continue
             if ms is not None:
-                row[key] = {"ms_per_act_step": ms, "batches": batches, "hours": batches * e.setting.act_steps * ms
-                            / 3.6e6}
+                row[key] = {"ms_per_act_step": ms, "batches": batches, "hours": evaluation_hours(
+                    e.setting, config.optim.global_batch_size, row["puzzles"], ms, spec.hosts)}
         rows.append(row)
     return rows + [{"evaluation": e, "unknown": True} for e in found if e.name not in {j.name for j, _ in jobs}]
 
