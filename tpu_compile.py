@@ -52,6 +52,7 @@ import testtime
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config, presets_for
 from model import TRMConfig
 from projection import PAPER_DATASETS, model_flops, slice_spec
+from testtime_batches import host_puzzles
 
 PROGRAMS = ("train_step", "eval_step")
 CACHE_DIR = os.path.expanduser(os.environ.get("TRM_TPU_COMPILE_CACHE", "~/.cache/trm-tpu-compile"))
@@ -425,9 +426,14 @@ def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
               "global_batch": config.optim.global_batch_size,
               "batch_per_device": config.optim.global_batch_size // topo.devices}
+    hosts = slice_spec(topo.slice).hosts
+    try:  # each host's rows hold rows // K whole puzzles (testtime_batches.py)
+        per_batch = hosts * host_puzzles(config.optim.global_batch_size, k, hosts)
+    except ValueError:  # K above a host's rows: train.py eval refuses it on this slice
+        per_batch = 0
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
-                  "act_steps": setting.act_steps, "noise_latent": setting.latent,
-                  "puzzles_per_batch": config.optim.global_batch_size // k}
+                  "act_steps": setting.act_steps, "noise_latent": setting.latent, "hosts": hosts,
+                  "puzzles_per_batch": per_batch}
     return [dict(common, program=p, **(evaluation if p == "eval_step" else {}), **results[p]) for p in programs]
 
 
@@ -668,7 +674,11 @@ def format_results(results: list[dict]) -> str:
               f"({r.get('act_steps', r['halt_max_steps'])} ACT steps of "
               f"{r['estimate_ms']:.2f} ms over {r['puzzles_per_batch']} puzzles a batch: K={r['trajectories']} "
               f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K, --eval.act-steps D)"]
-             if eval_ms_per_puzzle(r) is not None else []) + (
+             if eval_ms_per_puzzle(r) is not None else
+             [f"  per test puzzle: none: K={r['trajectories']} exceeds each of the {r['hosts']} hosts' "
+              f"{r['global_batch'] // r['hosts']} rows of the batch (train.py eval refuses it on this slice; raise "
+              "--optim.global-batch-size)"] if r.get("program") == "eval_step" and r.get("compiled")
+             and not r.get("puzzles_per_batch") else []) + (
             [f"  the {r['preset']} paper test split ({split[0]:,} puzzles) at this K and D: {split[1]:,.2f} h on "
              f"{r['slice']}, {split[1] * r['devices']:,.1f} chip-hours "
              "(the compiler's estimate; a v4 or v5p chip is one device)"]
