@@ -190,10 +190,11 @@ def declared_papers(text: str) -> dict[str, float]:
     return dict(_declared_paper(n, line) for n, line in _lines(text) if line.lstrip().startswith("@paper"))
 
 
-TEST_TIME_KEYS = {"k": "K", "noise": "noise", "d": "D", "latent": "latent"}
-TEST_TIME_USAGE = ("@test-time [CONFIGURATIONS] K=1,16,100 noise=0,0.3 [D=16,64] [latent=z_L,z_H,both] "
+TEST_TIME_KEYS = {"k": "K", "noise": "noise", "d": "D", "latent": "latent", "batch": "batch"}
+TEST_TIME_USAGE = ("@test-time [CONFIGURATIONS] K=1,16,100 noise=0,0.3 [D=16,64] [latent=z_L,z_H,both] [batch=B] "
                    "(K: trajectories per puzzle; noise: its standard deviation; D: ACT steps per puzzle, "
-                   "default the model's halt_max_steps; latent: where the noise enters, default z_L)")
+                   "default the model's halt_max_steps; latent: where the noise enters, default z_L; batch: the "
+                   "evaluation's global batch in rows, default the run's)")
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,9 @@ class ScalingGrid:
     """D values; None: each run's own halt_max_steps."""
     latents: tuple[str, ...]
     line: int
+    batch: int | None = None
+    """The evaluations' global batch (rows); None: the run's own. A larger one fits a K above a
+    host's rows of the training batch (a v4-64's 8 hosts hold 96 rows each of 768)."""
 
     def applies_to(self, run: StudyRun) -> bool:
         return not self.configurations or any(fnmatch.fnmatchcase(run.configuration, p) for p in self.configurations)
@@ -239,6 +243,10 @@ def _test_time_values(number: int, key: str, parts: list[str]) -> tuple:
                       "D is a number of ACT steps per puzzle >= 1 (e.g. D=16,64; leave D out for each model's "
                       "halt_max_steps)")
         return values
+    if key == "batch":
+        if len(parts) != 1 or not parts[0].isdigit() or int(parts[0]) < 1:
+            raise bad("batch is one global batch in rows >= 1 for every evaluation of the line (e.g. batch=1600)")
+        return (int(parts[0]),)
     if key == "noise":
         try:
             values = tuple(float(p) for p in parts)
@@ -276,7 +284,7 @@ def _declared_test_time(number: int, line: str) -> ScalingGrid:
     if missing:
         raise StudyError(f"line {number}: @test-time: {' and '.join(missing)} missing; expected {TEST_TIME_USAGE}")
     return ScalingGrid(patterns, values["K"], values["noise"], values.get("D"), values.get("latent", ("z_L",)),
-                        number)
+                       number, values.get("batch", (None,))[0])
 
 
 def scaling_grids(text: str) -> list[ScalingGrid]:
@@ -284,18 +292,20 @@ def scaling_grids(text: str) -> list[ScalingGrid]:
     return [_declared_test_time(n, line) for n, line in _lines(text) if line.lstrip().startswith("@test-time")]
 
 
-def scaling_settings(text: str, runs: list[StudyRun]) -> dict[str, list[testtime.Setting]]:
-    """{run name: its test-time settings, in the file's order} for the runs a `@test-time` line
-    applies to (D left out: each run's model's halt_max_steps)."""
+def scaling_settings(text: str, runs: list[StudyRun]) -> dict[str, dict[testtime.Setting, int | None]]:
+    """{run name: {its test-time setting: the evaluation's global batch, None for the run's}, in
+    the file's order} for the runs a `@test-time` line applies to (D left out: each run's model's
+    halt_max_steps; a setting named by two lines: the first's batch)."""
     grids, found = scaling_grids(text), {}
     for run in runs:
         applying = [g for g in grids if g.applies_to(run)]
         if not applying:
             continue
         halt = run.config().model.halt_max_steps if any(g.depths is None for g in applying) else 0
-        settings = found.setdefault(run.name, [])
+        settings = found.setdefault(run.name, {})
         for grid in applying:
-            settings += [s for s in grid.settings(halt) if s not in settings]
+            for setting in grid.settings(halt):
+                settings.setdefault(setting, grid.batch)
     return found
 
 
@@ -368,15 +378,16 @@ def _tyro_error(text: str) -> str:
     return " ".join(lines).replace("  ", " ").strip()
 
 
-def eval_config(config: Config, setting: testtime.Setting) -> Config:
+def eval_config(config: Config, setting: testtime.Setting, batch: int | None = None) -> Config:
     """The run's configuration as `train.py eval` runs it at a test-time setting: its evaluation
-    program (tpu_compile.py traces one ACT step at the run's global batch, at the setting's K,
-    noise, D and latent)."""
+    program (tpu_compile.py traces one ACT step at the global batch, the run's unless `batch`, at
+    the setting's K, noise, D and latent)."""
     fields = {"trajectories": str(setting.k), "noise": f"{setting.noise:g}"}
     names = {f.name for f in dataclasses.fields(config.eval)}
     fields.update({k: v for k, v in (("act_steps", setting.act_steps), ("noise_latent", setting.latent))
                    if k in names})
-    return dataclasses.replace(config, eval=dataclasses.replace(config.eval, **fields))
+    optim = config.optim if batch is None else dataclasses.replace(config.optim, global_batch_size=batch)
+    return dataclasses.replace(config, eval=dataclasses.replace(config.eval, **fields), optim=optim)
 
 
 def scaling_problems(grids: list[ScalingGrid], runs: list[StudyRun]) -> list[str]:
@@ -392,7 +403,7 @@ def scaling_problems(grids: list[ScalingGrid], runs: list[StudyRun]) -> list[str
         for grid in grids:
             for setting in grid.settings(config.model.halt_max_steps) if grid.applies_to(run) else []:
                 try:
-                    check_config(eval_config(config, setting))
+                    check_config(eval_config(config, setting, grid.batch))
                 except ConfigError as e:
                     problems += [f"line {grid.line}: @test-time: {run.configuration} at {setting.name}: {p}"
                                  for p in str(e).split("\nerror: ")]

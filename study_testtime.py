@@ -46,6 +46,8 @@ class Evaluation:
     setting: testtime.Setting
     out: str
     """The study's directory."""
+    batch: int | None = None
+    """The evaluation's global batch (rows); None: the run's (the @test-time line's batch=)."""
 
     @property
     def name(self) -> str:
@@ -76,7 +78,8 @@ class Evaluation:
         return (self.run.preset, "--init-from", self.run_dir, "--run.dir", self.run_dir,
                 "--data.path", self.run.config().data.path, "--eval.trajectories", str(s.k),
                 "--eval.noise", f"{s.noise:g}", "--eval.act-steps", str(s.act_steps),
-                *(() if s.latent == "z_L" else ("--eval.noise-latent", s.latent)))
+                *(() if s.latent == "z_L" else ("--eval.noise-latent", s.latent)),
+                *(() if self.batch is None else ("--optim.global-batch-size", str(self.batch))))
 
     def command(self, python: str = sys.executable, extra: tuple[str, ...] = ()) -> list[str]:
         return [python, os.path.join(PROJECT_DIR, "train.py"), "eval", *self.flags, *extra]
@@ -100,7 +103,7 @@ def evaluations(runs: list[StudyRun], text: str, out: str) -> list[Evaluation]:
     """The study's evaluations (its `@test-time` lines over its runs), in the order they are
     claimed: the most ACT steps per puzzle (K x D) first, then the runs' order."""
     settings = scaling_settings(text, runs)
-    found = [Evaluation(run, s, out) for run in runs for s in settings.get(run.name, [])]
+    found = [Evaluation(run, s, out, batch) for run in runs for s, batch in settings.get(run.name, {}).items()]
     position = {run.name: i for i, run in enumerate(runs)}
     return sorted(found, key=lambda e: (-e.setting.k * e.setting.act_steps, position[e.run.name]))
 
@@ -262,7 +265,7 @@ def plan_rows(runs: list[StudyRun], text: str, sizes: dict, specs: dict, mfu: di
     for e in found:
         size = sizes.get(e.run.config().data.path)
         if size is not None and not isinstance(size, Exception):
-            jobs.append((e, resolved_config(e.run, size)))
+            jobs.append((e, eval_config(resolved_config(e.run, size), e.setting, e.batch)))
     device = compiled_eval_ms(jobs, {k: s.name for k, s in specs.items()}, processes) if compiled and jobs else {}
     for e, config in jobs:
         row = {"evaluation": e, "puzzles": sizes[config.data.path].test_examples}
@@ -348,5 +351,7 @@ def print_plan(runs, text, sizes, host, spec, vms: int, mfu: float, whole_mfu: f
           f"(each evaluation {60 * startup_h:g} min of start-up besides)")
     print(f"makespan with the evaluations on {vms} {host.name} VM(s), evaluations claimed after every training run: "
           f"{fleet_makespan(training, tests, vms):.1f} h; on {spec.name}, one at a time: "
-          f"{whole_training_h + whole:.1f} h")
+          f"{whole_training_h + whole:.1f} h"
+          + (f" ({missing} evaluation(s) not projected there, above)" if (missing := sum(
+              r.get("whole") is None for r in done)) else ""))
 

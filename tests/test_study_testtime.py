@@ -41,11 +41,13 @@ def test_grid_lines_expand_per_configuration_and_bad_values_are_refused():
         "@test-time K=4 noise=1 latent=z": "line 2: @test-time latent=z: 'z' is no latent: use z_L, z_H, both",
         "@test-time K=4 noise=1 depth=8": "line 2: @test-time: 'depth=8' is not KEY=VALUES with a key among K",
         "@test-time K=4 K=8 noise=1": "line 2: @test-time: K given twice",
+        "@test-time K=4 noise=1 batch=64,128": "line 2: @test-time batch=64,128: batch is one global batch in rows",
         "@test-time maze K=4 noise=1": "line 2: @test-time maze: no configuration matches it (configurations: w)",
         "@testtime K=4 noise=1": "line 2: @testtime: no such line; the study file's are @dataset, @paper, @test-time",
         "@test-time K=1,200 noise=1": "line 2: @test-time: w at K200-noise1-D4: eval.trajectories K=200 exceeds "
                                       "the 128 rows each of the 1 host(s) holds of a batch of 128",
     }
+    parse_study("w demo --model.puzzle-emb-ndim 32\n@test-time K=200 noise=1 batch=256\n")  # a batch that fits K
     for line, message in bad.items():
         with pytest.raises(StudyError, match=re.escape(f"study:{message}")):
             parse_study(f"w demo\n{line}\n")
@@ -53,7 +55,7 @@ def test_grid_lines_expand_per_configuration_and_bad_values_are_refused():
 
 def test_each_evaluation_is_a_train_py_eval_of_its_run_claimed_after_training_most_act_steps_first(demo_path):
     text = (f"w demo --data.path {demo_path} --model.hidden-size {{32,64}} --model.puzzle-emb-ndim 32\n"
-            "@test-time K=1,8 noise=0.3 D=2,4 latent=z_L,both\n")
+            "@test-time K=1,8 noise=0.3 D=2,4 latent=z_L,both\n@test-time w-64 K=8 noise=0.3 D=4 batch=256\n")
     found = evaluations(parse_study(text), text, "gs://b/study")
     assert [e.name for e in found][:4] == ["w-32+K8-noise0.3-D4", "w-32+K8-noise0.3-D4-both", "w-64+K8-noise0.3-D4",
                                            "w-64+K8-noise0.3-D4-both"]
@@ -66,6 +68,12 @@ def test_each_evaluation_is_a_train_py_eval_of_its_run_claimed_after_training_mo
         "--run.device", "tpu"]
     assert both.directory == "gs://b/study/w-32/test-time/K8-noise0.3-D4-both"
     assert "--eval.noise-latent" not in found[0].command()  # z_L: train.py eval's default
+    assert "--optim.global-batch-size" not in found[0].command()  # the run's batch
+    # A setting on two lines: the first's batch (the run's, here); a setting of its own: its line's.
+    assert found[2].batch is None and found[2].name == "w-64+K8-noise0.3-D4"
+    text += "@test-time w-64 K=16 noise=0.3 D=4 batch=256\n"
+    [wide] = [e for e in evaluations(parse_study(text), text, "o") if e.name == "w-64+K16-noise0.3-D4"]
+    assert wide.command()[-2:] == ["--optim.global-batch-size", "256"]
 
 
 def test_an_evaluation_is_priced_from_batches_of_whole_puzzles_and_d_act_steps():
