@@ -426,11 +426,9 @@ def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
               "global_batch": config.optim.global_batch_size,
               "batch_per_device": config.optim.global_batch_size // topo.devices}
-    hosts = slice_spec(topo.slice).hosts
-    try:  # each host's rows hold rows // K whole puzzles (testtime_batches.py)
-        per_batch = hosts * host_puzzles(config.optim.global_batch_size, k, hosts)
-    except ValueError:  # K above a host's rows: train.py eval refuses it on this slice
-        per_batch = 0
+    hosts = slice_spec(topo.slice).hosts  # each host's rows hold rows // K whole puzzles; K above them: refused
+    per_batch = hosts * host_puzzles(config.optim.global_batch_size, k, hosts) if k * hosts <= \
+        config.optim.global_batch_size else 0
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
                   "act_steps": setting.act_steps, "noise_latent": setting.latent, "hosts": hosts,
                   "puzzles_per_batch": per_batch}
@@ -461,23 +459,11 @@ def compile_programs(config: Config, preset: str, slice_name: str, programs=PROG
 
 
 def eval_ms_per_puzzle(result: dict) -> float | None:
-    """An evaluation program's device time per test puzzle: D ACT steps (--eval.act-steps, default
-    halt_max_steps) of the estimated step time over the batch's puzzles (global_batch_size // K)."""
+    """An evaluation program's device time per test puzzle: D ACT steps (eval.act_steps; the
+    model's halt_max_steps) of the estimated step time over the batch's puzzles (global_batch_size // K)."""
     if not result.get("compiled") or not result.get("puzzles_per_batch"):
         return None
     return result["estimate_ms"] * result.get("act_steps", result["halt_max_steps"]) / result["puzzles_per_batch"]
-
-
-def eval_test_split_hours(result: dict) -> tuple[int, float] | None:
-    """(test puzzles, device hours on the slice) of one evaluation of the preset's paper dataset's
-    whole test split (PAPER_DATASETS) at the program's K and D: ceil(puzzles / puzzles a batch)
-    batches of D ACT steps each; None without a paper dataset or a compiled program."""
-    dataset = PAPER_DATASETS.get(result.get("preset"))
-    if dataset is None or eval_ms_per_puzzle(result) is None:
-        return None
-    batches = -(-dataset.test_examples // result["puzzles_per_batch"])
-    return dataset.test_examples, batches * result.get("act_steps", result["halt_max_steps"]) \
-        * result["estimate_ms"] / 3.6e6
 
 
 def cached_results(config: Config, slice_name: str, programs=PROGRAMS) -> list[dict] | None:
@@ -674,15 +660,8 @@ def format_results(results: list[dict]) -> str:
               f"({r.get('act_steps', r['halt_max_steps'])} ACT steps of "
               f"{r['estimate_ms']:.2f} ms over {r['puzzles_per_batch']} puzzles a batch: K={r['trajectories']} "
               f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K, --eval.act-steps D)"]
-             if eval_ms_per_puzzle(r) is not None else
-             [f"  per test puzzle: none: K={r['trajectories']} exceeds each of the {r['hosts']} hosts' "
-              f"{r['global_batch'] // r['hosts']} rows of the batch (train.py eval refuses it on this slice; raise "
-              "--optim.global-batch-size)"] if r.get("program") == "eval_step" and r.get("compiled")
-             and not r.get("puzzles_per_batch") else []) + (
-            [f"  the {r['preset']} paper test split ({split[0]:,} puzzles) at this K and D: {split[1]:,.2f} h on "
-             f"{r['slice']}, {split[1] * r['devices']:,.1f} chip-hours "
-             "(the compiler's estimate; a v4 or v5p chip is one device)"]
-            if (split := eval_test_split_hours(r)) else []) + [
+             if eval_ms_per_puzzle(r) is not None else [f"  per test puzzle: none: K={r['trajectories']} exceeds a "
+             f"host's rows of the batch (train.py eval refuses it here)"] if r.get("compiled") and r.get("hosts") else []) + [
             "  results of shape [..., seq, seq] (attention scores in HBM): "
             + (", ".join(r.get("sequence_square_shapes", [])[:4]) or "none"),
             "  bytes by kind of operation: " + ", ".join(f"{k['kind']} {k['count']}x {_gb(k['bytes'])} GB"
