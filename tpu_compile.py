@@ -660,8 +660,8 @@ def format_results(results: list[dict]) -> str:
               f"({r.get('act_steps', r['halt_max_steps'])} ACT steps of "
               f"{r['estimate_ms']:.2f} ms over {r['puzzles_per_batch']} puzzles a batch: K={r['trajectories']} "
               f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K, --eval.act-steps D)"]
-             if eval_ms_per_puzzle(r) is not None else [f"  per test puzzle: none: K={r['trajectories']} exceeds a "
-             f"host's rows of the batch (train.py eval refuses it here)"] if r.get("compiled") and r.get("hosts") else []) + [
+             if eval_ms_per_puzzle(r) is not None else [f"  per test puzzle: none: K={r['trajectories']} exceeds "
+             "a host's rows of the batch: refused"] if r.get("compiled") and r.get("hosts") else []) + [
             "  results of shape [..., seq, seq] (attention scores in HBM): "
             + (", ".join(r.get("sequence_square_shapes", [])[:4]) or "none"),
             "  bytes by kind of operation: " + ", ".join(f"{k['kind']} {k['count']}x {_gb(k['bytes'])} GB"
