@@ -174,7 +174,7 @@ class CapturedEvalStep(_CapturedStep):
 
     The computation's inputs are, in order: the model's tensors of `trainer.state_tensors()`
     (parameters and buffers), the eval carry's tensors, the batch's tensors (both by sorted
-    name), sums and `trainer.first_halt` (halting.py). Its outputs: the new sums, the predicted
+    name), sums and `trainer.first_halt` (halt_steps.py). Its outputs: the new sums, the predicted
     tokens, the q_halt logits, the new first_halt, the new eval carry. It writes no state and
     donates nothing.
     """

@@ -7,7 +7,8 @@ its flags name (testtime.py: K trajectories, noise, depth D, noise latent), one 
 
 run.dir is the weights' own run directory unless --run.dir says otherwise. Nothing is written
 into the run's own eval/: a test-time evaluation never replaces a training evaluation. A setting
-whose metrics.json holds this step is done and skipped, so a stopped command resumes where it was.
+whose metrics.json holds this step (and data, max_examples, ARC aggregation) is done and skipped,
+so a stopped command resumes where it was; delete a setting's metrics.json to evaluate it again.
 
     python train.py eval --init-from gs://BUCKET/runs/NAME --data.path gs://BUCKET/data/...
     python train.py eval --init-from RUN --data.path DATA --eval.trajectories 1,16 --eval.noise 0,0.3 \
@@ -100,9 +101,13 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime.Setting
     rows = []
     for point in settings:
         out = testtime.setting_dir(config.run.dir, point.k, point.noise, point.act_steps, point.latent)
+        aggregate = bool(config.eval.arc and config.eval.arc_aggregate and point.is_reference)
+        # what else changes the result: a setting done otherwise is evaluated again
+        inputs = {"step": step, "data_path": config.data.path, "max_examples": config.eval.max_examples,
+                  "arc_aggregate": aggregate}
         done = testtime_curve.read_metrics(out)
-        if done is not None and done.get("step") == step:
-            say(f"  {point.name}: done at step {step} ({out}/metrics.json), skipped")
+        if done is not None and all(done.get(k) == v for k, v in inputs.items()):
+            say(f"  {point.name}: done at step {step} ({out}/metrics.json; delete it to evaluate again), skipped")
             rows.append(done)
             continue
         ptrm.set_evaluation(trainer, point)
@@ -118,7 +123,7 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime.Setting
         # Earlier ARC votes are read from the run's own evaluations; this one's go to its setting.
         result, submission = evaluate(trainer, batches, runtime.sync, arc, say,
                                       storage.join_url(config.run.dir, "eval"), step,
-                                      config.eval.arc_aggregate and point.is_reference, between_batches=after_batch,
+                                      aggregate, between_batches=after_batch,
                                       votes_url=storage.join_url(out, "arc_votes.json.gz"))
         after = runtime.xla_counters()
         compiled = after["compile_seconds"] - before["compile_seconds"]
@@ -131,7 +136,7 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime.Setting
         if len(batches) == 1:
             wall, cpu = wall - compiled, cpu - compiled
         row = dict(result, trajectories=point.k, noise=point.noise, act_steps=point.act_steps,
-                   noise_latent=point.latent, num_puzzles=batches.num_examples, step=step,
+                   noise_latent=point.latent, num_puzzles=batches.num_examples, **inputs,
                    act_steps_per_puzzle=point.k * point.act_steps, token_accuracy=result["accuracy"],
                    timed_puzzles=puzzles, seconds_per_puzzle=max(wall, 0.0) / puzzles,
                    cpu_seconds_per_puzzle=max(cpu, 0.0) / puzzles, compile_seconds=compiled,

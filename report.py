@@ -574,7 +574,7 @@ class RunLog:
     def evaluation(self, result: dict[str, float], step: int, seconds: float) -> None:
         """An evaluation's line and eval/... scalars (its metrics, eval/seconds: the
         evaluation's wall time, eval/examples_per_s) and the eval/halt_step histogram (of the
-        first halting steps, halting.py); the history keeps only its metrics."""
+        first halting steps, halt_steps.py); the history keeps only its metrics."""
         self.evals.append(dict(result, step=step))
         arc = "  ".join(f"{k} {v:.4f}" for k, v in result.items() if k.startswith(("pass@", "aggregated_pass@")))
         if "aggregated_evaluations" in result:
@@ -585,7 +585,9 @@ class RunLog:
                  f"steps {result['steps']:.2f}  lm_loss {result['lm_loss']:.4f}  "
                  f"q_halt_loss {result['q_halt_loss']:.4f}  mean_halt_step {result.get('mean_halt_step', 0):.2f}  "
                  f"{arc + '  ' if arc else ''}"
-                 f"on {result['num_examples']} examples in {seconds:.0f}s "
+                 + (f"mode_exact_accuracy {result['mode_exact_accuracy']:.4f}  pass_exact_accuracy "
+                    f"{result['pass_exact_accuracy']:.4f}  " if "mode_exact_accuracy" in result else "")
+                 + f"on {result['num_examples']} examples in {seconds:.0f}s "
                  f"({result['num_examples'] / max(seconds, 1e-9):.0f} ex/s)")
         timing = {"seconds": seconds, "examples_per_s": result["num_examples"] / max(seconds, 1e-9)}
         if self.metrics:  # in order with the train records (the reader adds those)

@@ -14,7 +14,7 @@ from data import IGNORE_LABEL_ID
 def host_puzzles(global_batch_size: int, k: int, process_count: int) -> int:
     """Puzzles per host per batch at K trajectories: (global_batch_size / hosts) // K, at least 1."""
     rows = global_batch_size // process_count
-    if rows < k:
+    if k > 1 and rows < k:  # (K=1 is the batch itself, whatever its size says)
         raise ValueError(f"eval.trajectories K={k} exceeds the {rows} rows each of the {process_count} host(s) "
                          f"holds of a batch of {global_batch_size}: lower K or raise --optim.global-batch-size "
                          f"to at least {k * process_count}")

@@ -1,18 +1,24 @@
-"""Test-time scaling by noisy trajectories chosen by the Q-halt head (ptrm.py, issue 37)."""
+"""Test-time scaling (PTRM, issue 37 and 47): noisy trajectories, depth D, best-Q / mode@K /
+pass@K selection, any K, the settings' directories (ptrm.py, testtime*.py, eval_command.py)."""
 import dataclasses
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+import counter_hash
 import data
+import halt_steps
 import predict
 import ptrm
+import testtime
+import testtime_batches
 import train
 from config import parse_config
 from eval_command import evaluate_command
@@ -21,16 +27,24 @@ from tests.test_model import random_batch, tiny_config
 from tests.test_train import PROJECT_DIR, tiny_args
 
 
-def eval_steps(m: TRM, batch: dict, trajectories=None):
-    """Trainer.eval_step's math for halt_max_steps ACT steps on CPU eager: (metrics, predictions
-    and q_halt of the last step)."""
+def eval_steps(m: TRM, batch: dict, trajectories=None, steps=None):
+    """Trainer.eval_step's math for D ACT steps (the model's halt_max_steps unless given) on CPU
+    eager: (metrics, predictions and q_halt of the last step, the extra sums of trajectories)."""
+    config = m.config
+    m.config = dataclasses.replace(config, halt_max_steps=steps or config.halt_max_steps)
     carry = m.initial_carry(batch)
-    with torch.no_grad():
-        for _ in range(m.config.halt_max_steps):
-            carry, outputs = m(carry, batch, perturb=None if trajectories is None else trajectories.perturb)
-            scored_carry, scored = (carry, outputs) if trajectories is None else trajectories.select(carry, outputs)
-            _, metrics = loss_and_metrics(scored_carry, scored, halted_losses=True)
-    return metrics, scored["logits"].argmax(-1), scored["q_halt_logits"]
+    extra = []
+    try:
+        with torch.no_grad():
+            for _ in range(m.config.halt_max_steps):
+                carry, outputs = m(carry, batch, perturb=None if trajectories is None else trajectories.perturb)
+                scored_carry, scored = carry, outputs
+                if trajectories is not None:
+                    scored_carry, scored, extra = trajectories.select(carry, outputs)
+                _, metrics = loss_and_metrics(scored_carry, scored, halted_losses=True)
+    finally:
+        m.config = config
+    return metrics, scored["logits"].argmax(-1), scored["q_halt_logits"], extra
 
 
 def trained_looking_model(config, seed=0):
@@ -47,173 +61,364 @@ def test_one_trajectory_without_noise_is_the_evaluation_bit_for_bit():
     reference = eval_steps(m, batch)
     assert ptrm.trajectories_of(1, 0.0, seed=3) is None  # eval and training do not route it through ptrm
     # Routed through ptrm anyway, nothing changes.
-    metrics, preds, q = eval_steps(m, batch, ptrm.Trajectories(1, 0.0))
+    metrics, preds, q, _ = eval_steps(m, batch, ptrm.Trajectories(1, 0.0))
     assert torch.equal(preds, reference[1]) and torch.equal(q, reference[2])
     assert all(torch.equal(metrics[name], reference[0][name]) for name in metrics)
-    # K identical trajectories (no noise) choose the first: the answers and counts of K=1.
-    repeated = {k: v.repeat_interleave(4, 0) for k, v in batch.items()}
-    metrics, preds, q = eval_steps(m, repeated, ptrm.Trajectories(4, 0.0))
-    assert torch.equal(preds[::4], reference[1]) and torch.equal(q[::4], reference[2])
-    for name in ("count", "exact_accuracy", "accuracy", "steps"):
-        assert metrics[name] == reference[0][name], name
+    # K identical trajectories (no noise) choose the first: the answers and counts of K=1; so do
+    # K=3 trajectories with two padding rows after the puzzles' 48 (rows that count nowhere).
+    for k, padding in ((4, 0), (3, 2)):
+        repeated = {name: torch.cat([v.repeat_interleave(k, 0), v[:padding]]) for name, v in batch.items()}
+        metrics, preds, q, _ = eval_steps(m, repeated, ptrm.Trajectories(k, 0.0))
+        assert torch.equal(preds[:16 * k:k], reference[1]) and torch.equal(q[:16 * k:k], reference[2])
+        for name in ("count", "exact_accuracy", "steps"):
+            assert metrics[name] == reference[0][name], (k, name)
+        # a float sum over 50 rows (zeros for the padding) rounds in another order than over 16
+        torch.testing.assert_close(metrics["accuracy"], reference[0]["accuracy"], rtol=1e-6, atol=0)
 
 
-def test_selection_takes_the_highest_q_halt_and_the_lowest_index_on_ties():
-    k = 4
-    planted = torch.tensor([0.1, 2.0, -1.0, 1.9,    # puzzle 0: trajectory 1
-                            -3.0, -3.0, -5.0, -4.0,  # puzzle 1: tie, the first (0)
-                            1.0, 2.0, 3.0, 3.0])     # puzzle 2: tie at the top, trajectory 2
-    chosen = ptrm.Trajectories(k, 0.5).best(planted)
-    assert chosen.view(-1, k).int().argmax(1).tolist() == [1, 0, 2]
-    assert chosen.sum() == 3
-    # select() spreads the chosen row's logits over its puzzle's rows and counts each puzzle once.
-    rows, seq, vocab = 12, 3, 5
-    logits = torch.arange(rows, dtype=torch.float32).view(rows, 1, 1).expand(rows, seq, vocab).clone()
-    labels = torch.full((rows, seq), 2, dtype=torch.int32)
+def planted(answers: list[int], labels: list[int], rows: int, seq: int = 3, vocab: int = 5):
+    """A halted carry and logits whose row r predicts token answers[r] everywhere (padding rows
+    past len(answers): no labels)."""
+    logits = torch.zeros(rows, seq, vocab)
+    for r, a in enumerate(answers):
+        logits[r, :, a] = 1.0
+    label_rows = torch.full((rows, seq), -100, dtype=torch.int32)
+    for r, a in enumerate(labels):
+        label_rows[r] = a
     carry = Carry(z_H=torch.zeros(rows, 1, 1), z_L=torch.zeros(rows, 1, 1), steps=torch.full((rows,), 4),
-                  halted=torch.ones(rows, dtype=torch.bool), current_data={"labels": labels},
+                  halted=torch.ones(rows, dtype=torch.bool), current_data={"labels": label_rows},
                   rng_counter=torch.tensor(0))
-    picked, outputs = ptrm.Trajectories(k, 0.5).select(carry, {"logits": logits, "q_halt_logits": planted})
-    assert outputs["logits"][:, 0, 0].tolist() == [1] * 4 + [4] * 4 + [10] * 4
-    assert outputs["q_halt_logits"].tolist() == [2.0] * 4 + [-3.0] * 4 + [3.0] * 4
-    assert picked.halted.tolist() == [True, False, False, False] * 3
-    _, metrics = loss_and_metrics(picked, outputs, halted_losses=True)
-    assert metrics["count"] == 3 and metrics["exact_accuracy"] == 0  # the chosen rows predict 1, 4, 10
-    # The oracle: a puzzle counts when any trajectory is right (rows 2 and 7 predict label 2).
-    right = torch.where(torch.arange(rows).view(rows, 1, 1) % 5 == 2, 9.0, 0.0) * (torch.arange(vocab) == 2)
-    assert ptrm.Trajectories(k, 0.5).solved_by_any(carry, {"logits": right}) == 2
+    return carry, logits
 
 
-def test_noise_is_a_function_of_seed_puzzle_trajectory_and_step():
+def test_best_q_mode_and_pass_at_k_on_planted_answers_with_ties_and_padding():
+    """K=4 in a batch of 14 rows: 3 puzzles, 2 padding rows. The rows' answers (one token each)
+    and q_halt are planted so that best-Q, mode@K and pass@K differ."""
+    k = 4
+    answers = [0, 1, 1, 2,   # puzzle 0: answer 1 twice (mode), best q on trajectory 0 (answer 0)
+               0, 0, 3, 3,   # puzzle 1: two answers twice each, the tie goes to the best q (trajectory 2: 3)
+               1, 2, 3, 4,   # puzzle 2: four answers once each, the best q is a tie: the first (answer 1)
+               1, 1]         # padding rows: no labels, never counted
+    q_halt = torch.tensor([3.0, 0.0, 1.0, 2.0, 0.0, 1.0, 5.0, -1.0, 1.0, 1.0, 0.0, 0.0, 9.0, 9.0])
+    labels = [1] * 4 + [0] * 4 + [1] * 4
+    t = ptrm.Trajectories(k, 0.5)
+    carry, logits = planted(answers, labels, 14)
+    outputs = {"logits": logits, "q_halt_logits": q_halt}
+    assert t.best(q_halt).int().argmax(1).tolist() == [0, 2, 0]
+    # puzzle 0: of answer 1's two trajectories, the one with the better q (2)
+    assert t.mode(logits.argmax(-1), q_halt).int().argmax(1).tolist() == [2, 2, 0]
+    picked, selected, (mode_sum, pass_sum) = t.select(carry, outputs)
+    assert picked.halted.tolist() == [True, False, False, False] * 3 + [False, False]
+    assert selected["logits"].argmax(-1)[:, 0].tolist() == [0] * 4 + [3] * 4 + [1] * 4 + [0, 0]
+    assert selected["q_halt_logits"].tolist() == [3.0] * 4 + [5.0] * 4 + [1.0] * 4 + [0.0, 0.0]
+    _, metrics = loss_and_metrics(picked, selected, halted_losses=True)
+    # best-Q solves puzzle 2 only; mode@K puzzles 0 and 2; pass@K all three.
+    assert (metrics["count"], metrics["exact_accuracy"], mode_sum, pass_sum) == (3, 1, 1 + 1, 3)
+    # pass@K is today's any_exact (the oracle, on a batch K divides).
+    carry, logits = planted(answers[:12], labels, 12)
+    valid = carry.current_data["labels"] != -100
+    solved = (valid & (logits.argmax(-1) == carry.current_data["labels"])).sum(-1) == valid.sum(-1)
+    any_exact = ((carry.halted & (valid.sum(-1) > 0)) & solved).view(-1, k).any(1).sum().float()
+    assert t.select(carry, {"logits": logits, "q_halt_logits": q_halt[:12]})[2][1] == any_exact == 3
+
+
+def test_archs_that_halt_on_q_continue_rank_by_q_halt_minus_q_continue(monkeypatch):
+    """hrm / transformers_baseline halt on q_halt > q_continue: that rule ranks their trajectories
+    (selection) and reads the chosen one (halting histogram); TRM ranks by q_halt alone."""
+    q_halt = torch.tensor([-1.0, -2.0])
+    q_continue = torch.tensor([-0.5, -3.0])  # q_halt - q_continue: -0.5, 1.0
+    carry, logits = planted([0, 1], [1, 1], 2)
+    outputs = {"logits": logits, "q_halt_logits": q_halt, "q_continue_logits": q_continue}
+    by_q_halt, by_rule = ptrm.Trajectories(2, 0.5), ptrm.Trajectories(2, 0.5, halt_on_continue=True)
+    assert by_q_halt.best(by_q_halt.scores(outputs)).tolist() == [[True, False]]
+    assert by_rule.best(by_rule.scores(outputs)).tolist() == [[False, True]]
+    picked, selected, _ = by_rule.select(carry, outputs)
+    assert loss_and_metrics(picked, selected, halted_losses=True)[1]["exact_accuracy"] == 1
+    # The halting histogram reads the chosen trajectory's rule: it says halt (-2 > -3) at step 1.
+    carry = dataclasses.replace(picked, steps=torch.ones(2, dtype=torch.int32))
+    _, counts = halt_steps.first_halt_counts(torch.zeros(2, dtype=torch.int32), carry, selected, 4, False)
+    assert counts.tolist() == [1, 0, 0, 0, 0]
+    # mode@K ties go to the rule's best trajectory too.
+    assert by_rule.mode(logits.argmax(-1), by_rule.scores(outputs)).tolist() == [[False, True]]
+    # The evaluation takes the rule from the model's config (no_ACT_continue False: hrm's).
+    for no_continue, expected in ((True, False), (False, True)):
+        got = {}
+        trainer = SimpleNamespace(config=SimpleNamespace(optim=SimpleNamespace(global_batch_size=32),
+                                                         run=SimpleNamespace(seed=0),
+                                                         model=SimpleNamespace(no_ACT_continue=no_continue)),
+                                  sharding=SimpleNamespace(data_split=lambda: (0, 1)),
+                                  set_evaluation=lambda t, d, got=got: got.update(t=t, d=d))
+        ptrm.set_evaluation(trainer, testtime.Setting(4, 0.3, 16))
+        assert got["t"].halt_on_continue is expected and got["d"] == 16 and got["t"].host_rows == 32
+
+
+def test_the_counter_hash_is_int32_and_draws_what_the_int64_hash_drew():
+    """model.hashed_uniform and the noise: one int32 hash (counter_hash.py), whose draws are the
+    int64 hashes' of before, bit for bit (values recorded from them)."""
+    u = counter_hash.hashed_uniform(7, torch.tensor(3), torch.arange(4), 0)
+    assert u.tolist() == [0.8352841138839722, 0.6832155585289001, 0.6397753953933716, 0.6470803022384644]
+    batch = {"inputs": torch.arange(8).view(2, 4) % 5, "puzzle_identifiers": torch.tensor([0, 3])}
+    z = torch.zeros(2, 3, 2)
+    _, noisy = ptrm.Trajectories(2, 1.0, seed=7).perturb(z, z, batch, torch.tensor([0, 5]))
+    assert noisy[:, 0].tolist() == [[2.41269850730896, 1.8127593994140625], [1.2950316667556763, 0.5719338059425354]]
+    assert counter_hash.mix(torch.tensor([1, -7], dtype=torch.int32)).dtype == torch.int32
+
+
+def test_noise_is_a_function_of_seed_puzzle_trajectory_and_step_on_the_chosen_latent():
     config = tiny_config()
     batch = {k: v.repeat_interleave(4, 0) for k, v in random_batch(config, 6, seed=2).items()}
     z = torch.zeros(24, config.total_len, config.hidden_size)
     steps = torch.zeros(24, dtype=torch.int32)
     t = ptrm.Trajectories(4, 1.0, seed=7)
-    noise = t.perturb(z, batch, steps)
+    untouched, noise = t.perturb(z, z, batch, steps)
+    assert untouched is z  # z_L only, the default
     assert abs(noise.std().item() - 1.0) < 0.02 and abs(noise.mean().item()) < 0.02
     assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[4])  # trajectories, puzzles
-    assert not torch.equal(noise, t.perturb(z, batch, steps + 1))
-    assert not torch.equal(noise, dataclasses.replace(t, seed=8).perturb(z, batch, steps))
+    assert not torch.equal(noise, t.perturb(z, z, batch, steps + 1)[1])
+    assert not torch.equal(noise, dataclasses.replace(t, seed=8).perturb(z, z, batch, steps)[1])
     # The same puzzle elsewhere in the batch, or trajectory k at a larger K: the same noise.
     shifted = {k: v.roll(4, 0) for k, v in batch.items()}
-    assert torch.equal(t.perturb(z, shifted, steps).roll(-4, 0), noise)
+    assert torch.equal(t.perturb(z, z, shifted, steps)[1].roll(-4, 0), noise)
     wider = {k: v.view(6, 4, *v.shape[1:])[:, :2].reshape(12, *v.shape[1:]) for k, v in batch.items()}
-    assert torch.equal(ptrm.Trajectories(2, 1.0, seed=7).perturb(z[:12], wider, steps[:12]),
+    assert torch.equal(ptrm.Trajectories(2, 1.0, seed=7).perturb(z[:12], z[:12], wider, steps[:12])[1],
                        noise.view(6, 4, *noise.shape[1:])[:, :2].reshape(12, *noise.shape[1:]))
+    # z_H: its own draw; both: z_L's draw is the default's, z_H's the z_H one's.
+    on_h, same = dataclasses.replace(t, latent="z_H").perturb(z, z, batch, steps)
+    assert same is z and abs(on_h.std().item() - 1.0) < 0.02 and (on_h * noise).mean().abs() < 0.02
+    both = dataclasses.replace(t, latent="both").perturb(z, z, batch, steps)
+    assert torch.equal(both[0], on_h) and torch.equal(both[1], noise)
 
 
 def test_noise_and_selection_on_a_sharded_xla_mesh_equal_cpu_eager(spmd_mesh):
+    """K=3 in batches of 32 rows (10 puzzles and 2 padding rows), D = halt_max_steps + 2."""
     import torch_xla.debug.metrics as met
 
     import sharding
 
     config = tiny_config()
     m = trained_looking_model(config)
-    batch = {k: v.repeat_interleave(4, 0) for k, v in random_batch(config, 8, seed=3).items()}
-    t = ptrm.Trajectories(4, 0.5, seed=1)
-    cpu = eval_steps(m, batch, t)
+    puzzles = random_batch(config, 10, seed=3)
+    batch = {k: torch.cat([v.repeat_interleave(3, 0), v[:2]]) for k, v in puzzles.items()}
+    t = ptrm.Trajectories(3, 0.5, seed=1)
+    depth = config.halt_max_steps + 2
+    cpu = eval_steps(m, batch, t, depth)
     device = sharding.device()
     xla_model = TRM(config).eval()
     xla_model.load_state_dict(m.state_dict())
     xla_model = xla_model.to(device)
     xla_batch = {k: sharding.shard_batch_dim(v.to(device), spmd_mesh) for k, v in batch.items()}
     met.clear_all()
-    xla = eval_steps(xla_model, xla_batch, t)
+    xla = eval_steps(xla_model, xla_batch, t, depth)
     import torch_xla
     torch_xla.sync()
     assert not [n for n in met.counter_names() if n.startswith("aten::")]
     assert met.metric_data("TransferFromDeviceTime") is None, "the steps read a device value"
     assert torch.equal(xla[1].cpu(), cpu[1])
-    torch.testing.assert_close(xla[2].cpu(), cpu[2], rtol=1e-5, atol=1e-5)
-    assert xla[0]["exact_accuracy"].cpu() == cpu[0]["exact_accuracy"]
+    # float32 on both, rounded in other orders over six noisy ACT steps
+    torch.testing.assert_close(xla[2].cpu(), cpu[2], rtol=1e-4, atol=1e-4)
+    assert xla[0]["exact_accuracy"].cpu() == cpu[0]["exact_accuracy"] and xla[0]["count"].cpu() == 10
+    assert [e.cpu() for e in xla[3]] == cpu[3]
 
 
-def test_trajectory_flags_are_checked_and_a_k_that_splits_puzzles_is_refused():
-    assert ptrm.parse_trajectories("1,4,16") == [1, 4, 16]
-    assert ptrm.parse_noises("0,0.3") == [0.0, 0.3]
+def test_trajectory_flags_settings_and_any_k():
+    assert testtime.parse_trajectories("1,4,16") == [1, 4, 16]
+    assert testtime.parse_noises("0,0.3") == [0.0, 0.3]
     with pytest.raises(SystemExit, match=r"eval.trajectories='1,0' must be .* \(set it with --eval.trajectories\)"):
         parse_config(["demo", "--eval.trajectories", "1,0"])
     with pytest.raises(SystemExit, match=r"eval.noise='-1' must be"):
         parse_config(["demo", "--eval.noise=-1"])
-    with pytest.raises(ValueError, match=r"K=3 must divide the global batch of 128 rows .* pick K among"):
-        ptrm.puzzles_per_batch(128, 3, 1)
+    # Any K up to the batch: 100 at the paper's 768 (7 puzzles a batch), not 129 at 128.
+    parse_config(["sudoku-mlp", "--eval.trajectories", "100", "--eval.noise", "0.3", "--eval.act-steps", "64"])
+    with pytest.raises(SystemExit, match=r"K=129 exceeds the 128 rows"):
+        parse_config(["demo", "--eval.trajectories", "129"])
+    with pytest.raises(SystemExit, match=r"eval.act_steps=0 must be"):
+        parse_config(["demo", "--eval.act-steps", "0"])
+    # Noise 0 runs at K=1 only (issue 47: `4,16 --eval.noise 0,0.3` ran its noise-0 point at K=4).
+    config = parse_config(["demo", "--eval.trajectories", "4,16", "--eval.noise", "0,0.3", "--eval.noise-latent",
+                           "both"])
+    assert [p.name for p in testtime.settings(config.eval, 4)] == ["K1-noise0-D4-both", "K4-noise0.3-D4-both",
+                                                                   "K16-noise0.3-D4-both"]
+    assert testtime.setting_name(16, 0.3, 64) == "K16-noise0.3-D64"
+    assert testtime.setting_dir("gs://b/runs/r", 100, 1.0, 16, "z_H") == "gs://b/runs/r/test-time/K100-noise1-D16-z_H"
+
+
+def test_k_that_does_not_divide_the_batch_gives_each_puzzle_exactly_k_rows(demo_path):
+    """K=100 at the paper's batch of 768 over 8 hosts (96 rows each: no whole puzzle; refused) and
+    over 1; K=3 at 32 rows over 2 hosts: every test puzzle has exactly K rows, padding fills."""
+    test_set = data.open_dataset(demo_path, "test")
+    with pytest.raises(ValueError, match="K=100 exceeds the 96 rows"):
+        testtime_batches.eval_batches(test_set, 768, 100, 0, 8)
+    for size, k, hosts in ((768, 100, 1), (32, 3, 2), (48, 3, 2)):
+        seen = []
+        for host in range(hosts):
+            batches = testtime_batches.eval_batches(test_set, size, k, host, hosts)
+            for i in range(len(batches)):
+                rows, valid = batches.batch(i), batches.valid(i)
+                assert len(valid) == size // hosts and all(len(v) == size // hosts for v in rows.values())
+                puzzles = size // hosts // k
+                assert not valid[puzzles * k:].any() and (rows["labels"][puzzles * k:] == -100).all()
+                inputs = rows["inputs"][:puzzles * k][valid[:puzzles * k]]
+                assert (inputs.reshape(-1, k, inputs.shape[-1]) == inputs[::k, None]).all()
+                seen += [tuple(x) for x in inputs[::k]]
+        assert sorted(seen) == sorted(tuple(x) for x in test_set.inputs), (size, k, hosts)
 
 
 ONE_DEVICE_EVAL = """
 import json, sys
 sys.path.insert(0, {project!r})
 import sharding
+import testtime_curve
 from eval_command import evaluate_command
-result = evaluate_command({args!r})
-print("RESULT" + json.dumps({{"curve": result["trajectories"], "xla": sharding.xla_counters()}}))
+evaluate_command({args!r})
+print("RESULT" + json.dumps({{"curve": testtime_curve.saved_settings({run_dir!r}), "xla": sharding.xla_counters()}}))
 """
 
 
-def test_eval_curve_compiles_one_program_per_k_gives_the_same_answers_on_1_and_8_devices_and_in_predict(demo_path,
-                                                                                                       tmp_path):
-    """`train.py eval --eval.trajectories 1,2,4`: K=1 without noise is the evaluation's own
-    result; each K compiles one program and reads its metrics once; the curve, its JSON and PNG
-    are saved; the same seed gives the same accuracies on 1 device as on the 8 of the mesh."""
+@pytest.fixture(scope="module")
+def k3_run(demo_path, tmp_path_factory):
+    """A demo run (float32: the partitioned program rounds differently from the one-device one,
+    test_train) whose evaluations run K=3 trajectories at noise 0.5 in batches of 32 rows (10
+    puzzles and 2 padding rows): (its directory, train.main's result, the common eval flags)."""
+    tmp_path = tmp_path_factory.mktemp("k3")
+    steps = ("--optim.max-steps", "30", "--eval.every-epochs", "1000", "--model.forward-dtype", "float32",
+             "--eval.trajectories", "3", "--eval.noise", "0.5")
+    trained = train.main(parse_config(tiny_args(demo_path, tmp_path, *steps)))
+    common = ["--init-from", str(tmp_path / "run"), "--data.path", demo_path, "--data.cache-dir",
+              str(tmp_path / "cache")]
+    return tmp_path, trained, common
+
+
+def test_training_evaluations_at_k_are_the_standalone_evaluation_at_that_setting(k3_run):
+    """Training's evaluation at K=3, noise 0.5 (the last of the flags) is `train.py eval` at that
+    setting, and not the evaluation without trajectories (whose lm_loss differs)."""
+    tmp_path, trained, common = k3_run
+    final = trained["final"]
+    at_k = evaluate_command([*common, "--run.dir", str(tmp_path / "a")])  # the run's own flags: K=3, noise 0.5
+    plain = evaluate_command([*common, "--run.dir", str(tmp_path / "b"), "--eval.trajectories", "1",
+                              "--eval.noise", "0"])
+    assert (at_k["trajectories"], at_k["noise"], plain["trajectories"]) == (3, 0.5, 1)
+    for name in ("count", "exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy"):
+        assert final[name] == at_k[name], name
+    assert final["lm_loss"] == pytest.approx(at_k["lm_loss"], rel=1e-6)
+    assert final["lm_loss"] != pytest.approx(plain["lm_loss"], rel=1e-4)
+    assert final["count"] == 40 and final["pass_exact_accuracy"] >= max(final["exact_accuracy"],
+                                                                         final["mode_exact_accuracy"])
+    assert plain["mode_exact_accuracy"] == plain["pass_exact_accuracy"] == plain["exact_accuracy"]
+
+
+def test_eval_writes_each_setting_into_the_run_resumably_and_leaves_its_eval_unchanged(k3_run, capsys):
+    """`train.py eval --init-from RUN` at K 1,2 and noise 0,0.5: RUN/test-time/K1-noise0-D4,
+    K1-noise0.5-D4, K2-noise0.5-D4 (noise 0 at K=1 only), each metrics.json with the settings'
+    keys; RUN's own eval/ byte for byte unchanged; a second command skips every done setting."""
+    tmp_path, trained, common = k3_run
     run_dir = tmp_path / "run"
-    # float32: the partitioned program rounds differently from the one-device one (test_train).
-    steps = ("--optim.max-steps", "30", "--eval.every-epochs", "1000", "--model.forward-dtype", "float32")
-    train.main(parse_config(tiny_args(demo_path, tmp_path, *steps)))
-    common = ["--init-from", str(run_dir), "--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache"),
-              "--optim.global-batch-size", "32"]
-    baseline = evaluate_command([*common, "--run.dir", str(tmp_path / "base")])
-    args = [*common, "--run.dir", str(tmp_path / "curve"), "--eval.trajectories", "1,2,4", "--eval.noise", "0,0.5"]
+    own = {p: p.read_bytes() for p in sorted((run_dir / "eval").rglob("*")) if p.is_file()}
+    assert any(p.name == "metrics.json" for p in own)
+    args = [*common, "--eval.trajectories", "1,2", "--eval.noise", "0,0.5"]
     result = evaluate_command(args)
-    curve = result["trajectories"]
-    # Without noise only K=1 runs (its trajectories would all be the first, test above).
-    assert [(r["trajectories"], r["noise"]) for r in curve] == [(1, 0), (1, 0.5), (2, 0.5), (4, 0.5)]
-    assert curve[0]["exact_accuracy"] == baseline["exact_accuracy"] and curve[0]["accuracy"] == baseline["accuracy"]
-    # K=1 without noise is the evaluation program compiled for `baseline`; every other K, one.
-    assert [r["compiles"] for r in curve] == [0, 1, 1, 1]
-    assert all(r["transfers"] == 1 for r in curve)  # the metric sums, read after the last batch
-    assert curve[0]["examples"] == 40
-    assert all(r["oracle_exact_accuracy"] >= r["exact_accuracy"] for r in curve)
-    saved = tmp_path / "curve" / "eval" / "step_30"
-    assert json.loads((saved / ptrm.CURVE_FILE).read_text()) == curve
-    assert (saved / ptrm.CURVE_PLOT).read_bytes()[:4] == b"\x89PNG"
-    # The study report's columns of a run evaluated so (its eval/step_N/trajectories.json).
-    columns = ptrm.saved_curve_columns(str(tmp_path / "curve"))
-    assert list(columns) == ["exact_K1_noise0_%", "exact_K1_noise0.5_%", "exact_K2_noise0.5_%", "exact_K4_noise0.5_%"]
-    assert columns["exact_K4_noise0.5_%"] == f"{100 * curve[-1]['exact_accuracy']:.2f}"
-    assert ptrm.saved_curve_columns(str(tmp_path / "base")) == {}
+    assert {p: p.read_bytes() for p in sorted((run_dir / "eval").rglob("*")) if p.is_file()} == own
+    names = ["K1-noise0-D4", "K1-noise0.5-D4", "K2-noise0.5-D4"]
+    assert sorted(p.name for p in (run_dir / "test-time").iterdir() if p.is_dir()) == sorted(names)
+    saved = [json.loads((run_dir / "test-time" / n / "metrics.json").read_text()) for n in names]
+    for row, (k, noise) in zip(saved, ((1, 0.0), (1, 0.5), (2, 0.5))):
+        assert {"trajectories": k, "noise": noise, "act_steps": 4, "noise_latent": "z_L", "num_puzzles": 40,
+                "step": 30, "act_steps_per_puzzle": k * 4}.items() <= row.items()
+        assert row["best_q_exact_accuracy"] == row["exact_accuracy"] and row["token_accuracy"] == row["accuracy"]
+        assert row["pass_exact_accuracy"] >= row["exact_accuracy"]
+    assert saved[-1] == result
+    assert all(r["transfers"] == 1 for r in saved)  # the metrics, read once per setting
+    assert (run_dir / "test-time" / "trajectories.png").read_bytes()[:4] == b"\x89PNG"
+    import testtime_curve
+    assert [testtime_curve.name_of(r) for r in testtime_curve.saved_settings(str(run_dir))] == names
+    columns = testtime_curve.curve_columns(str(run_dir))
+    assert columns["exact_K2-noise0.5-D4_%"] == f"{100 * result['exact_accuracy']:.2f}"
+    capsys.readouterr()
+    stamps = {n: (run_dir / "test-time" / n / "metrics.json").stat().st_mtime_ns for n in names}
+    assert evaluate_command(args) == result
+    assert capsys.readouterr().out.count("skipped") == 3
+    assert {n: (run_dir / "test-time" / n / "metrics.json").stat().st_mtime_ns for n in names} == stamps
+
+
+def test_depth_d_is_the_evaluation_at_halt_max_steps_and_goes_on_from_the_carry_beyond(k3_run):
+    """--eval.act-steps 4 (the demo's halt_max_steps) is the evaluation without the flag; 6 is the
+    EMA model's recursion run 6 ACT steps by hand from the initial state, eagerly."""
+    from config import PRESETS
+    from restore import load_weights_for_eval
+
+    tmp_path, _, common = k3_run
+    plain = ["--eval.trajectories", "1", "--eval.noise", "0"]
+    default = evaluate_command([*common, *plain, "--run.dir", str(tmp_path / "d")])
+    at_4 = evaluate_command([*common, *plain, "--run.dir", str(tmp_path / "d4"), "--eval.act-steps", "4"])
+    at_6 = evaluate_command([*common, *plain, "--run.dir", str(tmp_path / "d6"), "--eval.act-steps", "6"])
+    assert {k: v for k, v in at_4.items() if k not in ("seconds_per_puzzle", "cpu_seconds_per_puzzle",
+                                                        "compile_seconds", "compiles")} == \
+        {k: v for k, v in default.items() if k not in ("seconds_per_puzzle", "cpu_seconds_per_puzzle",
+                                                        "compile_seconds", "compiles")}
+    assert (tmp_path / "d6" / "test-time" / "K1-noise0-D6" / "metrics.json").exists()
+    assert sum(at_6[f"halted_at_{s}"] for s in range(1, 7)) + at_6["never_halted"] == pytest.approx(1.0)
+    config, weights, _, _ = load_weights_for_eval(common[1], PRESETS["demo"][1], [])
+    trm = TRM(config.model).eval()
+    trm.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})
+    test_set = data.open_dataset(common[3], "test")
+    inputs, labels = torch.from_numpy(test_set.inputs), torch.from_numpy(test_set.labels).long()
+    ids = torch.from_numpy(np.repeat(test_set.puzzle_identifiers, np.diff(test_set.puzzle_indices)))
+    by_depth = {}
+    with torch.no_grad():
+        x = trm.embed(inputs, ids)
+        h_init, l_init = config.model.scheme.initial_states(trm)
+        shape = (len(inputs), config.model.total_len, config.model.hidden_size)
+        z_H, z_L = h_init.expand(shape), l_init.expand(shape)
+        for depth in range(1, 7):
+            z_H, z_L, logits, _, _ = trm.recurse(z_H, z_L, x)
+            right = logits.argmax(-1) == labels
+            by_depth[depth] = (right.all(-1).float().mean().item(), right.float().mean(-1).mean().item())
+    assert by_depth[4] != by_depth[6]
+    for result, depth in ((default, 4), (at_6, 6)):
+        # float32 eager against the 8-device program: rounding may flip a token, not more
+        assert result["exact_accuracy"] == pytest.approx(by_depth[depth][0], abs=1 / 40 + 1e-9)
+        assert result["accuracy"] == pytest.approx(by_depth[depth][1], abs=1 / 640 + 1e-6)
+
+
+def test_a_k_that_does_not_divide_the_batch_answers_as_a_dividing_batch_in_eval_on_1_and_8_devices_and_predict(
+        k3_run):
+    """K=3 at batches of 32 rows (10 puzzles, 2 padding rows) and of 48 (16 puzzles): the same
+    answers; on one device as on the 8 of the mesh; and in predict."""
+    tmp_path, _, common = k3_run
+    args = [*common, "--run.dir", str(tmp_path / "k32"), "--eval.trajectories", "3", "--eval.noise", "0.5"]
+    at_32 = evaluate_command(args)
+    at_48 = evaluate_command([*common, "--run.dir", str(tmp_path / "k48"), "--eval.trajectories", "3",
+                              "--eval.noise", "0.5", "--optim.global-batch-size", "48"])
+    for name in ("count", "exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy"):
+        assert at_32[name] == at_48[name], name
+    assert at_32["accuracy"] == pytest.approx(at_48["accuracy"], rel=1e-6)
 
     # predict takes one K and noise and gives the evaluation's answers (the same noise per puzzle).
-    test_set = data.open_dataset(demo_path, "test")
+    test_set = data.open_dataset(common[3], "test")
     digits = lambda tokens: "".join(str(int(t) - 1) for t in tokens)  # noqa: E731
     csv_file = tmp_path / "test.csv"
     csv_file.write_text("source,question,answer,rating\n" + "".join(
         f"demo,{digits(q)},{digits(a)},0\n" for q, a in zip(test_set.inputs, test_set.labels)))
-    predicted = predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle-file", str(csv_file),
-                                         "--eval.trajectories", "4", "--eval.noise", "0.5"])
-    assert predicted["exact_accuracy"] == pytest.approx(curve[-1]["exact_accuracy"])
+    predicted = predict.predict_command(["demo", common[0], common[1], "--puzzle-file", str(csv_file),
+                                         "--eval.trajectories", "3", "--eval.noise", "0.5"])
+    assert predicted["exact_accuracy"] == pytest.approx(at_32["exact_accuracy"])
     with pytest.raises(SystemExit, match="predict takes one --eval.trajectories K"):
-        predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle-file", str(csv_file),
+        predict.predict_command(["demo", common[0], common[1], "--puzzle-file", str(csv_file),
                                  "--eval.trajectories", "1,4"])
 
-    script = textwrap.dedent(ONE_DEVICE_EVAL.format(project=str(PROJECT_DIR),
-                                                    args=args + ["--run.cpu-devices", "1"]))
+    one_dir = str(tmp_path / "one")
+    script = textwrap.dedent(ONE_DEVICE_EVAL.format(project=str(PROJECT_DIR), run_dir=one_dir,
+                                                    args=[*args[:-6], "--run.dir", one_dir, *args[-4:],
+                                                          "--run.cpu-devices", "1"]))
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="1")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = json.loads(proc.stdout.split("RESULT")[1])
     assert not one["xla"]["fallbacks"]
-    for a, b in zip(curve, one["curve"]):
-        assert a["exact_accuracy"] == b["exact_accuracy"], (a, b)
-        assert a["accuracy"] == pytest.approx(b["accuracy"], rel=1e-5)
-    assert np.isfinite([r["seconds_per_puzzle"] for r in curve]).all()
-
-
-def test_training_evaluations_may_use_trajectories(demo_path, tmp_path):
-    """--eval.trajectories / --eval.noise in training: its evaluations run the last K and noise,
-    counting each test puzzle once."""
-    trained = train.main(parse_config(tiny_args(demo_path, tmp_path, "--optim.max-steps", "4", "--eval.every-epochs",
-                                                "1000", "--eval.trajectories", "1,2", "--eval.noise", "0.3")))
-    assert trained["final"]["count"] == 40
+    (row,) = one["curve"]
+    for name in ("exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy"):
+        assert row[name] == at_32[name], name
+    assert row["accuracy"] == pytest.approx(at_32["accuracy"], rel=1e-5)
+    assert np.isfinite(at_32["seconds_per_puzzle"])
 
 
 def test_projection_of_an_evaluation_at_k_trajectories():
