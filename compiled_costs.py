@@ -65,6 +65,6 @@ def device_time_fields(results: list[dict], cycles: tuple[int, int] | None = Non
 def eval_ms_per_puzzle(result: dict) -> float | None:
     """An evaluation program's device time per test puzzle: D ACT steps (eval.act_steps; the
     model's halt_max_steps) of the estimated step time over the batch's puzzles (global_batch_size // K)."""
-    if not result.get("compiled") or "puzzles_per_batch" not in result:
+    if not result.get("compiled") or not result.get("puzzles_per_batch"):
         return None
     return result["estimate_ms"] * result.get("act_steps", result["halt_max_steps"]) / result["puzzles_per_batch"]

@@ -24,6 +24,7 @@ import argparse
 import sys
 
 import storage
+import study_testtime
 from lifecycle import EXIT_RETRYABLE
 from projection import SliceSpec, slice_spec
 from schedule import run_schedule
@@ -189,6 +190,8 @@ def plan(args) -> int:
           "projections assume every step device-bound (bench.py measures the host's part)"
           + ("; the compiler's estimates assume Google's published clock and HBM bandwidth, only a TPU measures "
              "a step (launch.sh smoke)" if compiled else ""))
+    study_testtime.print_plan(runs, text, sizes, host, spec, vms, mfu, whole_mfu, compiled, args.jobs,
+                              sorted(loads.items(), key=lambda item: (-item[1], item[0])), whole_h, startup)
     for path, error in sizes.items():
         names = [r.name for r, h, _ in rows if h is None and paths[r.name] == path]
         if isinstance(error, Exception) and names:

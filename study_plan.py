@@ -12,7 +12,9 @@ A flag value with {a,b,c} in it expands the line into one run per value, the val
 the name (hidden-256, hidden-384, ...); several on one line give every combination. `--seeds K`
 expands it into K runs with --run.seed 0..K-1, named NAME-s0 ... NAME-s{K-1}. `@paper NAME 87.4`
 gives configuration NAME's published accuracy (in %), which the report shows beside its mean (and
-`@dataset` lines declare a dataset's sizes for `plan`). $VARIABLES in
+`@dataset` lines declare a dataset's sizes for `plan`). `@test-time [CONFIGURATIONS] K=1,16
+noise=0,0.3 D=16,64 [latent=z_L,z_H]` evaluates every finished run (or those of the configurations
+named: a comma list, `*` globs) at each test-time setting of the grid (study_testtime.py). $VARIABLES in
 flags come from the environment (gs://$TRM_BUCKET/data/...). Any flag of
 `python train.py PRESET --help` works, except --run.dir (the study gives each run its own).
 `parse_study` refuses the whole file, every problem with its line number, before anything runs:
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import io
 import itertools
+import math
 import os
 import re
 import shlex
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 import tyro
 
 import data
+import testtime
 from config import PRESETS, Config, ConfigError, check_config, flag_with_value, flat_config, presets_for
 from projection import PaperDataset, SliceSpec, flop_record, project_paper_run
 
@@ -185,15 +190,143 @@ def declared_papers(text: str) -> dict[str, float]:
     return dict(_declared_paper(n, line) for n, line in _lines(text) if line.lstrip().startswith("@paper"))
 
 
+TEST_TIME_KEYS = {"k": "K", "noise": "noise", "d": "D", "latent": "latent", "batch": "batch"}
+TEST_TIME_USAGE = ("@test-time [CONFIGURATIONS] K=1,16,100 noise=0,0.3 [D=16,64] [latent=z_L,z_H,both] [batch=B] "
+                   "(K: trajectories per puzzle; noise: its standard deviation; D: ACT steps per puzzle, "
+                   "default the model's halt_max_steps; latent: where the noise enters, default z_L; batch: the "
+                   "evaluation's global batch in rows, default the run's)")
+
+
+@dataclass(frozen=True)
+class ScalingGrid:
+    """One `@test-time` line: the test-time settings (every combination of its values) at which
+    the finished runs of its configurations are evaluated (study_testtime.py)."""
+
+    configurations: tuple[str, ...]
+    """Configuration names or fnmatch patterns (trm*, *-maze); empty: every configuration."""
+    ks: tuple[int, ...]
+    noises: tuple[float, ...]
+    depths: tuple[int, ...] | None
+    """D values; None: each run's own halt_max_steps."""
+    latents: tuple[str, ...]
+    line: int
+    batch: int | None = None
+    """The evaluations' global batch (rows); None: the run's own. A larger one fits a K above a
+    host's rows of the training batch (a v4-64's 8 hosts hold 96 rows each of 768)."""
+
+    def applies_to(self, run: StudyRun) -> bool:
+        return not self.configurations or any(fnmatch.fnmatchcase(run.configuration, p) for p in self.configurations)
+
+    def settings(self, halt_max_steps: int) -> list[testtime.Setting]:
+        """Every (K, noise, D, latent) of the grid, but noise 0 at K=1 on z_L only: without noise
+        every trajectory is the first, wherever the (zero) noise would enter."""
+        found = []
+        for noise, k, d, latent in itertools.product(self.noises, self.ks, self.depths or (halt_max_steps,),
+                                                     self.latents):
+            setting = testtime.Setting(k, noise, d, latent) if noise else testtime.Setting(1, 0.0, d)
+            if setting not in found:
+                found.append(setting)
+        return found
+
+
+def _test_time_values(number: int, key: str, parts: list[str]) -> tuple:
+    """The values of one KEY=a,b,c of a @test-time line, checked."""
+    def bad(what: str) -> StudyError:
+        return StudyError(f"line {number}: @test-time {key}={','.join(parts)}: {what}")
+    if key in ("K", "D"):
+        try:
+            values = tuple(int(p) for p in parts)
+        except ValueError:
+            values = ()
+        if not values or min(values) < 1:
+            raise bad("K is a number of trajectories per puzzle >= 1 (e.g. K=1,16,100)" if key == "K" else
+                      "D is a number of ACT steps per puzzle >= 1 (e.g. D=16,64; leave D out for each model's "
+                      "halt_max_steps)")
+        return values
+    if key == "batch":
+        if len(parts) != 1 or not parts[0].isdigit() or int(parts[0]) < 1:
+            raise bad("batch is one global batch in rows >= 1 for every evaluation of the line (e.g. batch=1600)")
+        return (int(parts[0]),)
+    if key == "noise":
+        try:
+            values = tuple(float(p) for p in parts)
+        except ValueError:
+            values = ()
+        if not values or not all(math.isfinite(v) and v >= 0 for v in values):
+            raise bad("noise is the noise's standard deviation >= 0 (e.g. noise=0,0.3)")
+        return values
+    unknown = [p for p in parts if p not in testtime.NOISE_LATENTS]
+    if unknown:
+        raise bad(f"{unknown[0]!r} is no latent: use {', '.join(testtime.NOISE_LATENTS)} (e.g. latent=z_L,both)")
+    return tuple(parts)
+
+
+def _declared_test_time(number: int, line: str) -> ScalingGrid:
+    """`@test-time [CONFIGURATIONS] K=... noise=... [D=...] [latent=...]` (TEST_TIME_USAGE)."""
+    words = shlex.split(line, comments=True)[1:]
+    patterns: tuple[str, ...] = ()
+    if words and "=" not in words[0]:
+        patterns, words = tuple(p for p in words[0].split(",") if p), words[1:]
+    values: dict[str, tuple] = {}
+    for word in words:
+        key, equals, text = word.partition("=")
+        key = TEST_TIME_KEYS.get(key.lower())
+        if not equals or key is None:
+            raise StudyError(f"line {number}: @test-time: {word!r} is not KEY=VALUES with a key among K, noise, D, "
+                             f"latent; expected {TEST_TIME_USAGE}")
+        if key in values:
+            raise StudyError(f"line {number}: @test-time: {key} given twice; list its values once (e.g. K=1,16)")
+        parts = [p.strip() for p in text.split(",")]
+        if not all(parts):
+            raise StudyError(f"line {number}: @test-time {word}: list the values between commas (e.g. K=1,16,100)")
+        values[key] = _test_time_values(number, key, parts)
+    missing = [k for k in ("K", "noise") if k not in values]
+    if missing:
+        raise StudyError(f"line {number}: @test-time: {' and '.join(missing)} missing; expected {TEST_TIME_USAGE}")
+    return ScalingGrid(patterns, values["K"], values["noise"], values.get("D"), values.get("latent", ("z_L",)),
+                       number, values.get("batch", (None,))[0])
+
+
+def scaling_grids(text: str) -> list[ScalingGrid]:
+    """The study file's `@test-time` lines (StudyError for a bad one)."""
+    return [_declared_test_time(n, line) for n, line in _lines(text) if line.lstrip().startswith("@test-time")]
+
+
+def scaling_settings(text: str, runs: list[StudyRun]) -> dict[str, dict[testtime.Setting, int | None]]:
+    """{run name: {its test-time setting: the evaluation's global batch, None for the run's}, in
+    the file's order} for the runs a `@test-time` line applies to (D left out: each run's model's
+    halt_max_steps; a setting named by two lines: the first's batch)."""
+    grids, found = scaling_grids(text), {}
+    for run in runs:
+        applying = [g for g in grids if g.applies_to(run)]
+        if not applying:
+            continue
+        halt = run.config().model.halt_max_steps if any(g.depths is None for g in applying) else 0
+        settings = found.setdefault(run.name, {})
+        for grid in applying:
+            for setting in grid.settings(halt):
+                settings.setdefault(setting, grid.batch)
+    return found
+
+
+DIRECTIVES = ("@dataset", "@paper", "@test-time")
+
+
 def parse_study(text: str, source: str = "study") -> list[StudyRun]:
     """Every run of a study file, checked: StudyError lists each problem as SOURCE:LINE: ..."""
-    runs, problems, papers = [], [], []
+    runs, problems, papers, grids = [], [], [], []
     for number, line in _lines(text):
+        directive = line.split()[0] if line.lstrip().startswith("@") else None
         try:
-            if line.lstrip().startswith("@dataset"):
+            if directive == "@dataset":
                 _declared_dataset(number, line)
-            elif line.lstrip().startswith("@paper"):
+            elif directive == "@paper":
                 papers.append((number, _declared_paper(number, line)[0]))
+            elif directive == "@test-time":
+                grids.append(_declared_test_time(number, line))
+            elif directive is not None:
+                raise StudyError(f"line {number}: {directive}: no such line; the study file's are "
+                                 f"{', '.join(DIRECTIVES)} (or a run: NAME PRESET [train.py flags...])")
             else:
                 runs += expand_line(number, line)
         except StudyError as e:
@@ -201,6 +334,9 @@ def parse_study(text: str, source: str = "study") -> list[StudyRun]:
     configurations = {run.configuration for run in runs}
     problems += [f"{source}:line {number}: @paper {name}: no configuration of that name (configurations: "
                  f"{', '.join(sorted(configurations))})" for number, name in papers if name not in configurations]
+    problems += [f"{source}:line {grid.line}: @test-time {pattern}: no configuration matches it (configurations: "
+                 f"{', '.join(sorted(configurations))})" for grid in grids for pattern in grid.configurations
+                 if runs and not any(fnmatch.fnmatchcase(c, pattern) for c in configurations)]
     seen = {}
     for run in runs:
         if run.name in seen:
@@ -208,6 +344,8 @@ def parse_study(text: str, source: str = "study") -> list[StudyRun]:
                             f"{seen[run.name]}); names must be unique")
         seen.setdefault(run.name, run.line)
         problems += [f"{source}:line {run.line}: {run.name}: {p}" for p in run_problems(run)]
+    if not problems:
+        problems += [f"{source}:{p}" for p in scaling_problems(grids, runs)]
     if not runs and not problems:
         problems.append(f"{source}: no runs (each line: NAME PRESET [train.py flags...])")
     if problems:
@@ -238,6 +376,38 @@ def _tyro_error(text: str) -> str:
     lines = [line for line in lines if line and not line.lower().startswith(("usage:", "for full helptext",
                                                                            "python", "train.py", "study.py"))]
     return " ".join(lines).replace("  ", " ").strip()
+
+
+def eval_config(config: Config, setting: testtime.Setting, batch: int | None = None) -> Config:
+    """The run's configuration as `train.py eval` runs it at a test-time setting: its evaluation
+    program (tpu_compile.py traces one ACT step at the global batch, the run's unless `batch`, at
+    the setting's K, noise, D and latent)."""
+    fields = {"trajectories": str(setting.k), "noise": f"{setting.noise:g}"}
+    names = {f.name for f in dataclasses.fields(config.eval)}
+    fields.update({k: v for k, v in (("act_steps", setting.act_steps), ("noise_latent", setting.latent))
+                   if k in names})
+    optim = config.optim if batch is None else dataclasses.replace(config.optim, global_batch_size=batch)
+    return dataclasses.replace(config, eval=dataclasses.replace(config.eval, **fields), optim=optim)
+
+
+def scaling_problems(grids: list[ScalingGrid], runs: list[StudyRun]) -> list[str]:
+    """What train.py eval would refuse at each setting of the grids (check_config on each
+    configuration's first run at each of its settings): 'line N: @test-time: CONFIGURATION at
+    SETTING: why'."""
+    problems, seen = [], set()
+    for run in runs:
+        if run.configuration in seen or not any(g.applies_to(run) for g in grids):
+            continue
+        seen.add(run.configuration)
+        config = run.config()
+        for grid in grids:
+            for setting in grid.settings(config.model.halt_max_steps) if grid.applies_to(run) else []:
+                try:
+                    check_config(eval_config(config, setting, grid.batch))
+                except ConfigError as e:
+                    problems += [f"line {grid.line}: @test-time: {run.configuration} at {setting.name}: {p}"
+                                 for p in str(e).split("\nerror: ")]
+    return problems
 
 
 def changed_flags(run: StudyRun) -> list[str]:

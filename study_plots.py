@@ -5,7 +5,9 @@ Plots, one point per configuration (the mean over its finished seeds, with its 9
 held-out exact accuracy against parameters and against training compute (log scales, the Pareto
 front marked), against each flag the study varies, and the learning curves (each
 configuration's mean exact accuracy over seeds at every evaluation). And where each run ran: a
-timeline per host (`write_timeline`, from goodput.py's StudyTime).
+timeline per host (`write_timeline`, from goodput.py's StudyTime). And for a study with a
+test-time grid, exact accuracy against test-time compute beside training compute
+(`write_test_time`).
 """
 from __future__ import annotations
 
@@ -244,3 +246,62 @@ def write_timeline(study, path: str) -> tuple[str, dict]:
     figure.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(figure)
     return path, drawn
+
+
+def write_test_time(points: list[dict], results, path: str) -> str | None:
+    """Exact accuracy against test-time compute (study_testtime.plot_points): on the left against K x D
+    ACT steps per puzzle (log scale), a colour per (configuration, noise, latent), best-Q solid,
+    mode@K dashed, pass@K (an oracle) dotted, noise 0 (one trajectory) squares; on the right the
+    same best-Q points against the configuration's training compute (FLOPs, log scale), a marker per
+    setting, the configuration named, so that the two computes are read side by side."""
+    if not points:
+        return None
+    plt = _pyplot()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
+    colours = plt.get_cmap("tab10")
+    configurations = list(dict.fromkeys(p["configuration"] for p in points))
+    settings = list(dict.fromkeys(p["setting"] for p in sorted(points, key=lambda p: (p["compute"], p["setting"]))))
+    markers, drawn = "o^vD<>pPX*h", 0
+    for i, configuration in enumerate(configurations):
+        mine = [p for p in points if p["configuration"] == configuration]
+        for j, (noise, latent) in enumerate(dict.fromkeys((p["noise"], p["latent"]) for p in mine)):
+            drawn += 1
+            series = sorted((p for p in mine if (p["noise"], p["latent"]) == (noise, latent)),
+                            key=lambda p: p["compute"])
+            xs = [p["compute"] for p in series]
+            for rule, style in (("best-Q", "-"), ("mode", "--"), ("pass@K", ":")):
+                ys = [100 * p[rule] for p in series if rule in p]
+                if len(ys) != len(xs):
+                    continue
+                label = f"{configuration}, noise {noise:g}" + ("" if latent == "z_L" else f" on {latent}") \
+                    if rule == "best-Q" else None
+                left.plot(xs, ys, style, marker="s" if noise == 0 else markers[j % len(markers)], markersize=4,
+                          color=colours((drawn - 1) % 10), alpha=1.0 if rule == "best-Q" else 0.6, label=label)
+        shown = [p for p in mine if p.get("train_flops") and "best-Q" in p]
+        for p in shown:
+            k = settings.index(p["setting"])
+            right.plot([p["train_flops"]], [100 * p["best-Q"]], markers[k % len(markers)], color="tab:blue",
+                       label=p["setting"] if i == 0 else None)
+        if shown:
+            top = max(shown, key=lambda p: p["best-Q"])
+            right.annotate(configuration, (top["train_flops"], 100 * top["best-Q"]), textcoords="offset points",
+                           xytext=(6, 4), fontsize=7)
+    for style, rule in (("k-", "best-Q"), ("k--", "mode@K"), ("k:", "pass@K (oracle)")):
+        left.plot([], [], style, label=rule)
+    left.set_xscale("log")
+    left.set_xlabel("test-time compute: K x D ACT steps per puzzle (log scale)")
+    left.set_ylabel("held-out exact accuracy (%), mean over seeds")
+    left.set_title(_title(results, "Exact accuracy vs test-time compute"), fontsize=10)
+    left.legend(fontsize=7, loc="lower right")
+    for handle in (left, right):
+        handle.set_ylim(-2, 102)
+        handle.grid(True, alpha=0.3)
+    if right.lines:
+        right.set_xscale("log")
+        right.legend(fontsize=7, loc="lower right", title="setting (best-Q)", title_fontsize=7)
+    right.set_xlabel("training compute, FLOPs (log scale), each configuration's at its mean")
+    right.set_title("The same against the training compute", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

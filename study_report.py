@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import goodput
 import storage
+import study_testtime
 import testtime_curve
 from config import flat_config
 from study_plan import StudyRun, declared_papers
@@ -96,6 +97,7 @@ class RunResult:
     host: int | None = None  # the study host it ran on (None: the study ran without --host)
     ckpt_every: int | None = None
     trajectories: dict = field(default_factory=dict)  # exact % at (K, noise): testtime_curve.curve_columns
+    scaling: dict = field(default_factory=dict)  # {test-time setting: its metrics}: study_testtime.run_scaling
 
 
 def _read_json(url: str):
@@ -164,6 +166,7 @@ def collect(out: str) -> list[RunResult]:
         result.parameters = parameter_count(config.model)
         result.effective_depth, _, result.forward_passes = recursion_counts(config.model)
         result.trajectories = testtime_curve.curve_columns(run_dir)
+        result.scaling = study_testtime.run_scaling(run_dir)
         records = _records(run_dir)
         trained = [r["step"] for r in records if r.get("kind") == "train"]
         result.steps_done = final["step"] if final else max(trained, default=0)
@@ -293,8 +296,10 @@ def markdown(rows: list[dict], columns: list[str]) -> str:
                      + ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows])
 
 
-def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[str], spent: str) -> str:
-    """results.csv, results.md; returns the text printed to the terminal."""
+def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[str], spent: str,
+                  test_time: list[str] = ()) -> str:
+    """results.csv, results.md; returns the text printed to the terminal. `test_time`: the columns
+    of the test-time settings (study_testtime.add_columns): in the CSV, and a table of their own."""
     # test-time scaling of the runs evaluated at several K (testtime_curve.curve_columns)
     scaling = list(dict.fromkeys(k for r in runs for k in r if k.startswith("exact_K")))
     run_columns = ["name", "status", "preset", *varied, "parameters", *TABLE1, "steps", "train_flops", "device_hours",
@@ -305,7 +310,7 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
                       "mean_exact_95%",
                       "paper_%", "min_exact_%", "max_exact_%", "mean_halt_step"]
     buffer = io.StringIO()
-    all_columns = ["kind", "configuration"] + list(dict.fromkeys(run_columns + config_columns))
+    all_columns = ["kind", "configuration"] + list(dict.fromkeys(run_columns + config_columns + list(test_time)))
     writer = csv.DictWriter(buffer, fieldnames=all_columns, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(runs + configs)
@@ -316,16 +321,24 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
           "0-100%).\n\n"
           + markdown(configs, config_columns) + "\n\nWhere the time went (each run's seconds per cause in the "
           "columns after wall_time_s; docs/studies.md says what each counts):\n\n```\n" + spent + "\n```\n")
+    if test_time:  # a table of its own: a column per setting and selection is wide
+        md += ("\nTest-time compute: each setting (K trajectories per puzzle, noise, D ACT steps) with its exact "
+               "accuracy in % by best Q, by the most frequent answer (mode@K) and by any trajectory (pass@K, an "
+               "oracle); a configuration's: the mean over its runs evaluated there.\n\n"
+               + markdown(runs + configs, ["name", *test_time]) + "\n")
     storage.write_bytes(storage.join_url(out, "results.md"), md.encode())
     short = ["name", "status", *varied, "parameters", "steps", "final_exact_%", "final_exact_95%", "best_exact_%",
              "steps_to_95%_of_final", "mean_halt_step", "device_hours", "goodput_%", *scaling]
-    return (table_text(runs, short) + "\n\n"
+    text = (table_text(runs, short) + "\n\n"
             + table_text(configs, ["name", "status", *varied, *TABLE1, "seeds", "mean_exact_%", "mean_exact_95%",
                                    "paper_%", "min_exact_%", "max_exact_%", "mean_halt_step"]) + "\n\n" + spent)
+    if test_time:
+        text += "\n\ntest-time settings, exact accuracy in %:\n" + table_text(runs + configs, ["name", *test_time])
+    return text
 
 
 def main(args) -> int:
-    from study_plots import write_hparams, write_plots, write_timeline
+    from study_plots import write_hparams, write_plots, write_test_time, write_timeline
 
     status, started = 0, time.time()
     mirror = getattr(args, "wandb_project", None)
@@ -339,12 +352,17 @@ def main(args) -> int:
     study = goodput.study_time(args.out, {r.run.name: {"host": r.host, "state": r.status} for r in results},
                                {r.run.name: r.ckpt_every for r in results})
     rows = run_rows(results, study) + configuration_rows(configs, study_papers(args.out))
-    text = write_outputs(args.out, rows[:len(results)], rows[len(results):], varied, goodput.summary(study))
+    test_time = study_testtime.add_columns(args.out, results, rows[:len(results)], rows[len(results):], configs)
+    text = write_outputs(args.out, rows[:len(results)], rows[len(results):], varied, goodput.summary(study),
+                         test_time)
     print(text)
     with tempfile.TemporaryDirectory(prefix="trm-report-") as local:
         plots = write_plots(results, configs, varied, local)
         if study.runs:
             plots.append(write_timeline(study, os.path.join(local, "timeline.png"))[0])
+        scaling = write_test_time(study_testtime.plot_points(configs, {r.run.name: r.scaling for r in results}),
+                                  results, os.path.join(local, "accuracy_vs_test_time_compute.png"))
+        plots += [scaling] if scaling else []
         storage.upload_dir(local, storage.join_url(args.out, "plots"))
         if mirror:
             try:

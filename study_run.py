@@ -23,6 +23,9 @@ already from the system) and hands the run back, and a relaunch carries on from 
 with nothing left to claim waits while other holders train, to take over a run whose lease goes
 stale, and ends when every run is done or failed.
 
+A study file's `@test-time` grid adds an evaluation of each finished run at each setting, claimed
+and recorded as a run is, under the name RUN+SETTING, after every training run (study_testtime.py).
+
 On a multi-host slice every host runs the study (`whole_slice`): worker 0 claims, and the other
 workers train the run their slice's holder (the same name on every host) holds.
 """
@@ -45,6 +48,7 @@ from lifecycle import EXIT_RETRYABLE  # train.py's: a relaunch may help
 from projection import slice_spec
 from report import format_duration
 from study_plan import StudyRun, dataset_sizes, projected_hours
+from study_testtime import Evaluation, evaluations
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
 FORWARD_AFTER_S = 2.0
@@ -163,12 +167,16 @@ class StudyRunner:
 
     # -- claims ------------------------------------------------------------------------------------
 
+    def done(self, item: StudyRun | Evaluation) -> bool:
+        """A run trained to its end, or a test-time setting of one evaluated (study_testtime.py)."""
+        return item.done() if isinstance(item, Evaluation) else finished(self.out, item.name)
+
     def claim_next(self, order: list[StudyRun]) -> tuple[StudyRun | None, int]:
         """(the run this process now holds, None if none, the number of runs other holders hold)."""
         held = 0
         for run in order:
-            if finished(self.out, run.name):
-                continue
+            if self.done(run) or (isinstance(run, Evaluation) and not run.ready()):
+                continue  # an evaluation waits for its run's end (a run held elsewhere keeps this process waiting)
             current = self.claims.current(run.name)
             generation, record = current or (0, {"state": "free"})
             state, holder = record["state"], record.get("holder")
@@ -243,8 +251,9 @@ class StudyRunner:
 
     def launch(self, run: StudyRun) -> tuple[int, str]:
         """train.py for `run`, its output passed through; (exit status, the last line it printed)."""
-        command = [self.python, os.path.join(PROJECT_DIR, "train.py"), run.preset, *self.wandb_flags(run),
-                   *run.flags, *self.extra, "--run.dir", storage.join_url(self.out, run.name)]
+        command = run.command(self.python, self.extra) if isinstance(run, Evaluation) else \
+            [self.python, os.path.join(PROJECT_DIR, "train.py"), run.preset, *self.wandb_flags(run), *run.flags,
+             *self.extra, "--run.dir", storage.join_url(self.out, run.name)]
         self.child_signalled.clear()
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCH_STARTED_ENV: repr(time.time()),
                                                         STUDY_HOST_ENV: self.holder})  # for its launch record
@@ -268,11 +277,13 @@ class StudyRunner:
                     {"runs": [{"name": r.name, "preset": r.preset, "flags": list(r.flags), "line": r.line,
                                "configuration": r.configuration} for r in self.runs]})
         costs = run_costs(self.runs)
-        order = sorted(self.runs, key=lambda r: (-costs[r.name], r.name))
+        order = sorted(self.runs, key=lambda r: (-costs[r.name], r.name)) + evaluations(self.runs, self.text, self.out)
         role = f"worker {self.worker} of slice {self.holder}, following worker 0's claims" if self.worker else \
             f"holder {self.holder}"
-        self.say(f"{role}: {len(self.runs)} runs in {self.out}, claimed longest first, lease {self.lease_s:g} s")
-        before = [r.name for r in order if finished(self.out, r.name)]
+        tests = len(order) - len(self.runs)
+        self.say(f"{role}: {len(self.runs)} runs in {self.out}, claimed longest first, lease {self.lease_s:g} s"
+                 + (f"; then {tests} test-time evaluations of the finished runs" if tests else ""))
+        before = [r.name for r in order if self.done(r)]
         if before:
             self.say(f"finished before, skipped: {', '.join(before)}")
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -297,7 +308,7 @@ class StudyRunner:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.where(None)
-        self.counts["skipped"] = sum(finished(self.out, r.name) for r in self.runs) - self.counts["done"]
+        self.counts["skipped"] = sum(self.done(r) for r in order) - self.counts["done"]
         counts = ", ".join(f"{v} {k}" for k, v in self.counts.items())
         if self.stopping:
             self.say(f"stopped ({self.stopping}): {counts}; run the same command again to go on")
@@ -337,11 +348,14 @@ class StudyRunner:
             if self.lost.is_set():
                 self.say(f"{label}: stopped, its lease lost (exit {status}); its new holder resumes it")
                 return None
-            if status == 0 and finished(self.out, run.name):
+            if status == 0 and self.done(run):
                 self.counts["done"] += 1
-                final = json.loads(storage.read_bytes(storage.join_url(self.out, run.name, "final.json")))
                 self.record(run, "done", **fields)
                 self.release(run, "done")
+                if isinstance(run, Evaluation):
+                    self.say(f"{label}: done in {format_duration(fields['seconds'])}: {run.summary()}")
+                    return None
+                final = json.loads(storage.read_bytes(storage.join_url(self.out, run.name, "final.json")))
                 self.say(f"{label}: done in {format_duration(fields['seconds'])}: exact accuracy "
                          f"{100 * final['metrics'].get('exact_accuracy', float('nan')):.2f}%")
                 return None

@@ -53,6 +53,7 @@ from compiled_costs import eval_ms_per_puzzle
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config, presets_for
 from model import TRMConfig
 from projection import PAPER_DATASETS, model_flops, slice_spec
+from testtime_batches import host_puzzles
 
 PROGRAMS = ("train_step", "eval_step")
 CACHE_DIR = os.path.expanduser(os.environ.get("TRM_TPU_COMPILE_CACHE", "~/.cache/trm-tpu-compile"))
@@ -442,9 +443,12 @@ def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo
     common = {"preset": preset, "slice": topo.slice, "topology": topo.name, "devices": topo.devices,
               "global_batch": config.optim.global_batch_size, "cycles": [config.model.H_cycles, config.model.L_cycles],
               "batch_per_device": config.optim.global_batch_size // topo.devices}
+    hosts = slice_spec(topo.slice).hosts  # each host's rows hold rows // K whole puzzles; K above them: refused
+    per_batch = hosts * host_puzzles(config.optim.global_batch_size, k, hosts) if k * hosts <= \
+        config.optim.global_batch_size else 0
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
-                  "act_steps": setting.act_steps, "noise_latent": setting.latent,
-                  "puzzles_per_batch": config.optim.global_batch_size // k}
+                  "act_steps": setting.act_steps, "noise_latent": setting.latent, "hosts": hosts,
+                  "puzzles_per_batch": per_batch}
     return [dict(common, program=p, **(evaluation if p == "eval_step" else {}), **results[p]) for p in programs]
 
 
@@ -660,8 +664,9 @@ def format_results(results: list[dict]) -> str:
         ] + ([f"  per test puzzle: {eval_ms_per_puzzle(r):.4f} ms of device time "
               f"({r.get('act_steps', r['halt_max_steps'])} ACT steps of "
               f"{r['estimate_ms']:.2f} ms over {r['puzzles_per_batch']} puzzles a batch: K={r['trajectories']} "
-              f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K)"]
-             if eval_ms_per_puzzle(r) is not None else []) + [
+              f"trajectories each, noise {r['noise']:g}; --eval.trajectories sets K, --eval.act-steps D)"]
+             if eval_ms_per_puzzle(r) is not None else [f"  per test puzzle: none: K={r['trajectories']} exceeds "
+             "a host's rows of the batch: refused"] if r.get("compiled") and r.get("hosts") else []) + [
             "  results of shape [..., seq, seq] (attention scores in HBM): "
             + (", ".join(r.get("sequence_square_shapes", [])[:4]) or "none"),
             "  bytes by kind of operation: " + ", ".join(f"{k['kind']} {k['count']}x {_gb(k['bytes'])} GB"

@@ -386,8 +386,9 @@ def test_the_shipped_studies_parse(monkeypatch):
         with open(os.path.join(PROJECT_DIR, "studies", path)) as f:
             runs = parse_study(f.read(), path)
         counts[path] = (len(runs), len({r.configuration for r in runs}))
-    # The tiny one: 2 widths x 2 seeds; the Sudoku plan: experiments 1-5 and 8, 35 configurations x 3 seeds.
-    assert counts == {"sudoku-scaling.txt": (105, 35), "tiny.txt": (4, 2)}
+    # The tiny one: 2 widths x 2 seeds; the Sudoku plan: experiments 1-5 and 8, 35 configurations x 3 seeds;
+    # PTRM's: the paper's TRM rows on Sudoku-Extreme and Maze-Hard x 3 seeds.
+    assert counts == {"sudoku-scaling.txt": (105, 35), "tiny.txt": (4, 2), "ptrm-paper.txt": (6, 2)}
 
 
 def test_sigterm_stops_the_study_after_its_run_saved_whether_or_not_the_run_got_it(demo_path, tmp_path):
