@@ -23,6 +23,13 @@ sys.path.insert(0, str(PROJECT_DIR))
 
 NUM_VIRTUAL_DEVICES = 8
 
+import sharding  # noqa: E402 - after the PJRT variables and the path
+
+# The CPU client's thread pool, as start_runtime sizes it for the product's runs (sharding.py says
+# why twice the device count: with as many threads as devices, an all-reduce can wait 10 s for a
+# device whose task has no thread, and the process aborts).
+sharding.size_cpu_client_pool(NUM_VIRTUAL_DEVICES)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def spmd_mesh():
@@ -31,8 +38,6 @@ def spmd_mesh():
     Autouse, so the XLA runtime starts before any test runs CPU autograd: torch's autograd
     engine sizes its per-device queues once, and XLA devices registered later crash it.
     """
-    import sharding
-
     sharding.init_spmd()
     mesh = sharding.data_mesh()
     assert mesh.size() == NUM_VIRTUAL_DEVICES
