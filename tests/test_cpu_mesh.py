@@ -1,4 +1,4 @@
-"""The virtual CPU mesh runs long programs sequences without aborting in a collective.
+"""The virtual CPU mesh runs long sequences of programs without aborting in a collective.
 
 An evaluation at K=16 trajectories on the default 8 CPU devices used to abort about 20 of its 38
 batches in (`rendezvous.cc: Termination timeout for all reduce ... Expected 8 threads to join
