@@ -64,6 +64,33 @@ class NoTPUError(RuntimeError):
     pass
 
 
+# The CPU mesh's thread pool. XLA's PJRT CPU client (the one torch_xla 2.9 creates) runs every
+# device's share of a program as one task on one pool of max(PJRT_NPROC or the core count,
+# devices) threads, one program with collectives at a time, and each all-reduce waits until
+# every device's task arrives (10 s, then it aborts the process: rendezvous.cc "Termination
+# timeout"). The same pool runs the dispatch of the next program, one task per device, and that
+# task blocks while its device already has 32 programs in flight (the client's
+# max_inflight_computations_per_device, which torch_xla does not set). A host that runs 32
+# programs ahead of the devices (an evaluation at K=16 trajectories on 2 cores does: its steps
+# read no device value) so filled the pool of 8 with 7 devices' tasks of the running program
+# waiting in its all-reduce and 1 blocked dispatch task: the 8th device's task never started.
+# torch_xla dispatches one program at a time, so at most `devices` dispatch tasks block; twice
+# the device count leaves the running program a thread for every device. The client's intra-op
+# pool takes the same size: the demo's training measured about 10% more CPU time (2 cores, the
+# same wall time within the noise), and its reductions split otherwise (the last bits move).
+CPU_POOL_ENV = "PJRT_NPROC"
+
+
+def size_cpu_client_pool(devices: int) -> int:
+    """Give the PJRT CPU client (before it starts) a pool of at least 2 x `devices` threads
+    (PJRT_NPROC; a larger value already set there or in NPROC, which it reads next, is kept);
+    return the size."""
+    given = os.environ.get(CPU_POOL_ENV) or os.environ.get("NPROC") or ""
+    threads = max(2 * devices, int(given) if given.isdigit() else 0)
+    os.environ[CPU_POOL_ENV] = str(threads)
+    return threads
+
+
 def start_runtime(device: str, cpu_devices: int = 8, compile_cache_dir: str | None = None) -> str:
     """Choose the PJRT device before the runtime starts; return "TPU" or "CPU".
 
@@ -84,6 +111,7 @@ def start_runtime(device: str, cpu_devices: int = 8, compile_cache_dir: str | No
             xr.initialize_cache(os.path.expanduser(compile_cache_dir), readonly=False)
     elif device == "cpu":
         os.environ.setdefault("CPU_NUM_DEVICES", str(cpu_devices))
+        size_cpu_client_pool(int(os.environ["CPU_NUM_DEVICES"]))
         xr.set_device_type("CPU")
     else:
         raise ValueError(f"run.device must be auto, tpu or cpu, got {device!r}")

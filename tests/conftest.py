@@ -3,10 +3,14 @@
 The PJRT variables must be set before torch_xla starts its runtime, so they are set at import
 time of this file, which pytest loads before any test module.
 """
+import contextlib
+import fcntl
 import os
+import pickle
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +27,13 @@ sys.path.insert(0, str(PROJECT_DIR))
 
 NUM_VIRTUAL_DEVICES = 8
 
+import sharding  # noqa: E402 - after the PJRT variables and the path
+
+# The CPU client's thread pool, as start_runtime sizes it for the product's runs (sharding.py says
+# why twice the device count: with as many threads as devices, an all-reduce can wait 10 s for a
+# device whose task has no thread, and the process aborts).
+sharding.size_cpu_client_pool(NUM_VIRTUAL_DEVICES)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def spmd_mesh():
@@ -31,18 +42,47 @@ def spmd_mesh():
     Autouse, so the XLA runtime starts before any test runs CPU autograd: torch's autograd
     engine sizes its per-device queues once, and XLA devices registered later crash it.
     """
-    import sharding
-
     sharding.init_spmd()
     mesh = sharding.data_mesh()
     assert mesh.size() == NUM_VIRTUAL_DEVICES
     return mesh
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Every test's time limit (pytest-timeout), unless it or its file says otherwise
+# (@pytest.mark.timeout), so a hang fails its own test by name, with every thread's stack, instead
+# of eating CI's time: the slowest tests take about 4 minutes on 2 loaded cores. pytest-timeout's
+# signal method fails the test where it waits (a subprocess, a sleep, a socket) with every thread's
+# stack; its thread method would end the worker process, which pytest-xdist 3.8 then restarts on
+# the same test again and again.
+TEST_TIMEOUT_S = 900
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # --timeout, PYTEST_TIMEOUT or an ini's timeout, when given, win
+    if getattr(config.option, "timeout", "absent") is None and not os.environ.get("PYTEST_TIMEOUT") \
+            and not config.getini("timeout"):
+        config.option.timeout = TEST_TIMEOUT_S
+
+
+# Ports: a port found free (bound to 0, then closed) stays free only until another process binds
+# it, and the tests of two workers pick theirs at the same time. Holding this lock from the pick
+# until the server listens makes the pick and the bind one step between the workers.
+PORT_LOCK = Path(tempfile.gettempdir()) / "trm-tests-port.lock"
+
+
+@contextlib.contextmanager
+def reserved_port():
+    """A free loopback port, for a server that the caller starts (and waits for) inside the block."""
+    with open(PORT_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            yield port
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
@@ -52,24 +92,28 @@ def gcs_server():
 
     STORAGE_EMULATOR_HOST points gcsfs (and subprocesses started by tests) at it.
     """
-    port = _free_port()
     bucket = "trm-test"
-    proc = subprocess.Popen(
-        [sys.executable, str(PROJECT_DIR / "tests" / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
-         "--port", str(port), "--in-memory",
-         "--default-bucket", bucket],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    for _attempt in range(3):  # a port taken between the pick and the bind by a process outside the lock
+        with reserved_port() as port:
+            proc = subprocess.Popen(
+                [sys.executable, str(PROJECT_DIR / "tests" / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
+                 "--port", str(port), "--in-memory",
+                 "--default-bucket", bucket],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            deadline = time.time() + 120
+            while proc.poll() is None and time.time() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+        if proc.poll() is None and time.time() < deadline:
             break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise RuntimeError(f"gcp-storage-emulator did not start on port {port}")
-            time.sleep(0.1)
+        proc.kill()
+        proc.wait()
+    else:
+        raise RuntimeError(f"gcp-storage-emulator did not start (3 tries, the last on port {port})")
     old = os.environ.get("STORAGE_EMULATOR_HOST")
     os.environ["STORAGE_EMULATOR_HOST"] = f"http://127.0.0.1:{port}"
     try:
@@ -102,7 +146,22 @@ def demo_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def finished_study(demo_path, tmp_path_factory):
     """A study claimed by three processes, one killed mid-run and its run taken over (study_fixtures.py's
-    run_three_holders_with_a_kill): once per session, for test_study.py and test_goodput.py."""
+    run_three_holders_with_a_kill): once per session, for test_study.py and test_goodput.py.
+
+    With pytest-xdist (--dist loadfile) the two files may run on two workers at once: the first
+    worker to ask runs the study under a lock in the directory all workers' temporary directories
+    share, and saves it there; the other waits for it and reads it, so the study never runs twice,
+    nor beside itself under its timing assertions."""
     from tests.study_fixtures import run_three_holders_with_a_kill
 
-    return run_three_holders_with_a_kill(demo_path, tmp_path_factory.mktemp("study"))
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return run_three_holders_with_a_kill(demo_path, tmp_path_factory.mktemp("study"))
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, above each worker's own
+    with open(shared / "finished_study.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = shared / "finished_study.pickle"
+        if not saved.exists():
+            root = shared / "finished_study"
+            root.mkdir()
+            saved.write_bytes(pickle.dumps(run_three_holders_with_a_kill(demo_path, root)))
+        return pickle.loads(saved.read_bytes())

@@ -102,7 +102,7 @@ def run_side_by_side(arch: str, dtype: str, training: bool, steps: int, tol: flo
     errors: dict[str, float] = {}
     data = list(batches(ours.config, steps))
     carry, their_carry = ours.initial_carry(data[0]), theirs.initial_carry(data[0])
-    for batch in data:
+    for step, batch in enumerate(data):
         with torch.set_grad_enabled(training):
             carry, outputs = ours(carry, batch)
             loss, metrics = loss_and_metrics(carry, outputs)
@@ -110,13 +110,23 @@ def run_side_by_side(arch: str, dtype: str, training: bool, steps: int, tol: flo
                 carry=their_carry, batch=batch, return_keys=list(outputs))
         assert torch.equal(carry.halted, their_carry.halted) and torch.equal(carry.steps, their_carry.steps)
         assert set(outputs) == set(their_outputs)
-        for key, value in outputs.items():  # logits, q_halt, q_continue, the Q-continue target
-            assert torch.equal(value, their_outputs[key]), key
-        # The loss: ours in float32, theirs in float64 (docs/faithfulness.md).
-        errors["loss"] = max(errors.get("loss", 0), close(loss, their_loss, 1e-6, "loss"))
+        # logits, q_halt, q_continue, the Q-continue target: ours and the reference's are other
+        # decompositions of the same sums, which a CPU's BLAS may add in other orders (OUTPUTS_TOL).
+        for key, value in outputs.items():
+            errors["outputs"] = max(errors.get("outputs", 0), close(value, their_outputs[key], OUTPUTS_TOL[dtype], key))
+        bitwise = all(torch.equal(value, their_outputs[key]) for key, value in outputs.items())
+        # The loss: ours in float32, theirs in float64 (docs/faithfulness.md), of the same logits
+        # (1e-6) or of logits as far apart as OUTPUTS_TOL.
+        errors["loss"] = max(errors.get("loss", 0), close(loss, their_loss, 1e-6 if bitwise else OUTPUTS_TOL[dtype],
+                                                          "loss"))
         assert set(metrics) == set(their_metrics)
         for key, value in metrics.items():
-            close(value, their_metrics[key].float(), 1e-6, key)
+            # Argmax-derived metrics move by a whole token when one logit's rounding flips an argmax:
+            # compared when the logits are the same bits, the losses always.
+            if bitwise or "loss" in key:
+                close(value, their_metrics[key].float(), 1e-6 if bitwise else OUTPUTS_TOL[dtype], key)
+        # Gradients of outputs as far apart as OUTPUTS_TOL are as far apart as they are.
+        grad_tol = tol if bitwise else max(tol, OUTPUTS_TOL[dtype])
         if training:
             for m in (ours, theirs):
                 m.zero_grad(set_to_none=True)
@@ -130,17 +140,32 @@ def run_side_by_side(arch: str, dtype: str, training: bool, steps: int, tol: flo
                     # CPU kernel in bf16: its rounding, not ours, sets this difference.
                     errors["token_grad"] = max(errors.get("token_grad", 0), close(param.grad, grad, 2e-2, name))
                     continue
-                errors["grad"] = max(errors.get("grad", 0), close(param.grad, grad, tol, f"gradient of {name}"))
+                errors["grad"] = max(errors.get("grad", 0), close(param.grad, grad, grad_tol, f"gradient of {name}"))
             errors["grad"] = max(errors["grad"], close(ours.puzzle_embedding.batch_rows.grad,
-                                                       theirs.model.inner.puzzle_emb.local_weights.grad, tol,
+                                                       theirs.model.inner.puzzle_emb.local_weights.grad, grad_tol,
                                                        "gradient of the puzzle-embedding rows"))
             # The reference's local_weights buffer keeps its grad across steps: clear it as its
             # optimizer would (it reads then zeroes it).
             theirs.model.inner.puzzle_emb.local_weights.grad = None
+        if not bitwise and dtype == "bfloat16":
+            errors["stopped_after_step"] = step + 1  # OUTPUTS_TOL says why
+            break
     return errors
 
 
 ARCHS = list(REFERENCE_CLASSES)
+# How far ours and the reference's outputs (relative to their largest value) may be apart. Both
+# compute the same sums, but not through the same decompositions (mlp_t contracts the positions
+# where the reference transposes, for one), and a CPU's BLAS may add a decomposition's terms in
+# another order: on this machine they are the same bits, on a 2-core AMD EPYC with OpenBLAS
+# trm-mlp_t's bf16 logits were not. Measured by adding in another order on purpose (permuting
+# the SwiGLU hidden units, which leaves the function unchanged): float32 outputs moved by up to
+# 7.4e-5 over 3 ACT steps (float32 rounding, 1.2e-7, amplified by the recursion); bfloat16
+# outputs by up to 3.8e-2 within one ACT step (a one-ulp flip is 2**-8 = 3.9e-3 of a value,
+# amplified by the step's block passes) and 0.35 over 3 steps of mlp_t, hence one step in bf16.
+# A bf16 run that leaves the same bits stops after that step (run_side_by_side): later steps
+# start from carries the flips have moved, and would test the BLAS rather than the code.
+OUTPUTS_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
 MLP_T = dict(mlp_t=True, pos_encodings="none")  # sudoku-mlp's token mixing: a SwiGLU across positions
 
 
@@ -149,8 +174,10 @@ MLP_T = dict(mlp_t=True, pos_encodings="none")  # sudoku-mlp's token mixing: a S
 def test_each_arch_equals_the_reference_side_by_side(arch, overrides):
     """Training (4 ACT steps, rows halting on the Q head and at halt_max_steps, new examples
     loaded) and evaluation (halt_max_steps steps), in float32 and bfloat16 (the presets' dtype):
-    bitwise-equal outputs and halting, the loss and metrics within 1e-6, every gradient within
-    1e-5 (float32) and 5e-3 (bfloat16) of its largest value. Measured in bfloat16: trm,
+    the same halting, outputs within OUTPUTS_TOL (here: the same bits), and with the same output
+    bits the loss and metrics within 1e-6 and every gradient within 1e-5 (float32) and 5e-3
+    (bfloat16) of its largest value (else OUTPUTS_TOL, and a bf16 run stops after that step,
+    where this machine's BLAS, not the code, made the difference). Measured in bfloat16: trm,
     trm_singlez and hrm bitwise equal; trm_hier6 1.8e-3, transformers_baseline 4.8e-4 and trm
     with mlp_t 2.4e-3 (one-ulp flips where float32 sums in another order round otherwise: qkv's
     three blocks of x's gradient, mlp_t's weight gradient over rows and channels; 3.1e-2 and
@@ -167,7 +194,8 @@ def test_the_ablations_against_closed_forms():
     two networks' gradients sum to the shared one's; one_step_grad computes the same values as
     trm with the gradient of hrm's scheme (trm's updates, gradient through the last L and H
     update): with H = L weights, its gradient is the sum of hrm's two networks' gradients, and
-    hrm with H_layers = L_layers equals trm with both ablations, weight for weight."""
+    hrm with H_layers = L_layers equals trm with both ablations, weight for weight (to float32
+    rounding: other decompositions of the same sums)."""
     def step(m, config):
         m.train()
         batch = next(batches(config, 1))
@@ -218,9 +246,12 @@ def test_the_ablations_against_closed_forms():
     twin = TRM(both)
     twin.load_state_dict(hrm.state_dict())
     twin_out, twin_grads = step(twin, both)
+    # Two decompositions of the same sums (hrm's networks, trm's two flags), which another CPU
+    # may add in other orders: float32 rounding apart, the tolerances of the comparisons above.
     for key in hrm_out:
-        assert torch.equal(twin_out[key], hrm_out[key]), key
-    assert all(torch.equal(twin_grads[n], g) for n, g in hrm_grads.items())
+        torch.testing.assert_close(twin_out[key], hrm_out[key], rtol=1e-5, atol=1e-6)
+    for name, grad in hrm_grads.items():
+        torch.testing.assert_close(twin_grads[name], grad, rtol=1e-4, atol=1e-6)
 
 
 def test_choosing_an_arch_gives_its_yaml_values_and_checks_what_its_code_cannot_run():

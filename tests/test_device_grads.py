@@ -31,6 +31,11 @@ def small_model(mlp_t: bool, dtype: str) -> tuple[TRM, dict]:
     return TRM(config).train(), batch
 
 
+def relative(got, expected) -> float:
+    """The largest difference, relative to the largest value of `expected`."""
+    return ((got.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
+
+
 def worst(got, expected, names):
     return max(((got[n] - expected[n]).abs().max() / expected[n].abs().max()).item() for n in names)
 
@@ -40,15 +45,24 @@ def test_the_step_computes_the_references_ddp_rule_in_bf16(mlp_t):
     """A bf16 ACT step split over 4 devices: the Linear weights' gradients equal the reference's
     rule on 4 GPUs computed apart (each GPU's rows through autograd: each use's gradient rounded
     to bf16, the uses summed in float32; then the GPUs summed in float32) to float32 rounding
-    (measured: 3e-8), and the forward is bitwise autograd's. Autograd's own path over all rows
+    (measured: 3e-8), and the forward is autograd's to bf16 rounding. Autograd's own path over all rows
     (one bf16 matmul per use over the whole batch) misses the rule by bf16 rounding (2e-3)."""
     model, batch = small_model(mlp_t, "bfloat16")
     logits, ours = model_gradients(model, batch, devices=4)
     plain_logits, plain = model_gradients(model, batch, devices=1)
-    parts = [model_gradients(model, batch, 1, slice(8 * d, 8 * (d + 1)))[1] for d in range(4)]
-    rule = {n: sum(part[n] for part in parts) for n in ours}
+    parts = [model_gradients(model, batch, 1, slice(8 * d, 8 * (d + 1))) for d in range(4)]
+    rule = {n: sum(part[n] for _, part in parts) for n in ours}
     linears = [n + ".weight" for n, m in model.named_modules() if isinstance(m, Linear)]
-    assert torch.equal(logits, plain_logits)
+    # The forwards are other decompositions of the same sums (a matmul per device's rows or over
+    # all rows), which a CPU's BLAS may add in other orders: same bits here, and on a 2-core AMD
+    # EPYC with OpenBLAS not for mlp_t. In bf16 that is a one-ulp flip (2**-8 = 3.9e-3 of a value)
+    # amplified by the step's block passes: up to 3.8e-2 of the largest logit, measured by adding
+    # in another order on purpose (permuting the SwiGLU hidden units, the same function).
+    assert relative(logits, plain_logits) < 5e-2
+    if not torch.equal(torch.cat([part_logits for part_logits, _ in parts]), logits):
+        pytest.skip("this CPU's BLAS rounds a row's bf16 forward otherwise in a batch of 8 rows than of 32: "
+                    "the rule, computed on each device's rows apart, differs from ours by that, not by float32 "
+                    "rounding")
     assert worst(ours, rule, linears) < 1e-6
     assert worst(plain, rule, linears) > 5e-4
     assert all(m.device_view is None for m in model.modules() if isinstance(m, Linear))
@@ -59,7 +73,8 @@ def test_in_float32_the_per_device_sums_are_autograds_gradients(mlp_t):
     model, batch = small_model(mlp_t, "float32")
     logits, ours = model_gradients(model, batch, devices=4)
     plain_logits, plain = model_gradients(model, batch, devices=1)
-    assert torch.equal(logits, plain_logits)
+    # Other decompositions of the same float32 sums (see above): float32 rounding apart.
+    assert relative(logits, plain_logits) < 1e-5
     assert worst(ours, plain, list(plain)) < 1e-5
 
 

@@ -62,9 +62,11 @@ def test_goodput_causes_add_up_to_each_runs_wall_time(finished_study, reported):
         assert sum(float(row[c]) for c in CAUSE_COLUMNS) == pytest.approx(wall, abs=1.0), row
         assert float(row["launched_s"]) == pytest.approx(wall, abs=0.1)
         status = json.loads((out / "study" / "status" / f"{name}.json").read_text())
-        if name != killed["run"]:  # study.py timed the launch from its start to the process's exit (its exit after
-            # the last record took 17-18 s with three holders on a loaded 2-core machine)
-            assert status["seconds_total"] - 30 < wall <= status["seconds_total"] + 0.5
+        if name != killed["run"]:  # study.py timed the launch from its start to the process's exit. After
+            # the last record comes the interpreter's teardown: 17-18 s on a loaded 2-core machine while its
+            # final garbage collection walked ~500k objects; since train.py freezes them (gc.freeze), 2.6-6.0 s
+            # with the machine at load 9-12 (the rest: atexit handlers, the runtime's and the modules' teardown).
+            assert status["seconds_total"] - 15 < wall <= status["seconds_total"] + 0.5
         assert float(row["compiling_s"]) > 0 and float(row["training_s"]) > 0 and float(row["evaluation_s"]) > 0
         good = (float(row["training_s"]) + float(row["evaluation_s"])) / float(row["launched_s"])
         assert float(row["goodput_%"]) == pytest.approx(100 * good, abs=0.1)

@@ -34,14 +34,20 @@ def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_pat
     run_dir = tmp_path / "run"
     # A model this small and short solves few test puzzles (often none): the answers are also compared cell
     # by cell below (the evaluation's token accuracy), which every cell of every answer must match.
+    # The same answers by construction: a global batch of 40 rows holds the 40 test puzzles, so the
+    # evaluation and predict run the same program on the same rows (5 per device). With batches of 32,
+    # the evaluation's 4 rows per device and predict's 5 (one batch of all 40) were other matmul shapes,
+    # which a CPU's BLAS may sum in other orders: in bf16 one argmax flipped on a 2-core AMD EPYC.
     trained = train.main(parse_config(["demo", "--data.path", demo_path,
-                                    *small(run_dir, tmp_path / "cache", "--optim.max-steps", "40")]))
+                                    *small(run_dir, tmp_path / "cache", "--optim.max-steps", "40"),
+                                    "--optim.global-batch-size", "40"]))
     final = trained["final"]
     test_set = data.open_dataset(demo_path, "test")
     # The test split as the builders' CSV (answers included), and as bare lines.
     csv_file, lines_file = tmp_path / "test.csv", tmp_path / "test.txt"
     write_demo_csv(test_set, csv_file)
-    lines_file.write_text("".join(digits(q).replace("0", ".") + "\n" for q in test_set.inputs))
+    # puzzle 1 comes from the command line below, the other 39 from this file: the same rows again
+    lines_file.write_text("".join(digits(q).replace("0", ".") + "\n" for q in test_set.inputs[1:]))
     out_file = tmp_path / "predictions.json"
     # As a user runs it: `python train.py predict`.
     proc = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), "predict", "--init-from",
@@ -66,15 +72,17 @@ def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_pat
     given, answer = build_data.puzzle_grid(first["puzzle"]), build_data.puzzle_grid(first["answer"])
     assert f"  {given[:7]}   ->   {answer[:7]}\n  {given[8:15]}        {answer[8:15]}\n" in said
 
-    # Bare lines (no answers) after a new puzzle on the command line (identifier 0: any puzzle works):
-    # the same answers, checked here against the test labels.
-    plain = predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle", "1.3..4....2.2...",
-                                   "--puzzle-file", str(lines_file)])
-    assert len(plain["puzzles"]) == 41 and len(plain["puzzles"][0]["answer"]) == 16  # '.': a predicted blank
+    # Bare lines (no answers) after a puzzle on the command line: the same answers, checked here
+    # against the test labels; and a new puzzle (identifier 0: any puzzle works) on its own.
+    plain = predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle",
+                                     digits(test_set.inputs[0]).replace("0", "."), "--puzzle-file", str(lines_file)])
+    assert len(plain["puzzles"]) == 40
     same = ("answer", "act_steps", "q_halt_confidence")  # the puzzles are spelt with '.' here, '0' there
-    assert [[p[k] for k in same] for p in plain["puzzles"][1:]] == [[p[k] for k in same] for p in result["puzzles"]]
-    solved = sum(p["answer"] == digits(a) for p, a in zip(plain["puzzles"][1:], test_set.labels))
+    assert [[p[k] for k in same] for p in plain["puzzles"]] == [[p[k] for k in same] for p in result["puzzles"]]
+    solved = sum(p["answer"] == digits(a) for p, a in zip(plain["puzzles"], test_set.labels))
     assert solved == round(40 * final["exact_accuracy"])
+    new = predict.predict_command(["demo", "--init-from", str(run_dir), "--puzzle", "1.3..4....2.2..."])
+    assert len(new["puzzles"]) == 1 and len(new["puzzles"][0]["answer"]) == 16  # '.': a predicted blank
 
 
 def test_act_steps_used_is_the_first_step_whose_q_halt_logit_is_positive():

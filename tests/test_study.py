@@ -75,14 +75,17 @@ def test_bad_lines_are_all_refused_with_their_line_numbers(tmp_path):
 
 
 RACER = """
-import json, os, random, sys
+import json, os, random, sys, time
 import claims
 out, holder, runs, barrier = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 mine = claims.Claims(out, holder, lease_s=60.0)
 mine.generations("warm-up")  # gcsfs's session, before the start
 open(os.path.join(barrier, holder), "w").close()
-while len(os.listdir(barrier)) < 2:  # both ready: go
-    pass
+deadline = time.time() + 120
+while len(os.listdir(barrier)) < 2:  # both ready: go (polled each millisecond, not spun: 2 cores)
+    if time.time() > deadline:
+        sys.exit(f"racer {holder}: the other racer did not arrive in 120 s")
+    time.sleep(0.001)
 won, order = [], list(range(runs))
 random.Random(holder).shuffle(order)  # each its own order: neither is always one request ahead
 for i in order:  # each run's claim (generation 1), then its renewal or takeover (2): both race
@@ -101,7 +104,15 @@ def test_exactly_one_of_two_racers_wins_each_claim_and_each_takeover(where, tmp_
     barrier.mkdir()
     racers = [subprocess.Popen([sys.executable, "-c", RACER, out, holder, str(runs), str(barrier)], cwd=PROJECT_DIR,
                                stdout=subprocess.PIPE, text=True) for holder in ("x", "y")]
-    won = [{tuple(w) for w in json.loads(r.communicate(timeout=300)[0])} for r in racers]
+    try:
+        printed = [r.communicate(timeout=300)[0] for r in racers]
+    finally:  # a racer still running (a timeout) is ended, not left behind
+        for r in racers:
+            if r.poll() is None:
+                r.kill()
+                r.wait()
+    assert all(r.returncode == 0 for r in racers), printed
+    won = [{tuple(w) for w in json.loads(text)} for text in printed]
     # Never two winners of a generation. Generation 2 (the newest) has one; generation 1 may have
     # none: its creator, listing after its write, found the other's generation 2 already there.
     assert not won[0] & won[1] and {(i, 2) for i in range(runs)} <= won[0] | won[1]

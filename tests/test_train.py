@@ -463,8 +463,8 @@ def test_mfu_is_model_flops_over_time_and_peak_and_absent_on_cpu():
 def test_the_demo_in_float32_trains_as_recorded(demo_path, tmp_path):
     """The demo's model and step in float32, 3 steps and the final evaluation, against the values
     recorded before the step was rewritten for fewer bytes (tests/data/demo_float32_steps.json):
-    a rewrite must compute the same math, so they agree within float32 rounding. Every value,
-    the first loss included, is compared at that rounding (rel 5e-6), never bit for bit: another
+    a rewrite must compute the same math, so they agree within float32 rounding. Every loss, the
+    first included, is compared at that rounding (rel 5e-6), never bit for bit: another
     CPU, BLAS kernel or thread count sums in another order (measured: the first loss bitwise on the
     recording machine, 6e-8 relative on an AVX-512 EPYC; the rest within 6e-7). The presets' bf16
     differs in its last bits where a rewrite sums in another order, and the recursion carries that on."""
@@ -472,8 +472,21 @@ def test_the_demo_in_float32_trains_as_recorded(demo_path, tmp_path):
     result, _ = run_in_fresh_process(tiny_args(demo_path, tmp_path, "--model.forward-dtype", "float32",
                                                "--optim.max-steps", "3", "--run.log-every", "1",
                                                "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "5"))
-    for row, expected in zip(result["history"], recorded["history"], strict=True):
+    # The metrics an argmax or a sign decides (a token right, a puzzle right, the Q head right, the
+    # step a row halts at) are means over `count` examples of per-example terms: one example whose
+    # deciding logits lie within float32 rounding of each other may go the other way on another
+    # CPU, moving its term by up to 1 (halting step: up to halt_max_steps - 1 = 3). They are compared
+    # as those sums, with that one example's allowance; the losses and the gradient norm, which
+    # pin the math, at float32 rounding.
+    allowance = {"accuracy": 1.0, "exact_accuracy": 1.0, "q_halt_accuracy": 1.0, "steps": 3.0}
+
+    def same(got, expected, where):
         for name, value in expected.items():
-            assert row[name] == pytest.approx(value, rel=5e-6, abs=1e-7), (row["step"], name)
-    for name, value in recorded["final"].items():
-        assert result["final"][name] == pytest.approx(value, rel=5e-6, abs=1e-7), name
+            if name in allowance:
+                assert abs(got[name] - value) * expected["count"] <= allowance[name], (where, name, got[name], value)
+            else:
+                assert got[name] == pytest.approx(value, rel=5e-6, abs=1e-7), (where, name)
+
+    for row, expected in zip(result["history"], recorded["history"], strict=True):
+        same(row, expected, row["step"])
+    same(result["final"], recorded["final"], "final")
