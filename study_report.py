@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 import goodput
 import storage
 import study_testtime
-import testtime_curve
 from config import flat_config
 from study_plan import StudyRun, declared_papers
 from study_run import read_status
@@ -96,7 +95,6 @@ class RunResult:
     data_path: str = ""
     host: int | None = None  # the study host it ran on (None: the study ran without --host)
     ckpt_every: int | None = None
-    trajectories: dict = field(default_factory=dict)  # exact % at (K, noise): testtime_curve.curve_columns
     scaling: dict = field(default_factory=dict)  # {test-time setting: its metrics}: study_testtime.run_scaling
 
 
@@ -165,7 +163,6 @@ def collect(out: str) -> list[RunResult]:
         result.data_path, result.host, result.ckpt_every = config.data.path, status.get("host"), config.run.ckpt_every
         result.parameters = parameter_count(config.model)
         result.effective_depth, _, result.forward_passes = recursion_counts(config.model)
-        result.trajectories = testtime_curve.curve_columns(run_dir)
         result.scaling = study_testtime.run_scaling(run_dir)
         records = _records(run_dir)
         trained = [r["step"] for r in records if r.get("kind") == "train"]
@@ -259,7 +256,7 @@ def run_rows(results: list[RunResult], study: goodput.StudyTime) -> list[dict]:
             "mean_act_steps": round(r.final["steps"], 2) if r.final and "steps" in r.final else "",
             "mean_halt_step": round(r.final["mean_halt_step"], 2) if r.final and "mean_halt_step" in r.final else "",
             "wall_time_s": "" if r.seconds is None else round(r.seconds),
-            **goodput.run_columns(spent), **r.trajectories,
+            **goodput.run_columns(spent),
         })
     return rows
 
@@ -300,12 +297,10 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
                   test_time: list[str] = ()) -> str:
     """results.csv, results.md; returns the text printed to the terminal. `test_time`: the columns
     of the test-time settings (study_testtime.add_columns): in the CSV, and a table of their own."""
-    # test-time scaling of the runs evaluated at several K (testtime_curve.curve_columns)
-    scaling = list(dict.fromkeys(k for r in runs for k in r if k.startswith("exact_K")))
     run_columns = ["name", "status", "preset", *varied, "parameters", *TABLE1, "steps", "train_flops", "device_hours",
                    "final_exact_%", "final_exact_95%", "best_exact_%", "best_exact_95%", "token_accuracy_%",
                    "arc_aggregated_pass@2_%", "steps_to_95%_of_final", "mean_act_steps", "mean_halt_step",
-                   "wall_time_s", *goodput.COLUMNS, *scaling]
+                   "wall_time_s", *goodput.COLUMNS]
     config_columns = ["name", "status", "preset", *varied, "parameters", *TABLE1, "seeds", "mean_exact_%",
                       "mean_exact_95%",
                       "paper_%", "min_exact_%", "max_exact_%", "mean_halt_step"]
@@ -328,7 +323,7 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
                + markdown(runs + configs, ["name", *test_time]) + "\n")
     storage.write_bytes(storage.join_url(out, "results.md"), md.encode())
     short = ["name", "status", *varied, "parameters", "steps", "final_exact_%", "final_exact_95%", "best_exact_%",
-             "steps_to_95%_of_final", "mean_halt_step", "device_hours", "goodput_%", *scaling]
+             "steps_to_95%_of_final", "mean_halt_step", "device_hours", "goodput_%"]
     text = (table_text(runs, short) + "\n\n"
             + table_text(configs, ["name", "status", *varied, *TABLE1, "seeds", "mean_exact_%", "mean_exact_95%",
                                    "paper_%", "min_exact_%", "max_exact_%", "mean_halt_step"]) + "\n\n" + spent)

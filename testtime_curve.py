@@ -90,14 +90,6 @@ def write_curve(out_dir: str, rows: list[dict], title: str) -> tuple[str, str]:
     return json_url, png_url
 
 
-def curve_columns(run_dir: str) -> dict[str, str]:
-    """The study report's columns of a run's test-time settings: best-Q exact accuracy in % of
-    each done setting of the newest step, as {"exact_K16-noise0.3-D16_%": "57.00"}; empty if none."""
-    rows = saved_settings(run_dir)
-    newest = max((r.get("step", 0) for r in rows), default=None)
-    return {f"exact_{name_of(r)}_%": f"{100 * r['exact_accuracy']:.2f}" for r in rows if r.get("step", 0) == newest}
-
-
 def name_of(row: dict) -> str:
     """The setting name (testtime.setting_name) of a setting's metrics."""
     return testtime.setting_name(row["trajectories"], row["noise"], row["act_steps"], row.get("noise_latent", "z_L"))
