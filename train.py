@@ -41,6 +41,7 @@ import checkpoint
 import commands
 import compile_cache
 import data
+import fencing
 import predict
 import storage
 from batches import PrefetchedBatches, TrainBatches, total_train_steps
@@ -181,7 +182,9 @@ COMMANDS = {"eval": commands.evaluate_command, "export": commands.export_command
 def command_line(argv: list[str]) -> int:
     """Run a command; the exit status: 0 done (or saved and stopped on SIGTERM), 1 a failure a
     relaunch would repeat, EXIT_RETRYABLE one it may not (storage failing beyond its retries, a
-    lost peer host; the watchdog exits with it too)."""
+    lost peer host; the watchdog exits with it too); under study.py, fencing.EXIT_FENCED when its
+    lease ran out or its holder died."""
+    fencing.start_from_environment()  # a study's trainer: dies with its holder, writes only under its lease
     if not argv or argv[0] in ("-h", "--help"):
         print(commands.usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
