@@ -108,7 +108,9 @@ class Claims:
         self.boot, self.process = boot_id(), process_identity(os.getpid())
         self.retry = {"budget_s": max(0.5, lease_s / 8), "attempts": 10}
         """Every claim operation's retries: at most an eighth of the lease (at least half a second)."""
-        self.pending: dict[str, tuple[tuple, bytes]] = {}  # run -> (what, payload) of a write that failed
+        self.pending: dict[str, tuple[tuple, bytes, float]] = {}  # run -> (what, payload, first try) of a failed write
+        self.started: dict[str, float] = {}
+        """run -> when (time.monotonic) the last write that won was first tried: its lease counts from there."""
 
     def mine(self, record: dict) -> bool:
         """Whether a claim's record was written by this process."""
@@ -173,13 +175,14 @@ class Claims:
         assert state in STATES, state
         what = (after, state, json.dumps(fields, sort_keys=True))
         if name in self.pending and self.pending[name][0] == what:
-            payload = self.pending[name][1]  # the same write again: the same token
+            _, payload, first = self.pending[name]  # the same write again: the same token
         else:
+            first = time.monotonic()
             record = {"holder": self.holder, "state": state, "time": time.time(), "generation": after + 1,
                       "token": uuid.uuid4().hex, "lease_s": self.lease_s, "instance": self.instance,
                       "boot": self.boot, "process": self.process, **fields}
             payload = json.dumps(record, indent=1).encode()
-        self.pending[name] = (what, payload)  # until this call returns
+        self.pending[name] = (what, payload, first)  # until this call returns
         won = create_exclusive(self._url(name, after + 1), payload, **self.retry)
         if won and self.generations(name)[-1] != after + 1:
             # Generation after+1 had been written and then deleted (the holder keeps only its
@@ -189,6 +192,7 @@ class Claims:
         del self.pending[name]  # answered: a later write is a new one
         if won:
             self.seen[name] = (after + 1, time.monotonic())
+            self.started[name] = first
             for old in range(max(1, after - 4), after):  # keep the newest two
                 try:
                     fs, path = storage.filesystem(self._url(name, old))

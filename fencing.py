@@ -66,7 +66,8 @@ class Fence:
 
     def __init__(self, fd: int, deadline: float, run_dir: str, parent: int | None = None):
         self.fd, self.deadline, self.run_dir, self.parent = fd, deadline, run_dir.rstrip("/"), parent
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
+        self.pending = b""  # a line not yet whole
 
     def start(self) -> None:
         storage.set_fence(self.check)
@@ -81,34 +82,41 @@ class Fence:
     def check(self, url: str) -> None:
         """Before changing `url`: past the deadline, a change to the run directory stops the process."""
         if url.rstrip("/") == self.run_dir or url.startswith(self.run_dir + "/"):
+            self._read_pipe()  # the holder's latest word first
             late = time.monotonic() - self.deadline
             if late >= 0:
                 self.stop(f"not writing {url}: this trainer's lease ran out {late:.1f} s ago "
                           "(its holder could not renew the run's claim, or lost it)")
 
+    def _read_pipe(self) -> None:
+        """Take every line the holder has sent so far (without waiting): new deadlines, "lost",
+        or the pipe's end."""
+        with self.lock:
+            while select.select([self.fd], [], [], 0)[0]:
+                chunk = os.read(self.fd, 4096)
+                if not chunk:
+                    self.stop("its study process ended (the lease's pipe closed)")
+                self.pending += chunk
+                *lines, self.pending = self.pending.split(b"\n")
+                for line in lines:
+                    if line.strip() == b"lost":
+                        self.stop("its holder lost the run's claim to another holder")
+                    try:
+                        self.deadline = max(self.deadline, float(line))
+                    except ValueError:
+                        continue
+
     def _watch(self) -> None:
-        pending = b""
         while True:
+            # What the holder sent before the deadline is judged: this thread may not have run
+            # for a while (another thread holding the interpreter's lock, e.g. importing torch).
+            self._read_pipe()
             if self.parent is not None and os.getppid() != self.parent:
                 self.stop("its study process ended")
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 self.stop("its lease ran out (no renewal of the run's claim reached it in time)")
-            readable, _, _ = select.select([self.fd], [], [], min(remaining, 1.0))
-            if not readable:
-                continue
-            chunk = os.read(self.fd, 4096)
-            if not chunk:
-                self.stop("its study process ended (the lease's pipe closed)")
-            pending += chunk
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                if line.strip() == b"lost":
-                    self.stop("its holder lost the run's claim to another holder")
-                try:
-                    self.deadline = max(self.deadline, float(line))
-                except ValueError:
-                    continue
+            select.select([self.fd], [], [], min(remaining, 1.0))
 
 
 def start_from_environment() -> Fence | None:

@@ -177,6 +177,19 @@ class StudyRunner:
 
     # -- claims ------------------------------------------------------------------------------------
 
+    def _patiently(self, what: str, fn):
+        """fn() (a claim operation, whose own retries fit in an eighth of the lease), tried again
+        every lease/8 while it raises StorageError, for up to storage.RETRY_BUDGET_S in all."""
+        started = time.monotonic()
+        while True:
+            try:
+                return fn()
+            except storage.StorageError as e:
+                if time.monotonic() - started > storage.RETRY_BUDGET_S:
+                    raise
+                self.say(f"{what} failed ({e}); trying again")
+                time.sleep(max(0.5, self.lease_s * fencing.RENEW_FRACTION))
+
     def claim_next(self, order: list[StudyRun]) -> tuple[StudyRun | None, int]:
         """(the run this process now holds, None if none, the number of runs other holders hold)."""
         held = 0
@@ -200,7 +213,6 @@ class StudyRunner:
                 continue
             gone = state == "running" and (self.claims.mine(record) or self.claims.gone(record))
             take = state in ("free", "released", "failed") or gone or self.claims.stale(run.name, generation)
-            at = time.monotonic()  # the claim's write starts: its lease counts from here
             if take and self.claims.write(run.name, generation, "running", took_from=holder, since=generation + 1):
                 if state == "failed":
                     self.tried.add(run.name)
@@ -208,7 +220,7 @@ class StudyRunner:
                     self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, "
                              f"{'was held by a process of this machine that ended' if gone else 'went stale'})")
                 self.generation = self.since = generation + 1
-                self.deadline = at + fencing.LEASE_FRACTION * self.lease_s
+                self.deadline = self.claims.started[run.name] + fencing.LEASE_FRACTION * self.lease_s
                 return run, generation + 1
             held += 1
         return None, held
@@ -222,7 +234,6 @@ class StudyRunner:
         and the deadline's watcher (`_watch_deadline`) stops the trainer if renewals keep failing."""
         try:
             while not done.wait(self.lease_s * fencing.RENEW_FRACTION):
-                started = time.monotonic()
                 try:
                     with self.claim_lock:
                         if done.is_set() or self.lost.is_set():
@@ -241,6 +252,8 @@ class StudyRunner:
                     continue
                 if won:
                     self.renewal_failures = 0
+                    # From the renewal's first try (an earlier renewal's retry may have written it).
+                    started = self.claims.started[run.name]
                     self.deadline = max(self.deadline, started + fencing.LEASE_FRACTION * self.lease_s)
                     if self.lease:
                         self.lease.extend(self.deadline)
@@ -276,7 +289,8 @@ class StudyRunner:
             self.ended.set()  # no renewal after this write
             if (self.whole_slice and self.worker > 0) or self.lost.is_set():
                 return
-            won = self.claims.write(run.name, self.generation, state)
+            won = self._patiently(f"{run.name}: writing its claim's {state}",
+                                  lambda: self.claims.write(run.name, self.generation, state))
         if not won:
             self.say(f"{run.name}: its claim moved on while it ended (another holder took it over)")
 
@@ -345,7 +359,7 @@ class StudyRunner:
         waiting_said = None
         try:
             while not self.stopping:
-                run, held = self.claim_next(order)
+                run, held = self._patiently("claiming a run", lambda: self.claim_next(order))
                 if run is None and not held:
                     break
                 if run is None:
