@@ -38,6 +38,8 @@ import uuid
 
 import storage
 
+_clock = time.monotonic  # this machine's monotonic clock (tests replace it)
+
 STATES = ("running", "released", "done", "failed")
 """A claim's states: held under a lease; handed back (stopped, or a relaunch may help: anyone may
 take it at once); finished; failed (tried again by a process started after the failure)."""
@@ -155,16 +157,16 @@ class Claims:
                                                        budget_s=self.retry["budget_s"]))
             except (storage.StorageError, OSError, ValueError):
                 continue  # deleted, or a local file still being written: list again
-            self.seen.setdefault(name, (generations[-1], time.monotonic()))
+            self.seen.setdefault(name, (generations[-1], _clock()))
             if self.seen[name][0] != generations[-1]:
-                self.seen[name] = (generations[-1], time.monotonic())
+                self.seen[name] = (generations[-1], _clock())
             return generations[-1], record
         raise storage.StorageError(f"cannot read the newest claim of run {name} in {self._dir(name)}")
 
     def stale(self, name: str, generation: int) -> bool:
         """Whether this process has seen `generation` of `name`'s claim unchanged for lease_s."""
         seen = self.seen.get(name)
-        return seen is not None and seen[0] == generation and time.monotonic() - seen[1] >= self.lease_s
+        return seen is not None and seen[0] == generation and _clock() - seen[1] >= self.lease_s
 
     def write(self, name: str, after: int, state: str, **fields) -> bool:
         """Write generation after+1 of `name`'s claim as this holder, in `state`: True if it was
@@ -177,7 +179,7 @@ class Claims:
         if name in self.pending and self.pending[name][0] == what:
             _, payload, first = self.pending[name]  # the same write again: the same token
         else:
-            first = time.monotonic()
+            first = _clock()
             record = {"holder": self.holder, "state": state, "time": time.time(), "generation": after + 1,
                       "token": uuid.uuid4().hex, "lease_s": self.lease_s, "instance": self.instance,
                       "boot": self.boot, "process": self.process, **fields}
@@ -191,7 +193,7 @@ class Claims:
             won = False
         del self.pending[name]  # answered: a later write is a new one
         if won:
-            self.seen[name] = (after + 1, time.monotonic())
+            self.seen[name] = (after + 1, _clock())
             self.started[name] = first
             for old in range(max(1, after - 4), after):  # keep the newest two
                 try:

@@ -232,3 +232,34 @@ def test_holders_of_one_name_do_not_take_each_others_runs(tmp_path):
                             ".write('q', 0, 'running')", out], cwd=PROJECT_DIR, check=True)
     assert ended.returncode == 0
     assert second.gone(second.current("q")[1])  # its process ended: taken at once
+
+
+def test_with_the_default_lease_a_takeover_comes_half_a_lease_after_the_last_deadline(tmp_path, monkeypatch):
+    """The protocol with the default lease (120 s) on a clock the test moves: the deadline a claim
+    write gives its trainer, the earliest takeover an observer that saw the write at once can
+    make, and a renewal whose create landed but whose listing failed, tried again later: found as
+    its own, its deadline counted from its first try."""
+    now = [1000.0]
+    monkeypatch.setattr(claims, "_clock", lambda: now[0])
+    out, lease = str(tmp_path / "study"), 120.0
+    holder, observer = claims.Claims(out, "vm", lease), claims.Claims(out, "vm", lease)
+    assert holder.retry["budget_s"] == lease / 8  # one claim operation's retries: 15 s
+    assert holder.write("r", 0, "running") and observer.current("r")[0] == 1
+    deadline = holder.started["r"] + fencing.LEASE_FRACTION * lease
+    assert deadline == 1060.0
+    now[0] = deadline + 0.5 * lease - 0.01
+    assert not observer.stale("r", 1)
+    now[0] = deadline + 0.5 * lease
+    assert observer.stale("r", 1)  # the earliest takeover: half a lease after the trainer's deadline
+    faults = tmp_path / "faults.jsonl"
+    faults.write_text(json.dumps({"what": "listing", "match": "/claims/", "mode": "fail"}) + "\n")
+    monkeypatch.setenv("TRM_STORAGE_FAULTS", str(faults))
+    monkeypatch.setattr(storage, "_sleep", lambda s: None)
+    now[0], first_try = 2000.0, 2000.0
+    with pytest.raises(storage.StorageError, match="injected"):
+        holder.write("r", 1, "running", since=1)  # generation 2 landed; the listing after it failed
+    faults.write_text("")
+    now[0] = 2010.0
+    assert holder.write("r", 1, "running", since=1)  # the same write again: found as its own
+    assert holder.started["r"] == first_try and holder.current("r")[1]["instance"] == holder.instance
+    assert not observer.write("r", 1, "running", took_from="vm")  # the observer's takeover loses

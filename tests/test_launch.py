@@ -603,8 +603,9 @@ def test_study_starts_on_every_worker_claiming_as_the_vm(pod):
     for w in range(pod.workers):  # v4-16: 2 hosts, worker 0 claims as the VM, the slice trains each run whole
         record = pod.launch_record(w, 0)
         file = str(pod.home(w) / "trm-state" / "studies" / "s1.txt")
-        assert record["argv"] == ["run", file, "--out", "gs://trm-bucket/studies/s1", "--holder", f"{TPU}@us-central2-b",
-                                  "--whole-slice", "--worker", str(w), "--", "--run.device", "tpu"]
+        assert record["argv"] == ["run", file, "--out", "gs://trm-bucket/studies/s1", "--holder",
+                                  f"{TPU}@us-central2-b", "--whole-slice", "--worker", str(w), "--",
+                                  "--run.device", "tpu"]
         assert open(file).read() == STUDY_FILE.read_text()  # the laptop's study file, sent with the command
         assert record["env"]["TPU_HOST_BOUNDS"] is None and record["env"]["TPU_PROCESS_BOUNDS"] is None
         assert record["env"]["TRM_BUCKET"] == "trm-bucket" and record["env"]["TRM_RUN_NAME"] == "s1"
