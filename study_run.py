@@ -211,14 +211,16 @@ class StudyRunner:
                 continue
             if state == "done" or (state == "failed" and (failed_since or run.name in self.tried)):
                 continue
-            gone = state == "running" and (self.claims.mine(record) or self.claims.gone(record))
+            mine = state == "running" and self.claims.mine(record)  # its trainer was stopped: the lease lapsed
+            gone = state == "running" and (mine or self.claims.gone(record))
             take = state in ("free", "released", "failed") or gone or self.claims.stale(run.name, generation)
             if take and self.claims.write(run.name, generation, "running", took_from=holder, since=generation + 1):
                 if state == "failed":
                     self.tried.add(run.name)
                 if state == "running":
-                    self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, "
-                             f"{'was held by a process of this machine that ended' if gone else 'went stale'})")
+                    why = ("this process's own, its trainer stopped" if mine else
+                           "was held by a process of this machine that ended" if gone else "went stale")
+                    self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, {why})")
                 self.generation = self.since = generation + 1
                 self.deadline = self.claims.started[run.name] + fencing.LEASE_FRACTION * self.lease_s
                 return run, generation + 1

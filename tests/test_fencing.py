@@ -24,7 +24,9 @@ import fencing
 import storage
 from tests.study_fixtures import PROJECT_DIR, study, wait_for
 
-LEASE_S = 4.0
+LEASE_S = 10.0
+"""A short lease: this machine, shared and loaded, missed renewals of a 4 s lease (half of it left
+for three renewals, each through the one-request-at-a-time emulator)."""
 RUN_FLAGS = ("--model.hidden-size 32 --model.puzzle-emb-ndim 32 --optim.global-batch-size 32 --optim.max-steps 40 "
              "--run.ckpt-every 4 --run.log-every 2 --eval.every-epochs 1000")
 
