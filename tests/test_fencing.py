@@ -165,7 +165,8 @@ def test_a_frozen_holder_is_taken_over_and_its_thawed_trainer_stops_before_writi
 
 
 def test_a_killed_study_process_takes_its_trainer_with_it(gcs_url, demo_path, tmp_path, straight):
-    s = Study(gcs_url, demo_path, tmp_path)
+    """With the default lease (120 s): nothing here waits for it."""
+    s = Study(gcs_url, demo_path, tmp_path, lease_s=120.0)
     a = s.holder("a")
     assert _step_reached(s.lines["a"], a, 9), "".join(s.lines["a"])
     b = s.holder("b")
