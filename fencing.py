@@ -92,8 +92,13 @@ class Fence:
         """Take every line the holder has sent so far (without waiting): new deadlines, "lost",
         or the pipe's end."""
         with self.lock:
-            while select.select([self.fd], [], [], 0)[0]:
-                chunk = os.read(self.fd, 4096)
+            while True:
+                try:
+                    if not select.select([self.fd], [], [], 0)[0]:
+                        return
+                    chunk = os.read(self.fd, 4096)
+                except OSError as e:
+                    self.stop(f"the lease's pipe cannot be read ({e})")
                 if not chunk:
                     self.stop("its study process ended (the lease's pipe closed)")
                 self.pending += chunk
@@ -116,7 +121,10 @@ class Fence:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 self.stop("its lease ran out (no renewal of the run's claim reached it in time)")
-            select.select([self.fd], [], [], min(remaining, 1.0))
+            try:
+                select.select([self.fd], [], [], min(remaining, 1.0))
+            except OSError as e:
+                self.stop(f"the lease's pipe cannot be read ({e})")
 
 
 def start_from_environment() -> Fence | None:

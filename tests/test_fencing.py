@@ -267,3 +267,41 @@ def test_with_the_default_lease_a_takeover_comes_half_a_lease_after_the_last_dea
     assert holder.write("r", 1, "running", since=1)  # the same write again: found as its own
     assert holder.started["r"] == first_try and holder.current("r")[1]["instance"] == holder.instance
     assert not observer.write("r", 1, "running", took_from="vm")  # the observer's takeover loses
+
+
+def test_a_fenced_process_stops_when_its_holder_goes_and_never_writes_past_its_deadline(tmp_path, monkeypatch):
+    """fencing.py alone: the trainer's side ends its process (exit 76) at the pipe's end of file,
+    and its check refuses a change to the run directory past the deadline (other paths pass)."""
+    lease = fencing.Lease(time.monotonic() + 60.0, str(tmp_path / "run"))
+    child = subprocess.Popen([sys.executable, "-c", "import time, fencing; fencing.start_from_environment(); "
+                              "print('fenced', flush=True); time.sleep(60)"], cwd=PROJECT_DIR, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(lease.read_fd,),
+                             env={**os.environ, **lease.child_env()})
+    lease.started()
+    assert child.stdout.readline() == "fenced\n"
+    lease.extend(time.monotonic() + 120.0)
+    closed = time.monotonic()
+    lease.close()  # the holder's end goes, as when it is killed
+    assert child.wait(timeout=30) == fencing.EXIT_FENCED and time.monotonic() - closed < 5.0
+    assert "its study process ended" in child.stderr.read()
+    read_end, write_end = os.pipe()
+    fence = fencing.Fence(read_end, time.monotonic() + 60.0, str(tmp_path / "run"))
+
+    class Stopped(PermissionError):  # (the real stop ends the process; this one, a permanent error)
+        pass
+
+    def stopped(why):
+        raise Stopped(why)
+    monkeypatch.setattr(fence, "stop", stopped)
+    monkeypatch.setattr(storage, "_fence", fence.check)
+    storage.write_bytes(str(tmp_path / "run" / "a"), b"1")  # before the deadline
+    os.write(write_end, b"lost\n")
+    with pytest.raises(storage.StorageError, match="lost the run's claim"):
+        storage.write_bytes(str(tmp_path / "run" / "b"), b"2")
+    fence.deadline = time.monotonic() - 1.0
+    with pytest.raises(storage.StorageError, match="lease ran out"):
+        storage.write_bytes(str(tmp_path / "run" / "c"), b"3")
+    storage.write_bytes(str(tmp_path / "elsewhere"), b"4")  # outside the run directory
+    assert sorted(os.listdir(tmp_path / "run")) == ["a"]
+    os.close(read_end)
+    os.close(write_end)
