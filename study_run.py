@@ -201,7 +201,8 @@ class StudyRunner:
             state, holder = record["state"], record.get("holder")
             # A failure recorded after this process first saw the run is not retried by it (no
             # clock is compared across VMs: the claim's generations order the events).
-            failed_since = state == "failed" and generation > self.first_seen.setdefault(run.name, generation)
+            first = self.first_seen.setdefault(run.name, generation)
+            failed_since = state == "failed" and generation > first
             if self.whole_slice and self.worker > 0:  # follow worker 0's claims, each once
                 key = (run.name, record.get("since"))
                 if state == "running" and holder == self.holder and key not in self.followed:
