@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from storage import exists, filesystem, join_url, read_bytes, with_retries, write_bytes
+from storage import check_fence, exists, filesystem, join_url, read_bytes, with_retries, write_bytes
 
 COMMIT_MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"step_(\d{8})$")
@@ -193,6 +193,7 @@ class CheckpointWriter:
         for name in sorted(listed):  # data files of earlier, interrupted saves of this step
             if name.endswith(".safetensors") and not name.endswith(f"-{self.attempt}.safetensors"):
                 try:
+                    check_fence(join_url(directory, name))  # a deposed trainer stops here (fencing.py)
                     fs.rm(f"{path.rstrip('/')}/{name}")
                 except Exception as e:  # costs storage, not correctness
                     print(f"warning: could not delete {join_url(directory, name)}: {e}", flush=True)
@@ -206,6 +207,7 @@ class CheckpointWriter:
         for s in doomed:
             fs, path = filesystem(step_dir(self.run_dir, s))
             try:
+                check_fence(step_dir(self.run_dir, s))
                 fs.rm(path, recursive=True)
             except Exception as e:  # a leftover directory costs storage, not correctness
                 print(f"warning: could not delete old checkpoint {step_dir(self.run_dir, s)}: {e}",

@@ -15,7 +15,7 @@ FLEET=()                    # the VMs: NAME or NAME@ZONE
 
 # fleet_members: FLEET from --count or --fleet (none: one VM, as without this file).
 fleet_members() {
-  local entry entries=() i
+  local entry entries=() i seen
   FLEET=()
   if [ -n "$COUNT" ]; then
     case $COUNT in ''|*[!0-9]*|0) usage_error "--count takes a number of VMs (1 or more), not '$COUNT'" ;; esac
@@ -28,9 +28,18 @@ fleet_members() {
       case ${entry%%@*} in
         ''|-*|*[!a-z0-9-]*) usage_error "--fleet: '$entry' is not NAME or NAME@ZONE (a TPU name: lower-case letters, digits, '-')" ;;
       esac
+      for seen in "${FLEET[@]}"; do   # one VM named twice would hold its study claims twice over
+        [ "$(fleet_vm "$seen")" != "$(fleet_vm "$entry")" ] || \
+          usage_error "--fleet names the VM $(fleet_vm "$entry") twice ('$seen' and '$entry'): name each VM once"
+      done
       FLEET+=("$entry")
     done
   fi
+}
+
+# fleet_vm ENTRY: NAME@ZONE, the zone --zone's when the entry names none (a VM's holder name in studies).
+fleet_vm() {
+  case $1 in *@*) printf '%s' "$1" ;; *) printf '%s@%s' "$1" "$ZONE" ;; esac
 }
 
 # fleet_prefix NAME: each line of stdin as [NAME] LINE.

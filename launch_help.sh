@@ -163,7 +163,7 @@ usage: bash launch.sh study [--retry] [--queued] [--poll SECONDS] [--max-restart
                             [--count N | --fleet NAME[@ZONE],...] STUDY_NAME STUDY_FILE
 
 A study's runs (STUDY_FILE: one run per line, NAME PRESET [train.py flags...]; docs/studies.md)
-into gs://BUCKET/studies/STUDY_NAME/NAME, with `study.py run --holder TPU` on every worker: the VM
+into gs://BUCKET/studies/STUDY_NAME/NAME, with `study.py run --holder TPU@ZONE` on every worker: the VM
 claims the next unfinished run (longest first) in the study directory, trains it over the whole
 slice (on a multi-host slice worker 0 claims), and claims the next. The VMs of a fleet
 (--count N, --fleet) running the same STUDY_NAME share its runs; a VM's run whose lease goes

@@ -149,11 +149,12 @@ cmd_study() {
 
 # study_launch: LAUNCH for the study on the slice just described (T_ACC; --accelerator under
 # --dry-run): worker.sh writes the study file and runs study.py run FILE --out
-# gs://BUCKET/studies/RUN --holder TPU [--whole-slice --worker W on a multi-host slice] -- --run.device tpu:
-# the VM claims the study's runs one at a time (claims.py), its name the holder of its claims.
+# gs://BUCKET/studies/RUN --holder TPU@ZONE [--whole-slice --worker W on a multi-host slice] -- --run.device tpu:
+# the VM claims the study's runs one at a time (claims.py), its name and zone the holder of its
+# claims (one TPU name may exist in two zones: their holders differ).
 study_launch() {
   local acc=${T_ACC:-$ACCELERATOR}
-  LAUNCH=(remote_study "$RUN" "$TPU" "$(hosts_of "$acc")" "$BUCKET" "$(base64 < "$STUDY_FILE" | tr -d '\n')")
+  LAUNCH=(remote_study "$RUN" "$TPU@$ZONE" "$(hosts_of "$acc")" "$BUCKET" "$(base64 < "$STUDY_FILE" | tr -d '\n')")
 }
 
 # stop_all WAIT KILL(0/1): stop what is left of the run on every worker (SIGTERM; with KILL=1,

@@ -30,6 +30,13 @@ Every failure takes bounded time, so that a lasting outage stops a run instead o
   2-3 minutes, a shorter one (a 45 s blip) is ridden out.
 Not bounded: a large upload stuck mid-body (the peer's TCP window stays closed) waits on TCP.
 
+Writes into a fenced directory (fencing.py: a study's trainer, whose lease may run out) first
+ask the fence: `set_fence(check)` installs `check(url)`, called before every attempt of a write,
+create, removal or move (through with_retries) and by `check_fence(url)` for removals made
+directly. Two switches for tests, read from the environment: TRM_STORAGE_AUDIT=FILE appends a
+line (process, operation, URL, time) per write and removal to a local file; TRM_STORAGE_FAULTS=
+FILE injects failures into retried operations (`_inject`).
+
 An emulator named by STORAGE_EMULATOR_HOST is reached anonymously; real GCS uses the default
 credentials. This module imports fsspec and the standard library only (and aiohttp, which gcsfs
 needs anyway, when it opens a gs:// URL).
@@ -79,6 +86,78 @@ RETRY_MAX_DELAY_S = 15.0
 
 # What with_retries waits with and measures time by (tests replace them).
 _sleep, _clock = time.sleep, time.monotonic
+
+MUTATING = ("writing", "creating", "removing", "deleting", "moving")
+"""with_retries' operations that change storage: each attempt first asks the fence."""
+_fence: Callable[[str], None] | None = None
+
+
+def set_fence(check: Callable[[str], None] | None) -> None:
+    """Install `check(url)`, called before every change to storage this process makes (it ends
+    the process, or raises, when the change must not happen); None removes it."""
+    global _fence
+    _fence = check
+
+
+def check_fence(url: str, op: str = "removing") -> None:
+    """Ask the fence (if any) before changing `url`; recorded in the audit file (if any)."""
+    if _fence is not None:
+        _fence(url)
+    if op != "writing":  # writes are recorded once they landed (write_file)
+        _audit(op, url)
+
+
+def _audit(op: str, url: str) -> None:
+    """One line in the audit file (TRM_STORAGE_AUDIT, for tests): who changed what, when."""
+    path = os.environ.get("TRM_STORAGE_AUDIT")
+    if path:
+        line = json.dumps({"pid": os.getpid(), "op": op, "url": url, "time": time.time()}) + "\n"
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(descriptor, line.encode())  # one write with O_APPEND: lines never interleave
+        finally:
+            os.close(descriptor)
+
+
+class InjectedFault(ConnectionError):
+    """A failure injected by TRM_STORAGE_FAULTS (tests): retried like any network error."""
+
+
+_injected: dict[int, int] = {}  # rule index -> how many times this process applied it
+
+
+def _inject(what: str, url: str, fn: Callable) -> Callable:
+    """fn, or fn with a fault, as the rules of the file TRM_STORAGE_FAULTS say (for tests; read at
+    every attempt, so a test switches faults on and off while processes run). One JSON rule a
+    line: {"what": OPERATION or "*", "match": a substring of the URL, "mode": "fail" (raise before
+    fn) or "lose" (run fn, then raise: its answer lost), "from": and "until": wall-clock times
+    (optional), "count": at most this many times per process (optional)}."""
+    path = os.environ.get("TRM_STORAGE_FAULTS")
+    if not path:
+        return fn
+    try:
+        with open(path) as f:
+            rules = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return fn
+    now = time.time()
+    for index, rule in enumerate(rules):
+        if rule.get("what", "*") not in ("*", what) or rule.get("match", "") not in url:
+            continue
+        if not rule.get("from", 0) <= now < rule.get("until", float("inf")):
+            continue
+        if _injected.get(index, 0) >= rule.get("count", float("inf")):
+            continue
+        _injected[index] = _injected.get(index, 0) + 1
+        if rule.get("mode", "fail") == "lose":
+            def lost():
+                fn()
+                raise InjectedFault(f"injected: the answer to {what} {url} was lost")
+            return lost
+        def failed():
+            raise InjectedFault(f"injected: {what} {url} failed (503)")
+        return failed
+    return fn
 
 
 def filesystem(url: str):
@@ -220,7 +299,9 @@ def with_retries(what: str, url: str, fn: Callable, attempts: int = 10, first_de
     started, delay = _clock(), first_delay
     for attempt in range(1, attempts + 1):
         try:
-            return fn()
+            if what in MUTATING:
+                check_fence(url, what)
+            return _inject(what, url, fn)()
         except _PERMANENT as e:
             raise StorageError(_failure(f"{what} {url} failed", e)) from e
         except Exception as e:  # network, 5xx, 429: worth another try
@@ -259,6 +340,7 @@ def write_file(url: str, write: Callable, **retry) -> None:
         with fs.open(path, "wb") as f:  # an object appears whole when its upload completes
             write(f)
     with_retries("writing", url, attempt, **retry)
+    _audit("writing", url)
 
 
 def _write_local(path: str, write: Callable) -> None:

@@ -286,11 +286,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("study", help="the study file (local or gs://)")
     p.add_argument("--out", required=True, help="the study's directory: OUT/NAME per run (local or gs://)")
     p.add_argument("--holder", default=None,
-                   help="this process's name in the claims (default HOSTNAME-PID; launch.sh gives the VM's name: a "
-                        "relaunch on the same VM takes its own claim back at once)")
+                   help="this process's name in the claims (default HOSTNAME-PID; launch.sh gives NAME@ZONE): a "
+                        "claim left by an ended process of this machine is taken back at once, any other waits for "
+                        "its lease")
     p.add_argument("--lease-s", type=float, default=120.0,
                    help="a claim not renewed for this long (seconds, by the observer's clock) may be taken over: "
-                        "the run resumes from its checkpoint (default 120; renewed every quarter of it)")
+                        "the run resumes from its checkpoint (default 120; renewed every eighth of it; the run's "
+                        "train.py stops when half of it passes without a renewal: fencing.py)")
     p.add_argument("--whole-slice", action="store_true",
                    help="every host of a multi-host slice runs this command with the same --holder: worker 0 claims "
                         "and the slice trains each run whole; a run exiting other than 0 or 1 stops the study with 75")

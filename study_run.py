@@ -12,12 +12,20 @@ renews, and claims the next, until every run is done or failed:
     OUT/NAME/                     the run's own directory (train.py's: config, checkpoints, metrics,
                                   TensorBoard, logs, final.json once it finished)
 
+The trainer is fenced (fencing.py): it may write into its run directory only until half a lease
+after the start of the holder's last good renewal, stops at once when that deadline passes, when
+the holder loses the claim, or when the holder dies (a pipe's end of file, and the kernel's
+parent-death signal), so that at any moment at most one trainer of a run can change its run
+directory. Two threads keep the lease: one renews it every lease/8 (any failure is counted and
+retried, never fatal to the thread), one watches the deadline and kills the trainer when it
+passes, whatever the renewing thread is doing.
+
 A run whose final.json exists is skipped; a run taken over (its holder's lease went stale: the
 holder was killed or preempted) or handed back resumes from its checkpoint (train.py's own
 resume). A run that exits 75 (a relaunch may help: storage down, a hang) is launched again up to
 `retries` times, then handed back and the study exits 75 too, so that `launch.sh study --retry`
 relaunches it; any other failure is recorded as failed with its last line, and the study goes on
-(a process started later tries a failed run once more). SIGTERM or Ctrl-C stops the study after
+(a process that first saw the run before it failed tries it once more). SIGTERM or Ctrl-C stops the study after
 the run under way has saved its checkpoint (train.py gets the signal, from the study if not
 already from the system) and hands the run back, and a relaunch carries on from there. A process
 with nothing left to claim waits while other holders train, to take over a run whose lease goes
@@ -40,8 +48,9 @@ import sys
 import threading
 import time
 
+import fencing
 import storage
-from claims import Claims
+from claims import Claims, process_identity
 from config import ensure_demo_data
 from launches import LAUNCH_STARTED_ENV, STUDY_HOST_ENV
 from lifecycle import EXIT_RETRYABLE  # train.py's: a relaunch may help
@@ -93,7 +102,8 @@ def run_costs(runs: list[StudyRun]) -> dict[str, float]:
 
 
 def default_holder() -> str:
-    """This process's holder name when none is given: the machine and the process id."""
+    """This process's holder name when none is given: the machine and the process id (a fleet's VM
+    gets NAME@ZONE from launch.sh)."""
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
@@ -109,11 +119,15 @@ class StudyRunner:
         self.whole_slice, self.worker, self.python = whole_slice, worker, python
         self.claims = Claims(out, self.holder, lease_s)
         self.started = time.time()
+        self.first_seen: dict[str, int] = {}  # run -> the generation of its claim this process saw first
         self.stopping: str | None = None  # the signal that asked the study to stop
         self.child: subprocess.Popen | None = None
         self.child_signalled = threading.Event()  # the run under way said it got a signal
         self.lost = threading.Event()  # the lease of the run under way went to another holder
         self.generation = 0  # the newest generation this process wrote of the run under way's claim
+        self.deadline = 0.0  # time.monotonic() until which the run under way's trainer may write
+        self.lease: fencing.Lease | None = None  # the trainer's end of the lease, while one runs
+        self.renewal_failures = 0  # renewals in a row that raised
         self.claim_lock = threading.Lock()  # the lease's renewals and the claim's last write, one at a time
         self.ended = threading.Event()  # the run under way ended: no more renewals
         self.tried: set[str] = set()  # failed runs this process tried again
@@ -171,6 +185,19 @@ class StudyRunner:
         """A run trained to its end, or a test-time setting of one evaluated (study_testtime.py)."""
         return item.done() if isinstance(item, Evaluation) else finished(self.out, item.name)
 
+    def _patiently(self, what: str, fn):
+        """fn() (a claim operation, whose own retries fit in an eighth of the lease), tried again
+        every lease/8 while it raises StorageError, for up to storage.RETRY_BUDGET_S in all."""
+        started = time.monotonic()
+        while True:
+            try:
+                return fn()
+            except storage.StorageError as e:
+                if time.monotonic() - started > storage.RETRY_BUDGET_S:
+                    raise
+                self.say(f"{what} failed ({e}); trying again")
+                time.sleep(max(0.5, self.lease_s * fencing.RENEW_FRACTION))
+
     def claim_next(self, order: list[StudyRun]) -> tuple[StudyRun | None, int]:
         """(the run this process now holds, None if none, the number of runs other holders hold)."""
         held = 0
@@ -180,53 +207,92 @@ class StudyRunner:
             current = self.claims.current(run.name)
             generation, record = current or (0, {"state": "free"})
             state, holder = record["state"], record.get("holder")
+            # A failure recorded after this process first saw the run is not retried by it (no
+            # clock is compared across VMs: the claim's generations order the events).
+            first = self.first_seen.setdefault(run.name, generation)
+            failed_since = state == "failed" and generation > first
             if self.whole_slice and self.worker > 0:  # follow worker 0's claims, each once
                 key = (run.name, record.get("since"))
                 if state == "running" and holder == self.holder and key not in self.followed:
                     self.followed.add(key)
                     return run, generation
-                held += not (state == "done" or (state == "failed" and record["time"] > self.started))
+                held += not (state == "done" or failed_since)
                 continue
-            if state == "done" or (state == "failed" and (record["time"] > self.started or run.name in self.tried)):
+            if state == "done" or (state == "failed" and (failed_since or run.name in self.tried)):
                 continue
-            take = (state in ("free", "released", "failed") or holder == self.holder  # this VM's earlier process
-                    or self.claims.stale(run.name, generation))
+            mine = state == "running" and self.claims.mine(record)  # its trainer was stopped: the lease lapsed
+            gone = state == "running" and (mine or self.claims.gone(record))
+            take = state in ("free", "released", "failed") or gone or self.claims.stale(run.name, generation)
             if take and self.claims.write(run.name, generation, "running", took_from=holder, since=generation + 1):
                 if state == "failed":
                     self.tried.add(run.name)
                 if state == "running":
-                    self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, "
-                             f"{'was this holder' if holder == self.holder else 'went stale'})")
+                    why = ("this process's own, its trainer stopped" if mine else
+                           "was held by a process of this machine that ended" if gone else "went stale")
+                    self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, {why})")
                 self.generation = self.since = generation + 1
+                self.deadline = self.claims.started[run.name] + fencing.LEASE_FRACTION * self.lease_s
                 return run, generation + 1
             held += 1
         return None, held
 
     def _renew(self, run: StudyRun, done: threading.Event) -> None:
-        """Renew the lease on `run` every lease_s/4 until `done`; on a lost lease (another holder
-        wrote the claim, or no renewal succeeded for lease_s) kill the run at once, unsaved: its
-        new holder resumes it from the last checkpoint."""
-        renewed = time.monotonic()
-        while not done.wait(self.lease_s / 4):
-            try:
-                with self.claim_lock:
-                    if done.is_set():
-                        return
-                    won = self.claims.write(run.name, self.generation, "running", since=self.since)
+        """Renew the lease on `run` every lease/8 until `done`; each good renewal moves the
+        trainer's deadline to half a lease after the renewal's start. A renewal that finds a
+        generation it did not write has lost the run: its trainer is killed at once, unsaved
+        (its new holder resumes the run from the last checkpoint). Any other failure is counted
+        and tried again at the next renewal: this thread ends only with the run or the lease,
+        and the deadline's watcher (`_watch_deadline`) stops the trainer if renewals keep failing."""
+        try:
+            while not done.wait(self.lease_s * fencing.RENEW_FRACTION):
+                try:
+                    with self.claim_lock:
+                        if done.is_set() or self.lost.is_set():
+                            return
+                        trainer = process_identity(self.child.pid) if self.child else None
+                        won = self.claims.write(run.name, self.generation, "running", since=self.since,
+                                                trainer=trainer)
+                        if won:
+                            self.generation += 1
+                except Exception as e:  # noqa: BLE001 - storage, gcsfs, asyncio: all the same here
+                    self.renewal_failures += 1
+                    if self.renewal_failures in (1, 3) or self.renewal_failures % 20 == 0:
+                        left = self.deadline - time.monotonic()
+                        self.say(f"{run.name}: renewing its lease failed ({self.renewal_failures} in a row; "
+                                 f"{type(e).__name__}: {e}); its trainer may write for {max(0.0, left):.1f} s more")
+                    continue
                 if won:
-                    self.generation += 1
-                    renewed = time.monotonic()
+                    self.renewal_failures = 0
+                    # From the renewal's first try (an earlier renewal's retry may have written it).
+                    started = self.claims.started[run.name]
+                    self.deadline = max(self.deadline, started + fencing.LEASE_FRACTION * self.lease_s)
+                    if self.lease:
+                        self.lease.extend(self.deadline)
                     continue
-                why = "another holder took it over"
-            except storage.StorageError as e:
-                if time.monotonic() - renewed < self.lease_s:
-                    continue
-                why = f"it could not be renewed for {self.lease_s:g} s ({e})"
-            self.lost.set()
-            self.say(f"{run.name}: lease lost ({why}): stopping its train.py at once, without saving")
-            if self.child and self.child.poll() is None:
-                self.child.kill()
-            return
+                self._lose(run, "another holder took it over")
+                return
+        except BaseException as e:  # never silently: the watcher stops the trainer at the deadline
+            self.say(f"{run.name}: the lease's renewals stopped ({type(e).__name__}: {e}); its trainer stops at "
+                     "its deadline")
+            raise
+
+    def _watch_deadline(self, run: StudyRun, done: threading.Event) -> None:
+        """Kill the trainer once its deadline has passed (renewals failing or stuck): on this
+        machine's monotonic clock, whatever the renewing thread does."""
+        while not done.wait(min(1.0, self.lease_s / 20)):
+            if time.monotonic() >= self.deadline and not self.lost.is_set():
+                self._lose(run, f"no renewal succeeded in {fencing.LEASE_FRACTION * self.lease_s:g} s "
+                                f"({self.renewal_failures} failed)")
+                return
+
+    def _lose(self, run: StudyRun, why: str) -> None:
+        self.lost.set()
+        if self.lease:
+            self.lease.lost()
+        self.say(f"{run.name}: lease lost ({why}): stopping its train.py at once, without saving")
+        child = self.child
+        if child and child.poll() is None:
+            child.kill()
 
     def release(self, run: StudyRun, state: str) -> None:
         """The claim's last write by this holder: done, failed or released (anyone may take it)."""
@@ -234,7 +300,8 @@ class StudyRunner:
             self.ended.set()  # no renewal after this write
             if (self.whole_slice and self.worker > 0) or self.lost.is_set():
                 return
-            won = self.claims.write(run.name, self.generation, state)
+            won = self._patiently(f"{run.name}: writing its claim's {state}",
+                                  lambda: self.claims.write(run.name, self.generation, state))
         if not won:
             self.say(f"{run.name}: its claim moved on while it ended (another holder took it over)")
 
@@ -250,15 +317,28 @@ class StudyRunner:
                 "--report.wandb-tags", run.configuration[:64]]  # W&B's longest tag
 
     def launch(self, run: StudyRun) -> tuple[int, str]:
-        """train.py for `run`, its output passed through; (exit status, the last line it printed)."""
+        """train.py for `run` (or `train.py eval` for a test-time Evaluation), its output passed
+        through, fenced by the lease (fencing.py): it dies with this process and stops at its
+        deadline; (exit status, the last line it printed)."""
+        run_dir = run.directory if isinstance(run, Evaluation) else storage.join_url(self.out, run.name)
         command = run.command(self.python, self.extra) if isinstance(run, Evaluation) else \
             [self.python, os.path.join(PROJECT_DIR, "train.py"), run.preset, *self.wandb_flags(run), *run.flags,
-             *self.extra, "--run.dir", storage.join_url(self.out, run.name)]
+             *self.extra, "--run.dir", run_dir]
         self.child_signalled.clear()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{LAUNCH_STARTED_ENV: repr(time.time()),
-                                                        STUDY_HOST_ENV: self.holder})  # for its launch record
-        self.child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                      cwd=PROJECT_DIR)
+        follower = self.whole_slice and self.worker > 0  # worker 0's holder renews; its trainer is fenced
+        lease = fencing.Lease(float("inf") if follower else self.deadline, run_dir)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **lease.child_env(),
+                   **{LAUNCH_STARTED_ENV: repr(time.time()), STUDY_HOST_ENV: self.holder})  # for its launch record
+        with self.claim_lock:  # a renewal now sends to this child's pipe
+            try:
+                self.child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                              env=env, cwd=PROJECT_DIR, pass_fds=(lease.read_fd,),
+                                              preexec_fn=fencing.parent_death_signal())
+            finally:
+                lease.started()
+            self.lease = lease
+            if not follower:
+                lease.extend(self.deadline)  # a renewal made while it started
         last = ""
         for line in self.child.stdout:
             sys.stdout.write(line)
@@ -267,7 +347,11 @@ class StudyRunner:
                 last = line.strip()
             if line.startswith(("SIGTERM: stopping", "SIGINT: stopping")):
                 self.child_signalled.set()
-        return self.child.wait(), last
+        status = self.child.wait()
+        with self.claim_lock:
+            self.lease = None
+        lease.close()
+        return status, last
 
     def run(self) -> int:
         """Claim and train runs until none is left; the exit status (0: every run done or recorded
@@ -290,7 +374,7 @@ class StudyRunner:
         waiting_said = None
         try:
             while not self.stopping:
-                run, held = self.claim_next(order)
+                run, held = self._patiently("claiming a run", lambda: self.claim_next(order))
                 if run is None and not held:
                     break
                 if run is None:
@@ -323,8 +407,11 @@ class StudyRunner:
         study must stop with it, else None."""
         self.lost.clear()
         self.ended = threading.Event()
+        self.renewal_failures = 0
         if not (self.whole_slice and self.worker > 0):
-            threading.Thread(target=self._renew, args=(run, self.ended), daemon=True).start()
+            threading.Thread(target=self._renew, args=(run, self.ended), daemon=True, name="trm-renew").start()
+            threading.Thread(target=self._watch_deadline, args=(run, self.ended), daemon=True,
+                             name="trm-lease-deadline").start()
         try:
             return self._train(run)
         finally:
@@ -345,8 +432,10 @@ class StudyRunner:
             seconds_total += time.time() - began
             fields = dict(attempts=attempts, exit=status, last_line=last, seconds=time.time() - began,
                           seconds_total=seconds_total)
+            if status == fencing.EXIT_FENCED and not (self.whole_slice and self.worker > 0):
+                self.lost.set()  # the trainer saw its deadline pass before this process did
             if self.lost.is_set():
-                self.say(f"{label}: stopped, its lease lost (exit {status}); its new holder resumes it")
+                self.say(f"{label}: stopped, its lease lost (exit {status}); its next holder resumes it")
                 return None
             if status == 0 and self.done(run):
                 self.counts["done"] += 1

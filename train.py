@@ -43,6 +43,7 @@ import compile_cache
 import data
 import eval_command
 import export
+import fencing
 import predict
 import storage
 from batches import PrefetchedBatches, TrainBatches, total_train_steps
@@ -197,7 +198,9 @@ def usage() -> str:
 def command_line(argv: list[str]) -> int:
     """Run a command; the exit status: 0 done (or saved and stopped on SIGTERM), 1 a failure a
     relaunch would repeat, EXIT_RETRYABLE one it may not (storage failing beyond its retries, a
-    lost peer host; the watchdog exits with it too)."""
+    lost peer host; the watchdog exits with it too); under study.py, fencing.EXIT_FENCED when its
+    lease ran out or its holder died."""
+    fencing.start_from_environment()  # a study's trainer: dies with its holder, writes only under its lease
     if not argv or argv[0] in ("-h", "--help"):
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2

@@ -398,6 +398,7 @@ def test_a_fleet_is_named_together_and_goes_on_past_a_failing_vm(pod):
     sshed = [(c[5], next(a for a in c if a.startswith("--zone="))) for c in pod.calls() if c[4] == "ssh"]
     assert sshed[0] == ("ghost", "--zone=europe-west4-a") and sshed[-1] == (TPU, "--zone=us-central2-b")
     for bad, said in ((("--count", "0"), "--count takes a number of VMs"), (("--fleet", "A,b"), "is not NAME"),
+                      (("--fleet", "a,b,a@us-central2-b"), "names the VM a@us-central2-b twice"),
                       (("--count", "2", "--fleet", "a"), "--count or --fleet, not both")):
         assert said in pod.run("status", *bad, expect=2).stderr
 
@@ -602,8 +603,9 @@ def test_study_starts_on_every_worker_claiming_as_the_vm(pod):
     for w in range(pod.workers):  # v4-16: 2 hosts, worker 0 claims as the VM, the slice trains each run whole
         record = pod.launch_record(w, 0)
         file = str(pod.home(w) / "trm-state" / "studies" / "s1.txt")
-        assert record["argv"] == ["run", file, "--out", "gs://trm-bucket/studies/s1", "--holder", TPU,
-                                  "--whole-slice", "--worker", str(w), "--", "--run.device", "tpu"]
+        assert record["argv"] == ["run", file, "--out", "gs://trm-bucket/studies/s1", "--holder",
+                                  f"{TPU}@us-central2-b", "--whole-slice", "--worker", str(w), "--",
+                                  "--run.device", "tpu"]
         assert open(file).read() == STUDY_FILE.read_text()  # the laptop's study file, sent with the command
         assert record["env"]["TPU_HOST_BOUNDS"] is None and record["env"]["TPU_PROCESS_BOUNDS"] is None
         assert record["env"]["TRM_BUCKET"] == "trm-bucket" and record["env"]["TRM_RUN_NAME"] == "s1"

@@ -251,14 +251,15 @@ def test_three_holders_train_every_run_once_and_a_killed_holders_run_is_taken_ov
         if name == killed["run"]:
             first, second = launches
             taker = second["study_host"]
-            # Taken over after its lease went stale (the taker saw its last renewal, made at most a
-            # quarter lease before the kill, unchanged for a lease), from its last checkpoint: no step
-            # before it trained again.
+            # Taken over as soon as a holder looked (c's process and its trainer, of this machine,
+            # no longer ran: no lease to wait for), from its last checkpoint: no step before it
+            # trained again.
             takeover_s = second["process_start"] - killed["time"]
             print(f"takeover of {name} by {taker}: {takeover_s:.1f} s after the kill (lease {LEASE_S:g} s)")
-            assert takeover_s >= 0.7 * LEASE_S and first["study_host"] == "c"
+            assert first["study_host"] == "c"
             assert second["start_step"] == killed["committed"] and second["previous_reached"] == killed["reached"]
-            assert f"study: {name}: taking over from c (its lease" in outputs[taker]
+            assert f"study: {name}: taking over from c (its lease, generation" in outputs[taker]
+            assert "was held by a process of this machine that ended" in outputs[taker]
             assert re.search(rf"resuming from \S*{name}/checkpoints/step_0+{killed['committed']} ", outputs[taker])
     # The resumed run ends as the same run trained without interruption.
     flags = next(r for r in parse_study((out / "study.txt").read_text()) if r.name == killed["run"]).flags

@@ -1,0 +1,311 @@
+"""One trainer per run (fencing.py, claims.py, study_run.py): real study.py processes train a real
+run on the GCS emulator while a fault hits one holder, and every test watches, the whole time,
+which train.py processes of the run are alive (/proc) and which of them wrote what into the run
+directory (storage's audit file, TRM_STORAGE_AUDIT). Each asserts that no two trainers of the run
+ever both wrote (the writers follow one another), that every checkpoint step was committed once,
+and that the run ends with the metrics of the same run trained without interruption. The faults:
+a holder's whole process group stopped for twice the lease while another holder takes the run
+over; the study process alone SIGKILLed; claim writes failing for longer than the lease; claim
+writes whose answer was lost; two holders of one name. Each prints its takeover time and what the
+old trainer did (docs/studies.md quotes them)."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import claims
+import fencing
+import storage
+from tests.study_fixtures import PROJECT_DIR, study, wait_for
+
+LEASE_S = 10.0
+"""A short lease: this machine, shared and loaded, missed renewals of a 4 s lease (half of it left
+for three renewals, each through the one-request-at-a-time emulator)."""
+RUN_FLAGS = ("--model.hidden-size 32 --model.puzzle-emb-ndim 32 --optim.global-batch-size 32 --optim.max-steps 40 "
+             "--run.ckpt-every 4 --run.log-every 2 --eval.every-epochs 1000")
+
+
+@pytest.fixture(scope="module")
+def straight(demo_path, tmp_path_factory):
+    """The run's final metrics trained without interruption (train.py alone, a local directory)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "r"
+    done = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "train.py"), "demo", "--data.path", demo_path,
+                           *RUN_FLAGS.split(), "--run.dir", str(run_dir)], capture_output=True, text=True,
+                          timeout=600, cwd=PROJECT_DIR)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((run_dir / "final.json").read_text())["metrics"]
+
+
+class Watch:
+    """Samples every 20 ms the train.py processes of a run directory (their pids, by time)."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir, self.samples, self.stop = run_dir, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def alive(self) -> set[int]:
+        pids = set()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+                with open(f"/proc/{entry}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z" and any(a.endswith(b"train.py") for a in argv) and self.run_dir.encode() in argv:
+                pids.add(int(entry))
+        return pids
+
+    def _run(self):
+        while not self.stop.wait(0.02):
+            self.samples.append((time.time(), self.alive()))
+
+    def close(self):
+        self.stop.set()
+        self.thread.join()
+
+    def last_alive(self, pid: int) -> float:
+        return max((t for t, pids in self.samples if pid in pids), default=0.0)
+
+    def most_alive(self) -> int:
+        return max((len(pids) for _, pids in self.samples), default=0)
+
+
+class Study:
+    """A one-run study on the emulator, its holders started by `holder`, its writes audited."""
+
+    def __init__(self, gcs_url, demo_path, tmp_path, lease_s=LEASE_S):
+        self.out, self.tmp, self.lease_s = gcs_url, tmp_path, lease_s
+        self.file = tmp_path / "study.txt"
+        self.file.write_text(f"r demo --data.path {demo_path} {RUN_FLAGS}\n")
+        self.audit, self.faults = tmp_path / "audit.jsonl", tmp_path / "faults.jsonl"
+        self.run_dir = storage.join_url(gcs_url, "r")
+        self.watch = Watch(self.run_dir)
+        self.lines: dict[str, list] = {}
+
+    def holder(self, label, name=None, **popen):
+        self.lines[label] = []
+        env = {"TRM_STORAGE_AUDIT": str(self.audit), "TRM_STORAGE_FAULTS": str(self.faults)}
+        return study("run", str(self.file), "--out", self.out, "--holder", name or label, "--lease-s",
+                     str(self.lease_s), env=env, **popen)
+
+    def inject(self, **rule):
+        with open(self.faults, "a") as f:
+            f.write(json.dumps(rule) + "\n")
+
+    def writes(self) -> list[dict]:
+        """The audit's changes to the run directory, oldest first."""
+        records = [json.loads(line) for line in self.audit.read_text().splitlines() if line.strip()]
+        return sorted((r for r in records if r["url"].startswith(self.run_dir + "/")), key=lambda r: r["time"])
+
+    def check(self, straight) -> dict:
+        """The guarantee, from what was sampled and audited; returns each writer's first and last write."""
+        self.watch.close()
+        writes = self.writes()
+        spans = {}
+        for w in writes:
+            first, _ = spans.get(w["pid"], (w["time"], 0))
+            spans[w["pid"]] = (first, w["time"])
+        ordered = sorted(spans.items(), key=lambda item: item[1][0])
+        for (p, (_, last)), (q, (first, _)) in zip(ordered, ordered[1:]):
+            assert last < first, f"trainers {p} and {q} of the run both wrote: {p} until {last}, {q} from {first}"
+        commits = [w["url"] for w in writes if w["url"].endswith("/COMMITTED")]
+        assert commits and len(commits) == len(set(commits)), commits  # every step committed once
+        final = json.loads(storage.read_bytes(self.run_dir + "/final.json"))
+        assert final["step"] == 40 and final["metrics"] == straight
+        return dict(ordered)
+
+
+def _step_reached(lines, holder_proc, at_least):
+    return wait_for(holder_proc, rf"^step ({'|'.join(str(s) for s in range(at_least, 41))})/40", lines)
+
+
+def _takeover_line(proc, lines):
+    return wait_for(proc, r"study: r: taking over from", lines)
+
+
+def test_a_frozen_holder_is_taken_over_and_its_thawed_trainer_stops_before_writing(gcs_url, demo_path, tmp_path,
+                                                                                 straight):
+    s = Study(gcs_url, demo_path, tmp_path)
+    # Both holders have one name: the waiting one must not take the run at once as its own.
+    a = s.holder("a", "vm", start_new_session=True)
+    assert _step_reached(s.lines["a"], a, 9), "".join(s.lines["a"])
+    b = s.holder("b", "vm")
+    assert wait_for(b, r"study: waiting: 1 run", s.lines["b"]), "".join(s.lines["b"])
+    [old] = s.watch.alive()
+    os.killpg(a.pid, signal.SIGSTOP)
+    frozen = time.time()
+    assert _takeover_line(b, s.lines["b"]), "".join(s.lines["b"])
+    took = time.time() - frozen
+    time.sleep(max(0.0, frozen + 2 * s.lease_s - time.time()))
+    assert old in s.watch.alive()  # frozen, not dead
+    os.killpg(a.pid, signal.SIGCONT)
+    thawed = time.time()
+    said_b = "".join(s.lines["b"]) + b.communicate(timeout=600)[0]
+    said_a = "".join(s.lines["a"]) + a.communicate(timeout=120)[0]
+    assert a.returncode == 0 and b.returncode == 0, (said_a, said_b)
+    spans = s.check(straight)
+    dead_after = max(0.0, s.watch.last_alive(old) - thawed)  # 0: no sample after the thaw saw it
+    print(f"frozen holder: taken over {took:.1f} s after the freeze (lease {s.lease_s:g} s); its trainer died "
+          f"{dead_after:.2f} s after the thaw (sampled every 20 ms); its last write "
+          f"{thawed - spans[old][1]:.1f} s before the thaw")
+    assert spans[old][1] < frozen and took >= s.lease_s * (1 - fencing.RENEW_FRACTION)
+    assert re.search(r"study: r: lease lost|this trainer stops at once", said_a), said_a
+    assert dead_after < 2.0
+
+
+def test_a_killed_study_process_takes_its_trainer_with_it(gcs_url, demo_path, tmp_path, straight):
+    """With the default lease (120 s): nothing here waits for it."""
+    s = Study(gcs_url, demo_path, tmp_path, lease_s=120.0)
+    a = s.holder("a")
+    assert _step_reached(s.lines["a"], a, 9), "".join(s.lines["a"])
+    b = s.holder("b")
+    assert wait_for(b, r"study: waiting: 1 run", s.lines["b"]), "".join(s.lines["b"])
+    [old] = s.watch.alive()
+    a.kill()  # the study process alone (an OOM killer's choice)
+    killed = time.time()
+    assert _takeover_line(b, s.lines["b"]), "".join(s.lines["b"])
+    took = time.time() - killed
+    said_b = "".join(s.lines["b"]) + b.communicate(timeout=600)[0]
+    assert b.returncode == 0, said_b
+    spans = s.check(straight)
+    dead_after = max(0.0, s.watch.last_alive(old) - killed)  # 0: no sample after the kill saw it
+    print(f"killed study process: its trainer died {dead_after:.2f} s after; taken over {took:.1f} s after the kill "
+          f"(lease {s.lease_s:g} s: a process of this machine that ended)")
+    assert dead_after < 1.0 and spans[old][1] < killed + 0.5
+    assert "was held by a process of this machine that ended" in said_b
+
+
+def test_claim_writes_failing_longer_than_the_lease_stop_the_trainer_in_time(gcs_url, demo_path, tmp_path, straight):
+    s = Study(gcs_url, demo_path, tmp_path)
+    a = s.holder("a")
+    # From the trainer's start (a run started, by its first step, takes longer than half a lease
+    # even on an idle machine: its trainer is surely stopped mid-run), 503 on every claim write.
+    assert wait_for(a, r"study: r: starting", s.lines["a"]), "".join(s.lines["a"])
+    began = time.time()
+    s.inject(what="creating", match="/claims/", mode="fail", until=began + 2.5 * s.lease_s)
+    b = s.holder("b")
+    while not s.watch.alive():
+        time.sleep(0.02)
+    [old] = s.watch.alive()
+    assert wait_for(a, r"study: r: (stopped, its )?lease lost", s.lines["a"]), "".join(s.lines["a"])
+    said_a = "".join(s.lines["a"]) + a.communicate(timeout=600)[0]
+    said_b = "".join(s.lines["b"]) + b.communicate(timeout=600)[0]
+    assert a.returncode == 0 and b.returncode == 0, (said_a, said_b)
+    spans = s.check(straight)
+    dead_after = s.watch.last_alive(old) - began
+    resumed = min((t for t, pids in s.watch.samples if pids - {old}), default=float("nan")) - began
+    print(f"claim writes failing for {2.5 * s.lease_s:g} s: the trainer died {dead_after:.1f} s into the outage "
+          f"(lease {s.lease_s:g} s); the run's next trainer started {resumed:.1f} s into it")
+    assert dead_after < fencing.LEASE_FRACTION * s.lease_s + 1.0  # its deadline: half a lease after the claim
+    assert spans.get(old, (0, 0))[1] < began + dead_after
+    assert "renewing its lease failed" in said_a
+
+
+def test_a_claim_write_whose_answer_was_lost_is_found_as_its_own(gcs_url, demo_path, tmp_path, straight):
+    s = Study(gcs_url, demo_path, tmp_path)
+    # The first claim write's answer lost; then the listing after a renewal's create fails (both
+    # its attempts): the renewal fails after its create landed, and is tried again with the same record.
+    s.inject(what="creating", match="/claims/", mode="lose", count=1)
+    a = s.holder("a")
+    assert _step_reached(s.lines["a"], a, 5), "".join(s.lines["a"])
+    s.inject(what="listing", match="/claims/", mode="fail", count=2)
+    said = "".join(s.lines["a"]) + a.communicate(timeout=600)[0]
+    assert a.returncode == 0, said
+    spans = s.check(straight)
+    assert len(spans) == 1 and "lease lost" not in said and "the answer to creating" in said, said
+    assert "renewing its lease failed (1 in a row" in said  # after its create landed; the next one went on
+
+
+def test_holders_of_one_name_do_not_take_each_others_runs(tmp_path):
+    """The protocol alone: a second process of the same holder name sees the first's claim as
+    another's (waits for its lease), and takes at once only what a process of this machine that
+    ended left."""
+    out = str(tmp_path / "study")
+    first, second = claims.Claims(out, "vm", 60.0), claims.Claims(out, "vm", 60.0)
+    assert first.write("r", 0, "running")
+    generation, record = second.current("r")
+    assert not second.mine(record) and not second.gone(record) and first.mine(record)
+    ended = subprocess.run([sys.executable, "-c", "import claims, sys; claims.Claims(sys.argv[1], 'vm', 60.0)"
+                            ".write('q', 0, 'running')", out], cwd=PROJECT_DIR, check=True)
+    assert ended.returncode == 0
+    assert second.gone(second.current("q")[1])  # its process ended: taken at once
+
+
+def test_with_the_default_lease_a_takeover_comes_half_a_lease_after_the_last_deadline(tmp_path, monkeypatch):
+    """The protocol with the default lease (120 s) on a clock the test moves: the deadline a claim
+    write gives its trainer, the earliest takeover an observer that saw the write at once can
+    make, and a renewal whose create landed but whose listing failed, tried again later: found as
+    its own, its deadline counted from its first try."""
+    now = [1000.0]
+    monkeypatch.setattr(claims, "_clock", lambda: now[0])
+    out, lease = str(tmp_path / "study"), 120.0
+    holder, observer = claims.Claims(out, "vm", lease), claims.Claims(out, "vm", lease)
+    assert holder.retry["budget_s"] == lease / 8  # one claim operation's retries: 15 s
+    assert holder.write("r", 0, "running") and observer.current("r")[0] == 1
+    deadline = holder.started["r"] + fencing.LEASE_FRACTION * lease
+    assert deadline == 1060.0
+    now[0] = deadline + 0.5 * lease - 0.01
+    assert not observer.stale("r", 1)
+    now[0] = deadline + 0.5 * lease
+    assert observer.stale("r", 1)  # the earliest takeover: half a lease after the trainer's deadline
+    faults = tmp_path / "faults.jsonl"
+    faults.write_text(json.dumps({"what": "listing", "match": "/claims/", "mode": "fail"}) + "\n")
+    monkeypatch.setenv("TRM_STORAGE_FAULTS", str(faults))
+    monkeypatch.setattr(storage, "_sleep", lambda s: None)
+    now[0], first_try = 2000.0, 2000.0
+    with pytest.raises(storage.StorageError, match="injected"):
+        holder.write("r", 1, "running", since=1)  # generation 2 landed; the listing after it failed
+    faults.write_text("")
+    now[0] = 2010.0
+    assert holder.write("r", 1, "running", since=1)  # the same write again: found as its own
+    assert holder.started["r"] == first_try and holder.current("r")[1]["instance"] == holder.instance
+    assert not observer.write("r", 1, "running", took_from="vm")  # the observer's takeover loses
+
+
+def test_a_fenced_process_stops_when_its_holder_goes_and_never_writes_past_its_deadline(tmp_path, monkeypatch):
+    """fencing.py alone: the trainer's side ends its process (exit 76) at the pipe's end of file,
+    and its check refuses a change to the run directory past the deadline (other paths pass)."""
+    lease = fencing.Lease(time.monotonic() + 60.0, str(tmp_path / "run"))
+    child = subprocess.Popen([sys.executable, "-c", "import time, fencing; fencing.start_from_environment(); "
+                              "print('fenced', flush=True); time.sleep(60)"], cwd=PROJECT_DIR, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(lease.read_fd,),
+                             env={**os.environ, **lease.child_env()})
+    lease.started()
+    assert child.stdout.readline() == "fenced\n"
+    lease.extend(time.monotonic() + 120.0)
+    closed = time.monotonic()
+    lease.close()  # the holder's end goes, as when it is killed
+    assert child.wait(timeout=30) == fencing.EXIT_FENCED and time.monotonic() - closed < 5.0
+    assert "its study process ended" in child.stderr.read()
+    read_end, write_end = os.pipe()
+    fence = fencing.Fence(read_end, time.monotonic() + 60.0, str(tmp_path / "run"))
+
+    class Stopped(PermissionError):  # (the real stop ends the process; this one, a permanent error)
+        pass
+
+    def stopped(why):
+        raise Stopped(why)
+    monkeypatch.setattr(fence, "stop", stopped)
+    monkeypatch.setattr(storage, "_fence", fence.check)
+    storage.write_bytes(str(tmp_path / "run" / "a"), b"1")  # before the deadline
+    os.write(write_end, b"lost\n")
+    with pytest.raises(storage.StorageError, match="lost the run's claim"):
+        storage.write_bytes(str(tmp_path / "run" / "b"), b"2")
+    fence.deadline = time.monotonic() - 1.0
+    with pytest.raises(storage.StorageError, match="lease ran out"):
+        storage.write_bytes(str(tmp_path / "run" / "c"), b"3")
+    storage.write_bytes(str(tmp_path / "elsewhere"), b"4")  # outside the run directory
+    assert sorted(os.listdir(tmp_path / "run")) == ["a"]
+    os.close(read_end)
+    os.close(write_end)
