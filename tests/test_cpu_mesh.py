@@ -7,6 +7,7 @@ devices, and the PJRT CPU client's pool of 8 threads then held a blocked dispatc
 running program's tasks (sharding.size_cpu_client_pool says how, and how the pool is sized now).
 """
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -50,4 +51,8 @@ def test_an_evaluation_at_16_trajectories_of_the_whole_demo_test_set_on_8_device
     assert proc.returncode == 0, proc.stderr[-3000:]
     # All 300 puzzles, in 38 batches (the abort exits with SIGABRT, rc -6, before the last).
     assert "on 300 examples" in proc.stdout and "eval batch 36/38" in proc.stdout, proc.stdout[-2000:]
-    assert "K=16 noise=0.1: exact_accuracy" in proc.stdout, proc.stdout[-2000:]
+    # The setting's result, written last (RUN/test-time/K16-noise0.1-D<halt_max_steps>/metrics.json).
+    saved = list((tmp_path / "eval" / "test-time").glob("K16-noise0.1-D*/metrics.json"))
+    assert len(saved) == 1, proc.stdout[-2000:]
+    metrics = json.loads(saved[0].read_text())
+    assert metrics["trajectories"] == 16 and metrics["num_puzzles"] == 300, metrics
