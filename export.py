@@ -39,13 +39,18 @@ def export_command(argv: list[str]) -> None:
         export(flags.source, flags.out)
 
 
-def export(source: str, out: str) -> None:
-    """Write the EMA weights of `source` (ExportCommand) to `out`."""
+def check_urls(source: str, out: str) -> None:
+    """Both URLs of an export well formed, or SystemExit with the one-line error that says why."""
     for what, value in (("the export source", source), ("--out", out)):
         try:
             storage.check_url(value, what)
         except storage.StorageError as e:
             raise SystemExit(f"error: {e}")
+
+
+def export(source: str, out: str) -> None:
+    """Write the EMA weights of `source` (ExportCommand) to `out`."""
+    check_urls(source, out)
     try:
         found = checkpoint.weights_of(source)
     except checkpoint.CheckpointError as e:

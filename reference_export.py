@@ -256,11 +256,9 @@ def export_reference(source: str, out: str, say=print) -> dict:
 
 def export_directory(source: str, out: str) -> None:
     """The command line's `export SOURCE --format reference --out DIR`: errors as one line each."""
-    for what, value in (("the export source", source), ("--out", out)):
-        try:
-            storage.check_url(value, what)
-        except storage.StorageError as e:
-            raise SystemExit(f"error: {e}")
+    from export import check_urls
+
+    check_urls(source, out)
     try:
         card = export_reference(source, out)
     except (ValueError, checkpoint.CheckpointError) as e:
