@@ -41,7 +41,7 @@ def worst(got, expected, names):
 
 
 @pytest.mark.parametrize("mlp_t", [False, True], ids=["attention", "mlp_t"])
-def test_the_step_computes_the_references_ddp_rule_in_bf16(mlp_t):
+def test_the_step_sums_and_reduces_each_weights_gradient_as_the_references_all_reduce_in_bf16(mlp_t):
     """A bf16 ACT step split over 4 devices: the Linear weights' gradients equal the reference's
     rule on 4 GPUs computed apart (each GPU's rows through autograd: each use's gradient rounded
     to bf16, the uses summed in float32; then the GPUs summed in float32) to float32 rounding
