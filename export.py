@@ -31,6 +31,7 @@ class ExportCommand:
 def export_command(argv: list[str]) -> None:
     """`python train.py export SOURCE --out URL [--format reference]`."""
     flags = tyro.cli(ExportCommand, args=argv, prog="train.py export")
+    check_urls(flags.source, flags.out)
     if flags.format == "reference":
         from reference_export import export_directory
 

@@ -255,10 +255,8 @@ def export_reference(source: str, out: str, say=print) -> dict:
 
 
 def export_directory(source: str, out: str) -> None:
-    """The command line's `export SOURCE --format reference --out DIR`: errors as one line each."""
-    from export import check_urls
-
-    check_urls(source, out)
+    """The command line's `export SOURCE --format reference --out DIR` (its URLs checked by
+    export.export_command): errors as one line each."""
     try:
         card = export_reference(source, out)
     except (ValueError, checkpoint.CheckpointError) as e:

@@ -120,7 +120,7 @@ def _evaluation_setting(config: Config) -> list:
 # project (tests/test_tpu_compile.py checks), the trainer that builds the step, and this reader.
 PROGRAM_SOURCES = ("model.py", "attention.py", "device_grads.py", "ranges.py", "optim.py", "trainer.py",
                    "capture.py", "sharding.py", "tpu_compile.py", "hlo_stats.py", "ptrm.py",
-                   "recursion.py", "halting.py", "halt_steps.py", "counter_hash.py")
+                   "recursion.py", "halting.py", "halt_steps.py", "counter_hash.py", "data.py", "storage.py")
 
 
 def program_key(config: Config, program: str, topo: Topology) -> str:

@@ -233,7 +233,7 @@ def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, gcs_url):
     """The demo trained here, exported to the reference format: its card holds the run's final
     metrics, `train.py eval --init-from DIR` gives them bit for bit, and the reference checkpoint
     in it (read back through its all_config.yaml) evaluates bit for bit as our own export."""
-    from commands import evaluate_command
+    from eval_command import evaluate_command
 
     trained = train.main(parse_config(tiny_run(demo_path, tmp_path, "--optim.max-steps", "6")))
     final = trained["final"]

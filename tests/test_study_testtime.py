@@ -96,7 +96,7 @@ def test_plan_prices_every_evaluation_of_the_grid(demo_path, tmp_path):
 
     path = tmp_path / "plan.txt"
     path.write_text(f"w demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
-                    "--optim.global-batch-size 32\n@test-time K=1,12,32 noise=0.3 D=4\n")
+                    "--optim.global-batch-size 32 --run.device tpu\n@test-time K=1,12,32 noise=0.3 D=4\n")
     done = study("plan", str(path), "--slice", "v4-8", "--fleet", "v4-8x2", "--mfu", "0.5", "--startup-minutes", "60")
     out = done.communicate(timeout=120)[0]
     assert done.returncode == 0, out
@@ -177,7 +177,9 @@ def test_every_finished_run_is_evaluated_once_per_setting_and_a_killed_holders_e
         assert view.current(name)[1]["state"] == "done" and view.current(name)[1]["holder"] == "a"
         assert outputs["a"].count(f"study: {name}: done in") == 1
     assert f"study: {killed}: taking over from c (its lease" in outputs["a"]
-    assert outputs["a"].index("study: w+K1-noise0-D2: starting") < outputs["a"].index(f"study: {killed}: taking over")
+    # a evaluates the other setting too; the killed one it takes over at once or after the lease (a
+    # claim left by a dead process of the same machine is taken at once, claims.py), so in either order.
+    assert "study: w+K1-noise0-D2: starting" in outputs["a"]
     # Run again: everything done is skipped, nothing launched.
     again = study("run", str(out.parent / "study.txt"), "--out", str(out), "--holder", "a",
                   env={"CPU_NUM_DEVICES": "2"}).communicate(timeout=600)[0]
