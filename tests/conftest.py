@@ -3,14 +3,12 @@
 The PJRT variables must be set before torch_xla starts its runtime, so they are set at import
 time of this file, which pytest loads before any test module.
 """
-import contextlib
 import fcntl
 import os
 import pickle
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -65,26 +63,6 @@ def pytest_configure(config):
         config.option.timeout = TEST_TIMEOUT_S
 
 
-# Ports: a port found free (bound to 0, then closed) stays free only until another process binds
-# it, and the tests of two workers pick theirs at the same time. Holding this lock from the pick
-# until the server listens makes the pick and the bind one step between the workers.
-PORT_LOCK = Path(tempfile.gettempdir()) / "trm-tests-port.lock"
-
-
-@contextlib.contextmanager
-def reserved_port():
-    """A free loopback port, for a server that the caller starts (and waits for) inside the block."""
-    with open(PORT_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            yield port
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 @pytest.fixture(scope="session")
 def gcs_server():
     """A real GCS JSON-API server (gcp-storage-emulator, with GCS's ifGenerationMatch precondition on
@@ -92,22 +70,24 @@ def gcs_server():
 
     STORAGE_EMULATOR_HOST points gcsfs (and subprocesses started by tests) at it.
     """
+    from tests.ports import free_port
+
     bucket = "trm-test"
-    for _attempt in range(3):  # a port taken between the pick and the bind by a process outside the lock
-        with reserved_port() as port:
-            proc = subprocess.Popen(
-                [sys.executable, str(PROJECT_DIR / "tests" / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
-                 "--port", str(port), "--in-memory",
-                 "--default-bucket", bucket],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )
-            deadline = time.time() + 120
-            while proc.poll() is None and time.time() < deadline:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+    for _attempt in range(3):  # a port taken between the pick and the bind by a process outside this test run
+        port = free_port()
+        proc = subprocess.Popen(
+            [sys.executable, str(PROJECT_DIR / "tests" / "gcs_emulator.py"), "start", "--host", "127.0.0.1",
+             "--port", str(port), "--in-memory",
+             "--default-bucket", bucket],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 120
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
         if proc.poll() is None and time.time() < deadline:
             break
         proc.kill()

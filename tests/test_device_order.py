@@ -18,6 +18,7 @@ import torch
 import checkpoint
 import sharding
 from tests.data_fixtures import write_synthetic
+from tests.ports import free_port
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTIGUOUS, INTERLEAVED, REVERSED = "0,1,2,3|4,5,6,7", "0,1,4,5|2,3,6,7", "4,5,6,7|0,1,2,3"
@@ -114,7 +115,7 @@ def run_args(data_path, run_dir, *extra):
 def simulated_slice(args, layout: str, fault: str = ""):
     """train.py's command line on two processes playing hosts 0 and 1 of a slice whose hosts own
     the devices `layout` says; (exit codes, outputs)."""
-    from tests.test_faults import free_port, train_process
+    from tests.test_faults import train_process
 
     address = f"tcp://127.0.0.1:{free_port()}"
     procs = [train_process(args, fault, env={sharding.SIMULATED_SLICE_ENV: f"{rank}/2@{address}",

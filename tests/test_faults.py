@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,7 @@ import pytest
 
 import checkpoint
 import sharding
+from tests.ports import free_port
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ["--optim.max-steps", "4", "--run.ckpt-every", "2"]
@@ -41,12 +41,6 @@ def run(args, fault="", timeout=600):
     proc = train_process(args, fault)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slice_of_two(args, faults=("", "")):

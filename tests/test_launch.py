@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 LAUNCH = PROJECT_DIR / "launch.sh"
 WORKER = PROJECT_DIR / "worker.sh"
@@ -971,9 +973,3 @@ def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, d
         pod.end()
 
 
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from test_launch import REAL_GCLOUD, Pod, dry_run_commands, free_port, real_gcloud_verdicts
+from test_launch import REAL_GCLOUD, Pod, dry_run_commands, real_gcloud_verdicts
+
+from tests.ports import free_port
 
 TINY = ["--run.device", "cpu", "--model.hidden-size", "32", "--model.puzzle-emb-ndim", "32",
         "--optim.global-batch-size", "32", "--eval.every-epochs", "1000", "--run.preempt-check-every", "1"]
