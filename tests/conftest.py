@@ -63,6 +63,17 @@ def pytest_configure(config):
         config.option.timeout = TEST_TIMEOUT_S
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Eager ops on tensors as small as the tests' run ~30x faster on one thread than on two busy cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def gcs_server():
     """A real GCS JSON-API server (gcp-storage-emulator, with GCS's ifGenerationMatch precondition on

@@ -28,13 +28,7 @@ REFERENCE_CLASSES = {
 BATCH = 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Eager ops on tensors this small run ~30x faster on one thread than on two busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def small_config(arch: str, dtype: str, **overrides) -> TRMConfig:

@@ -138,13 +138,15 @@ def test_a_frozen_holder_is_taken_over_and_its_thawed_trainer_stops_before_writi
                                                                                  straight):
     s = Study(gcs_url, demo_path, tmp_path)
     # Both holders have one name: the waiting one must not take the run at once as its own.
+    # a is frozen in mid-run before b starts: a run of 40 steps started by a could end while b's
+    # process starts on a loaded machine (it did, in a full suite), leaving b nothing to take over.
     a = s.holder("a", "vm", start_new_session=True)
     assert _step_reached(s.lines["a"], a, 9), "".join(s.lines["a"])
-    b = s.holder("b", "vm")
-    assert wait_for(b, r"study: waiting: 1 run", s.lines["b"]), "".join(s.lines["b"])
-    [old] = s.watch.alive()
     os.killpg(a.pid, signal.SIGSTOP)
     frozen = time.time()
+    [old] = s.watch.alive()
+    b = s.holder("b", "vm")
+    assert wait_for(b, r"study: waiting: 1 run", s.lines["b"]), "".join(s.lines["b"])
     assert _takeover_line(b, s.lines["b"]), "".join(s.lines["b"])
     took = time.time() - frozen
     time.sleep(max(0.0, frozen + 2 * s.lease_s - time.time()))
@@ -169,9 +171,13 @@ def test_a_killed_study_process_takes_its_trainer_with_it(gcs_url, demo_path, tm
     s = Study(gcs_url, demo_path, tmp_path, lease_s=120.0)
     a = s.holder("a")
     assert _step_reached(s.lines["a"], a, 9), "".join(s.lines["a"])
+    # Its trainer waits (SIGSTOP) while b's process starts: the 40 steps could otherwise end first
+    # on a loaded machine, leaving b nothing to wait for (the frozen-holder test's race).
+    [old] = s.watch.alive()
+    os.kill(old, signal.SIGSTOP)
     b = s.holder("b")
     assert wait_for(b, r"study: waiting: 1 run", s.lines["b"]), "".join(s.lines["b"])
-    [old] = s.watch.alive()
+    os.kill(old, signal.SIGCONT)
     a.kill()  # the study process alone (an OOM killer's choice)
     killed = time.time()
     assert _takeover_line(b, s.lines["b"]), "".join(s.lines["b"])

@@ -916,7 +916,7 @@ def test_retry_requests_a_suspended_queued_resource_again(pod):
 # test above and test_faults.test_a_lost_host_makes_the_others_exit_75.
 # The watchdog (2 min) must outlast a launch's first compile, which it counts: 30 s did not on 2
 # loaded cores (the demo's step compiled in 78-103 s beside other work), and every launch then
-# exited 75 before its first step. The hang is found 2-2.5 min after the SIGSTOP.
+# exited 75 before its first step. The hang is found 2 min to 2 min 5 s after the SIGSTOP.
 @pytest.mark.parametrize("fault", ["hang"])
 @pytest.mark.timeout(2400)
 def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, demo_path, gcs_server, fault):

@@ -46,12 +46,7 @@ def reference_load_checkpoint():
     return namespace["load_checkpoint"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def trained_checkpoint(tmp_path, model_config, steps=3, config: Config | None = None):
