@@ -73,11 +73,10 @@ def evaluate_command(argv: list[str]) -> dict:
                              lambda *a, **k: say(*a, flush=True))
     root = storage.join_url(config.run.dir, testtime.DIR)
     if sharding.is_main_process():
-        done = testtime_curve.saved_settings(config.run.dir)
+        done = [r for r in testtime_curve.saved_settings(config.run.dir) if r.get("step") == step]
         say(f"accuracy against test-time compute ({device_kind}; every setting of {root} at step {step}):\n"
-            + testtime_curve.curve_table([r for r in done if r.get("step") == step]), flush=True)
-        saved = testtime_curve.write_curve(root, [r for r in done if r.get("step") == step],
-                                           f"{source} (step {step}) on {config.data.path}")
+            + testtime_curve.curve_table(done), flush=True)
+        saved = testtime_curve.write_curve(root, done, f"{source} (step {step}) on {config.data.path}")
         say(f"curve saved to {saved[0]} and {saved[1]}", flush=True)
     result = rows[-1]
     shown = ("exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy", "accuracy")
@@ -127,8 +126,8 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime.Setting
                                       votes_url=storage.join_url(out, "arc_votes.json.gz"))
         after = runtime.xla_counters()
         compiled = after["compile_seconds"] - before["compile_seconds"]
-        per_batch = testtime_batches.host_puzzles(config.optim.global_batch_size, point.k, 1) if point.k > 1 \
-            else config.optim.global_batch_size
+        # puzzles of a global batch, every host's (a K>1 batch's rows hold each puzzle K times)
+        per_batch = batches.puzzles.global_batch_size if point.k > 1 else batches.global_batch_size
         first_batch = min(per_batch, batches.num_examples)
         timed = marks[-1] if len(batches) > 1 else marks[0]
         puzzles = max(batches.num_examples - (first_batch if len(batches) > 1 else 0), 1)

@@ -21,7 +21,6 @@ failed run is.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 
 import storage
 import testtime
+import testtime_curve
 from study_plan import StudyRun, eval_config, scaling_settings
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -90,11 +90,11 @@ class Evaluation:
 
     def done(self) -> bool:
         """Evaluated: metrics.json, which `train.py eval` writes last, exists."""
-        return storage.exists(storage.join_url(self.directory, "metrics.json"))
+        return storage.exists(storage.join_url(self.directory, testtime_curve.METRICS))
 
     def summary(self) -> str:
         """The line the study prints once it is done: each selection's exact accuracy."""
-        metrics = json.loads(storage.read_bytes(storage.join_url(self.directory, "metrics.json")))
+        metrics = testtime_curve.read_metrics(self.directory)
         return ", ".join(f"{label} {100 * metrics[key]:.2f}%" for key, label in SELECTIONS if key in metrics) + \
             f" exact over {metrics.get('num_puzzles', '?')} puzzles"
 
@@ -120,26 +120,15 @@ def setting_columns(name: str) -> list[str]:
 def run_scaling(run_dir: str) -> dict[str, dict]:
     """{setting name: its metrics.json} of every test-time setting evaluated in a run directory
     (those of the study's grid and any evaluated by hand)."""
-    fs, path = storage.filesystem(storage.join_url(run_dir, testtime.DIR))
-    try:
-        found = sorted(fs.glob(f"{path.rstrip('/')}/*/metrics.json"))
-    except FileNotFoundError:
-        return {}
-    results = {}
-    for file in found:
-        name = file.rstrip("/").split("/")[-2]
-        results[name] = json.loads(storage.read_bytes(storage.join_url(run_dir, testtime.DIR, name, "metrics.json")))
-    return results
+    return testtime_curve.settings_by_name(run_dir)
 
 
-def settings_in_order(out: str, scaling: dict[str, dict[str, dict]]) -> list[str]:
-    """The setting names the report shows: the study file's grid in its order (OUT/study.txt), then
-    any other setting a run was evaluated at, in name order."""
+def settings_in_order(out: str, runs: list[StudyRun], scaling: dict[str, dict[str, dict]]) -> list[str]:
+    """The setting names the report shows: the study file's grid (OUT/study.txt) over its runs, in
+    its order, then any other setting a run was evaluated at, in name order."""
     names: list[str] = []
-    listing, text = storage.join_url(out, "study", "runs.json"), storage.join_url(out, "study.txt")
-    if storage.exists(listing) and storage.exists(text):
-        runs = [StudyRun(r["name"], r["preset"], tuple(r["flags"]), r["line"])
-                for r in json.loads(storage.read_bytes(listing))["runs"]]
+    text = storage.join_url(out, "study.txt")
+    if storage.exists(text):
         for settings in scaling_settings(storage.read_bytes(text).decode(), runs).values():
             names += [s.name for s in settings if s.name not in names]
     return names + sorted({n for found in scaling.values() for n in found} - set(names))
@@ -194,7 +183,7 @@ def add_columns(out: str, results: list, runs: list[dict], configs: list[dict], 
     rows (`configurations`' order): each setting's exact % under each selection; the names of
     those columns, in the grid's order."""
     scaling = {r.run.name: r.scaling for r in results}
-    names = settings_in_order(out, scaling)
+    names = settings_in_order(out, [r.run for r in results], scaling)
     for result, row in zip(results, runs):
         row.update(run_cells(result.scaling, names))
     for c, row in zip(configurations, configs):

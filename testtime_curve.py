@@ -21,18 +21,25 @@ def read_metrics(setting_dir: str) -> dict | None:
     return json.loads(storage.read_bytes(url)) if storage.exists(url) else None
 
 
-def saved_settings(run_dir: str) -> list[dict]:
-    """The metrics of every done setting of {run_dir}/test-time/, by (noise, latent, D, K)."""
+def settings_by_name(run_dir: str) -> dict[str, dict]:
+    """{setting directory name: its metrics} of every done setting of {run_dir}/test-time/ (those
+    of a study's grid and any evaluated by hand), in name order."""
     root = storage.join_url(run_dir, testtime.DIR)
     fs, path = storage.filesystem(root)
     try:
         fs.invalidate_cache(path)
-        found = fs.glob(f"{path.rstrip('/')}/*/{METRICS}")
+        found = sorted(fs.glob(f"{path.rstrip('/')}/*/{METRICS}"))
     except FileNotFoundError:
-        return []
-    rows = [read_metrics(storage.join_url(root, f.rstrip("/").split("/")[-2])) for f in found]
-    return sorted((r for r in rows if r), key=lambda r: (r["noise"], r.get("noise_latent", "z_L"), r["act_steps"],
-                                                         r["trajectories"]))
+        return {}
+    names = [f.rstrip("/").split("/")[-2] for f in found]
+    rows = {name: read_metrics(storage.join_url(root, name)) for name in names}
+    return {name: row for name, row in rows.items() if row}
+
+
+def saved_settings(run_dir: str) -> list[dict]:
+    """The metrics of every done setting of {run_dir}/test-time/, by (noise, latent, D, K)."""
+    return sorted(settings_by_name(run_dir).values(),
+                  key=lambda r: (r["noise"], r.get("noise_latent", "z_L"), r["act_steps"], r["trajectories"]))
 
 
 def curve_table(rows: list[dict]) -> str:
