@@ -54,7 +54,7 @@ from config import PRESETS, Config, ConfigError, check_batch_layout, check_confi
 from model import TRMConfig
 from projection import PAPER_DATASETS, model_flops, slice_spec
 from testtime_batches import host_puzzles
-from tpu_topology import CHIPS, Chip, Topology, topology  # noqa: F401 (tpu_compile.topology etc.)
+from tpu_topology import Topology, topology
 
 PROGRAMS = ("train_step", "eval_step")
 CACHE_DIR = os.path.expanduser(os.environ.get("TRM_TPU_COMPILE_CACHE", "~/.cache/trm-tpu-compile"))
@@ -120,7 +120,8 @@ def _evaluation_setting(config: Config) -> list:
 # project (tests/test_tpu_compile.py checks), the trainer that builds the step, and this reader.
 PROGRAM_SOURCES = ("model.py", "attention.py", "device_grads.py", "ranges.py", "optim.py", "trainer.py",
                    "capture.py", "sharding.py", "tpu_compile.py", "hlo_stats.py", "ptrm.py",
-                   "recursion.py", "halting.py", "halt_steps.py", "counter_hash.py", "data.py", "storage.py")
+                   "recursion.py", "halting.py", "halt_steps.py", "counter_hash.py", "data.py", "storage.py",
+                   "tpu_topology.py")  # the chips' figures (peak, clock, HBM) that the estimates read
 
 
 def program_key(config: Config, program: str, topo: Topology) -> str:
@@ -399,8 +400,10 @@ def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo
               "global_batch": config.optim.global_batch_size, "cycles": [config.model.H_cycles, config.model.L_cycles],
               "batch_per_device": config.optim.global_batch_size // topo.devices}
     hosts = slice_spec(topo.slice).hosts  # each host's rows hold rows // K whole puzzles; K above them: refused
-    per_batch = hosts * host_puzzles(config.optim.global_batch_size, k, hosts) if k * hosts <= \
-        config.optim.global_batch_size else 0
+    try:
+        per_batch = hosts * host_puzzles(config.optim.global_batch_size, k, hosts)
+    except ValueError:
+        per_batch = 0
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
                   "act_steps": setting.act_steps, "noise_latent": setting.latent, "hosts": hosts,
                   "puzzles_per_batch": per_batch}
