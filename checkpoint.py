@@ -37,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from storage import check_fence, exists, filesystem, join_url, read_bytes, with_retries, write_bytes
+from storage import exists, filesystem, join_url, read_bytes, with_retries, write_bytes
 
 COMMIT_MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"step_(\d{8})$")
@@ -192,9 +192,9 @@ class CheckpointWriter:
                     json.dumps({"step": step, "time": time.time(), "attempt": self.attempt}).encode())
         for name in sorted(listed):  # data files of earlier, interrupted saves of this step
             if name.endswith(".safetensors") and not name.endswith(f"-{self.attempt}.safetensors"):
-                try:
-                    check_fence(join_url(directory, name))  # a deposed trainer stops here (fencing.py)
-                    fs.rm(f"{path.rstrip('/')}/{name}")
+                try:  # through with_retries: a deposed trainer stops here (the fence, fencing.py)
+                    with_retries("removing", join_url(directory, name),
+                                 lambda name=name: fs.rm(f"{path.rstrip('/')}/{name}"), attempts=1)
                 except Exception as e:  # costs storage, not correctness
                     print(f"warning: could not delete {join_url(directory, name)}: {e}", flush=True)
 
@@ -205,13 +205,12 @@ class CheckpointWriter:
         doomed += [s for s, _ in list_checkpoints(self.run_dir, committed_only=False)
                    if s < newest and s not in committed]
         for s in doomed:
-            fs, path = filesystem(step_dir(self.run_dir, s))
-            try:
-                check_fence(step_dir(self.run_dir, s))
-                fs.rm(path, recursive=True)
+            url = step_dir(self.run_dir, s)
+            fs, path = filesystem(url)
+            try:  # through with_retries: the fence, as for every removal
+                with_retries("removing", url, lambda fs=fs, path=path: fs.rm(path, recursive=True), attempts=1)
             except Exception as e:  # a leftover directory costs storage, not correctness
-                print(f"warning: could not delete old checkpoint {step_dir(self.run_dir, s)}: {e}",
-                      flush=True)
+                print(f"warning: could not delete old checkpoint {url}: {e}", flush=True)
 
 
 # -- discovery and reading ----------------------------------------------------------------------------

@@ -68,16 +68,12 @@ def create_exclusive(url: str, payload: bytes, **retry) -> bool:
             return False
     if storage.with_retries("creating", url, attempt, **retry):
         return True
-    try:
-        return storage.read_bytes(url, **retry) == payload
-    except FileNotFoundError:
-        return False  # deleted since: not ours to count
+    try:  # (read_bytes raises every failure as a StorageError, its cause attached)
+        return storage.read_bytes(url, **retry) == payload  # a local file half written by another process: not ours
     except storage.StorageError as e:
         if isinstance(e.__cause__, FileNotFoundError):
-            return False
+            return False  # deleted since: not ours to count
         raise  # unknown: the caller tries the same write again
-    except OSError:
-        return False  # a local file half written by another process: not ours
 
 
 def boot_id() -> str:

@@ -32,10 +32,10 @@ Not bounded: a large upload stuck mid-body (the peer's TCP window stays closed) 
 
 Writes into a fenced directory (fencing.py: a study's trainer, whose lease may run out) first
 ask the fence: `set_fence(check)` installs `check(url)`, called before every attempt of a write,
-create, removal or move (through with_retries) and by `check_fence(url)` for removals made
-directly. Two switches for tests, read from the environment: TRM_STORAGE_AUDIT=FILE appends a
-line (process, operation, URL, time) per write and removal to a local file; TRM_STORAGE_FAULTS=
-FILE injects failures into retried operations (`_inject`).
+create, removal or move (every one goes through with_retries). Two switches for tests, read from
+the environment: TRM_STORAGE_AUDIT=FILE appends a line (process, operation, URL, time) per write
+and removal to a local file; TRM_STORAGE_FAULTS=FILE injects failures into retried operations
+(`_inject`).
 
 An emulator named by STORAGE_EMULATOR_HOST is reached anonymously; real GCS uses the default
 credentials. This module imports fsspec and the standard library only (and aiohttp, which gcsfs
@@ -99,7 +99,7 @@ def set_fence(check: Callable[[str], None] | None) -> None:
     _fence = check
 
 
-def check_fence(url: str, op: str = "removing") -> None:
+def _check_fence(url: str, op: str) -> None:
     """Ask the fence (if any) before changing `url`; recorded in the audit file (if any)."""
     if _fence is not None:
         _fence(url)
@@ -300,7 +300,7 @@ def with_retries(what: str, url: str, fn: Callable, attempts: int = 10, first_de
     for attempt in range(1, attempts + 1):
         try:
             if what in MUTATING:
-                check_fence(url, what)
+                _check_fence(url, what)
             return _inject(what, url, fn)()
         except _PERMANENT as e:
             raise StorageError(_failure(f"{what} {url} failed", e)) from e
