@@ -218,14 +218,18 @@ class Trainer:
             self.set_lrs(lrs[0], lrs[1])
             return self.train_step(batch)
 
-    @contextlib.contextmanager
     def recursing(self, cycles: tuple[int, int]):
         """Within the block the model recurses with (H_cycles, L_cycles) = `cycles`."""
+        return self.configured(H_cycles=cycles[0], L_cycles=cycles[1])
+
+    @contextlib.contextmanager
+    def configured(self, **changes):
+        """Within the block the model's config has `changes` (left as it is when it has them)."""
         config = self.model.config
-        if cycles == (config.H_cycles, config.L_cycles):
+        if all(getattr(config, name) == value for name, value in changes.items()):
             yield
             return
-        self.model.config = dataclasses.replace(config, H_cycles=cycles[0], L_cycles=cycles[1])
+        self.model.config = dataclasses.replace(config, **changes)
         try:
             yield
         finally:
@@ -325,13 +329,9 @@ class Trainer:
         metrics count each puzzle once (ptrm.Trajectories.select)."""
         trajectories, model = self.trajectories, self.model
         # D ACT steps: the rows halt (and the next batch loads) at step D instead of halt_max_steps
-        depth = dataclasses.replace(model.config, halt_max_steps=self.eval_steps)
-        saved, model.config = model.config, depth
-        try:
+        with self.configured(halt_max_steps=self.eval_steps):
             carry, outputs = model(self.eval_carry, batch,
                                    perturb=None if trajectories is None else trajectories.perturb)
-        finally:
-            model.config = saved
         self.eval_carry = self._sharded_carry(carry)
         extra = []
         if trajectories is not None:  # best-Q's outputs; mode@K and pass@K (ptrm.EXTRA_METRICS) as sums
