@@ -130,6 +130,26 @@ def _step_reached(lines, holder_proc, at_least):
     return wait_for(holder_proc, rf"^step ({'|'.join(str(s) for s in range(at_least, 41))})/40", lines)
 
 
+def _held_at_start(s, start_b):
+    """Holder a's trainer (its run claimed), stopped (SIGSTOP) the moment it appears, while it
+    is still starting up (no storage request under way: the emulator answers one at a time),
+    until holder b (started by start_b) says it waits for the run; then continued. Returns both.
+    b's start-up cannot race a's 40 steps to their end (it lost that race in a full suite), and
+    no request is left hanging in the emulator (stopping the trainer mid-run did that: every
+    other client stalled for 45 s)."""
+    deadline = time.time() + 300
+    while not s.watch.alive() and time.time() < deadline:
+        time.sleep(0.005)
+    [old] = s.watch.alive()
+    os.kill(old, signal.SIGSTOP)
+    try:
+        b = start_b()
+        assert wait_for(b, r"study: waiting: 1 run", s.lines["b"]), "".join(s.lines["b"])
+    finally:
+        os.kill(old, signal.SIGCONT)
+    return old, b
+
+
 def _takeover_line(proc, lines):
     return wait_for(proc, r"study: r: taking over from", lines)
 
@@ -138,15 +158,11 @@ def test_a_frozen_holder_is_taken_over_and_its_thawed_trainer_stops_before_writi
                                                                                  straight):
     s = Study(gcs_url, demo_path, tmp_path)
     # Both holders have one name: the waiting one must not take the run at once as its own.
-    # a is frozen in mid-run before b starts: a run of 40 steps started by a could end while b's
-    # process starts on a loaded machine (it did, in a full suite), leaving b nothing to take over.
     a = s.holder("a", "vm", start_new_session=True)
+    old, b = _held_at_start(s, lambda: s.holder("b", "vm"))
     assert _step_reached(s.lines["a"], a, 9), "".join(s.lines["a"])
     os.killpg(a.pid, signal.SIGSTOP)
     frozen = time.time()
-    [old] = s.watch.alive()
-    b = s.holder("b", "vm")
-    assert wait_for(b, r"study: waiting: 1 run", s.lines["b"]), "".join(s.lines["b"])
     assert _takeover_line(b, s.lines["b"]), "".join(s.lines["b"])
     took = time.time() - frozen
     time.sleep(max(0.0, frozen + 2 * s.lease_s - time.time()))
@@ -170,14 +186,8 @@ def test_a_killed_study_process_takes_its_trainer_with_it(gcs_url, demo_path, tm
     """With the default lease (120 s): nothing here waits for it."""
     s = Study(gcs_url, demo_path, tmp_path, lease_s=120.0)
     a = s.holder("a")
+    old, b = _held_at_start(s, lambda: s.holder("b"))
     assert _step_reached(s.lines["a"], a, 9), "".join(s.lines["a"])
-    # Its trainer waits (SIGSTOP) while b's process starts: the 40 steps could otherwise end first
-    # on a loaded machine, leaving b nothing to wait for (the frozen-holder test's race).
-    [old] = s.watch.alive()
-    os.kill(old, signal.SIGSTOP)
-    b = s.holder("b")
-    assert wait_for(b, r"study: waiting: 1 run", s.lines["b"]), "".join(s.lines["b"])
-    os.kill(old, signal.SIGCONT)
     a.kill()  # the study process alone (an OOM killer's choice)
     killed = time.time()
     assert _takeover_line(b, s.lines["b"]), "".join(s.lines["b"])
