@@ -26,7 +26,7 @@ from tests.study_fixtures import PROJECT_DIR, study, wait_for
 
 LEASE_S = 10.0
 """A short lease: this machine, shared and loaded, missed renewals of a 4 s lease (half of it left
-for three renewals, each through the one-request-at-a-time emulator)."""
+for three renewals, each through the emulator, which handles one request at a time)."""
 RUN_FLAGS = ("--model.hidden-size 32 --model.puzzle-emb-ndim 32 --optim.global-batch-size 32 --optim.max-steps 40 "
              "--run.ckpt-every 4 --run.log-every 2 --eval.every-epochs 1000")
 
@@ -132,11 +132,9 @@ def _step_reached(lines, holder_proc, at_least):
 
 def _held_at_start(s, start_b):
     """Holder a's trainer (its run claimed), stopped (SIGSTOP) the moment it appears, while it
-    is still starting up (no storage request under way: the emulator answers one at a time),
-    until holder b (started by start_b) says it waits for the run; then continued. Returns both.
-    b's start-up cannot race a's 40 steps to their end (it lost that race in a full suite), and
-    no request is left hanging in the emulator (stopping the trainer mid-run did that: every
-    other client stalled for 45 s)."""
+    is still starting up, until holder b (started by start_b) says it waits for the run; then
+    continued. Returns both. b's start-up cannot race a's 40 steps to their end (it lost that race
+    in a full suite)."""
     deadline = time.time() + 300
     while not s.watch.alive() and time.time() < deadline:
         time.sleep(0.005)

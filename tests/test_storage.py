@@ -1,6 +1,9 @@
 """Tests of storage.py: local writes, upload_dir, list_files and download_dir, the messages of failing
 operations, URL spelling."""
 import os
+import socket
+import threading
+from urllib.parse import urlparse
 
 import pytest
 
@@ -47,6 +50,29 @@ def test_upload_dir_copies_every_file_with_its_relative_path(tmp_path, gcs_url):
         nested = storage.join_url(target, "plugins", "profile", "run", "host.xplane.pb")
         assert storage.read_bytes(nested) == b"2"
     assert sorted(os.listdir(tmp_path / "copy")) == ["events.out", "plugins"]
+
+
+def test_a_client_stopped_halfway_through_a_request_holds_up_no_other(gcs_url):
+    """A frozen process (SIGSTOP) stops mid-request; GCS goes on serving everyone else, and so must
+    the tests' emulator (tests/gcs_emulator.py), or a fault test measures the emulator's stall."""
+    emulator = urlparse(os.environ["STORAGE_EMULATOR_HOST"])
+    stuck = socket.create_connection((emulator.hostname, emulator.port), timeout=10)
+    try:
+        bucket, prefix = gcs_url[len("gs://"):].split("/", 1)
+        stuck.sendall(f"POST /upload/storage/v1/b/{bucket}/o?uploadType=media&name={prefix}/stuck HTTP/1.1\r\n"
+                      f"Host: {emulator.netloc}\r\nContent-Length: 1000\r\n\r\n".encode() + b"x" * 10)
+        done = threading.Event()
+
+        def write_and_read():
+            storage.write_bytes(storage.join_url(gcs_url, "other"), b"served")
+            done.set()
+
+        threading.Thread(target=write_and_read, daemon=True).start()
+        assert done.wait(30), "the emulator waited on the stopped client's request"
+        assert storage.read_bytes(storage.join_url(gcs_url, "other")) == b"served"
+        assert not storage.exists(storage.join_url(gcs_url, "stuck"))
+    finally:
+        stuck.close()
 
 
 def test_list_files_and_download_dir_keep_relative_paths_and_local_files(tmp_path, gcs_url):
