@@ -18,6 +18,7 @@ from attention import blockwise_extra_flops
 from batches import total_train_steps
 from model import TRMConfig, swiglu_width
 from schedule import Curriculum, run_schedule
+from testtime_batches import host_puzzles
 
 if TYPE_CHECKING:
     from config import Config
@@ -242,8 +243,9 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
       train steps  schedule.run_schedule (epochs x total_groups x mean_puzzle_examples / global batch,
                    or optim.max_steps if fewer)
       evaluations  schedule.run_schedule's evaluation steps, the final one included; each reads
-                   ceil(examples / (global batch // K)) batches (examples: the whole test split, or
-                   eval.max_examples of it except in the final one; K: eval.trajectories, ptrm.py),
+                   ceil(examples / puzzles per batch) batches (examples: the whole test split, or
+                   eval.max_examples of it except in the final one), a batch holding
+                   hosts x ((global batch / hosts) // K) puzzles (K: eval.trajectories, ptrm.py),
                    D ACT steps each (eval.act_steps; the model's halt_max_steps)
       checkpoints  every run.ckpt_every steps and the final one (checkpoint.Checkpoints), each
                    pausing the loop for checkpoint_pause_ms
@@ -256,10 +258,11 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
     # dataset's two size fields are all the schedule reads.
     train_steps, evaluation_at = run_schedule(dataset, optim, config.eval.every_epochs)
     capped = min(dataset.test_examples, config.eval.max_examples or dataset.test_examples)
-    # At K trajectories per puzzle (ptrm.py; eval.trajectories' last K, as training takes it) a
-    # batch of the same rows holds global_batch // K puzzles.
+    # At K trajectories per puzzle (ptrm.py; eval.trajectories' last K, as training takes it) each
+    # host's rows of a batch hold (global_batch / hosts) // K whole puzzles (testtime_batches).
     setting = testtime.training_eval_setting(config.eval, model.halt_max_steps)
-    puzzles_per_batch = global_batch // setting.k
+    hosts = slice_spec(record["slice"]).hosts
+    puzzles_per_batch = hosts * host_puzzles(global_batch, setting.k, hosts)
     eval_batches = (len(evaluation_at) - 1) * math.ceil(capped / puzzles_per_batch) \
         + math.ceil(dataset.test_examples / puzzles_per_batch)
     eval_act_steps = eval_batches * setting.act_steps

@@ -201,7 +201,7 @@ def _trace_programs(config: Config, programs: tuple[str, ...], sharding) -> dict
     if "eval_step" in programs:  # first: the training step below leaves the state pending
         with trainer.ema.swapped_into(trainer.model):
             trainer.model.eval()
-            # at K trajectories (ptrm.py) the same rows hold global_batch_size // K puzzles, at depth D
+            # at K trajectories (ptrm.py) the same rows hold each host's rows // K puzzles, at depth D
             ptrm.set_evaluation(trainer, testtime.training_eval_setting(config.eval, config.model.halt_max_steps))
             outputs = list(trainer.eval_act_step(batch, trainer.eval_sums())) + [trainer.first_halt] + \
                 list(trainer.eval_carry.tensors().values())

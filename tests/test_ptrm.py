@@ -426,7 +426,8 @@ def test_a_k_that_does_not_divide_the_batch_answers_as_a_dividing_batch_in_eval_
 
 
 def test_projection_of_an_evaluation_at_k_trajectories():
-    """bench.py --trajectories K / projection: an evaluation batch holds global_batch // K puzzles."""
+    """bench.py --trajectories K / projection: an evaluation batch holds hosts x ((global_batch /
+    hosts) // K) puzzles, as the evaluation lays them out."""
     from config import PRESETS
     from projection import PAPER_DATASETS, flop_record, project_paper_run, slice_spec
 
@@ -440,6 +441,17 @@ def test_projection_of_an_evaluation_at_k_trajectories():
     assert at_16["eval_ms_per_puzzle"] == pytest.approx(16 * one["eval_ms_per_puzzle"])
     assert at_16["test_eval_hours"] == pytest.approx(
         -(-test_examples // 48) * 16 * at_16["eval_ms_per_act_step"] / 3.6e6)
+    # On 8 hosts each holds 96 rows of the batch: 96 // 10 = 9 puzzles at K=10, 72 a batch, not
+    # 768 // 10 = 76 (the puzzles of one host never straddle another's rows: testtime_batches).
+    at_10 = dataclasses.replace(preset, eval=dataclasses.replace(preset.eval, trajectories="1,10"))
+    eight_hosts = project_paper_run(flop_record("sudoku-mlp", at_10, slice_spec("v4-64")), at_10,
+                                    PAPER_DATASETS["sudoku-mlp"], 0.4)
+    assert eight_hosts["test_eval_hours"] == pytest.approx(
+        -(-test_examples // 72) * eight_hosts["act_steps"] * eight_hosts["eval_ms_per_act_step"] / 3.6e6)
+    with pytest.raises(ValueError, match="K=100 exceeds the 96 rows"):
+        at_100 = dataclasses.replace(preset, eval=dataclasses.replace(preset.eval, trajectories="1,100"))
+        project_paper_run(flop_record("sudoku-mlp", at_100, slice_spec("v4-64")), at_100,
+                          PAPER_DATASETS["sudoku-mlp"], 0.4)
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="libtpu's compile-only client needs Python 3.11+")
