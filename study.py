@@ -151,14 +151,19 @@ def plan(args) -> int:
         except KeyboardInterrupt:
             raise SystemExit(130)
     runs = [run for run in runs if run.name not in cpu]  # the TPU runs, planned below
+    unlaid = {}  # run name: why its evaluation cannot be laid out on a slice (K above a host's rows)
     for run in runs:
         path = paths[run.name]
         refused = compiled and any(device[k].get(run.name, {}).get("refused", True) for k in ("host", "whole"))
         if isinstance(sizes[path], Exception) or refused:
             rows.append((run, None, None))
             continue
-        rows.append((run, projected_hours(run, host, mfu, sizes[path], device["host"].get(run.name)),
-                     projected_hours(run, spec, whole_mfu, sizes[path], device["whole"].get(run.name))))
+        try:
+            rows.append((run, projected_hours(run, host, mfu, sizes[path], device["host"].get(run.name)),
+                         projected_hours(run, spec, whole_mfu, sizes[path], device["whole"].get(run.name))))
+        except ValueError as e:  # testtime_batches.host_puzzles: the run itself would refuse it
+            unlaid[run.name] = str(e)
+            rows.append((run, None, None))
     how = ("each step's device time from its program compiled for one fleet VM and for the whole slice (the TPU "
            "compiler's estimate)" if compiled else f"{100 * mfu:g}% MFU")
     width = max(len(r.name) for r in runs)
@@ -202,6 +207,8 @@ def plan(args) -> int:
             if fields["refused"]:
                 print(f"not projected: {name}'s {', '.join(fields['refused'])} does not compile for {where}: "
                       f"{fields['compiled_source']}")
+    for name, why in unlaid.items():
+        print(f"not projected: {name}: on {host.name} or {spec.name}, {why}")
     return 0
 
 

@@ -176,6 +176,17 @@ def test_plan_prints_steps_cost_and_makespans(demo_path, tmp_path):
         ["a", "f"], ["b", "e", "g"], ["c", "d"]]  # each run to the VM that frees first (ties: the lower VM)
     bad = study("plan", str(path), "--fleet", "v4-8*8").communicate(timeout=120)[0]
     assert "error: --fleet: 'v4-8*8': expected TYPExN" in bad
+    # K=100 trajectories fit one host's 128 rows of the batch, not each of the v4-16's 2 hosts' 64:
+    # that run is not projected, with the reason and the fix; the other one is.
+    wide = tmp_path / "wide.txt"
+    wide.write_text(f"k demo --data.path {demo_path} --run.device tpu --eval.trajectories 1,{{10,100}}\n")
+    done = study("plan", str(wide), "--slice", "v4-16", "--mfu", "0.5")
+    out = done.communicate(timeout=120)[0]
+    assert done.returncode == 0, out
+    assert [line.split()[:3] for line in out.splitlines() if line.startswith("k-")] == \
+        [["k-10", "demo", "156"], ["k-100", "demo", "?"]]
+    assert "not projected: k-100: on v4-8 or v4-16, eval.trajectories K=100 exceeds the 64 rows each of the 2 " \
+           "host(s) holds of a batch of 128: lower K or raise --optim.global-batch-size to at least 200" in out
 
 
 def test_a_failed_run_is_recorded_with_its_last_line_and_the_study_goes_on(demo_path, tmp_path):
