@@ -182,7 +182,8 @@ class Claims:
             payload = json.dumps(record, indent=1).encode()
         self.pending[name] = (what, payload, first)  # until this call returns
         won = create_exclusive(self._url(name, after + 1), payload, **self.retry)
-        if won and self.generations(name)[-1] != after + 1:
+        listed = self.generations(name) if won else []
+        if won and listed[-1:] != [after + 1]:
             # Generation after+1 had been written and then deleted (the holder keeps only its
             # newest two) while this process still saw `after`: a later one exists, so the claim
             # moved on without us. Our file is below the newest and never read as the claim.
@@ -191,7 +192,7 @@ class Claims:
         if won:
             self.seen[name] = (after + 1, _clock())
             self.started[name] = first
-            for old in range(max(1, after - 4), after):  # keep the newest two
+            for old in (g for g in listed if g < after):  # keep the newest two; the listing names the rest
                 try:
                     fs, path = storage.filesystem(self._url(name, old))
                     fs.rm(path)

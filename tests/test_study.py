@@ -152,6 +152,14 @@ def test_a_generation_deleted_and_written_again_by_a_long_stalled_process_does_n
     generation, record = stalled.current("r")
     assert generation == 4 and record["holder"] == "h"
     assert holder.write("r", 4, "running")  # the holder's renewal goes on
+    # A generation whose removal failed (a storage error) is removed by a later write, however old:
+    # each write removes what its own listing shows below the newest two, nothing it cannot see.
+    assert all(holder.write("r", g, "running") for g in (5, 6))
+    leftover = os.path.join(out, "study", "claims", "r", "00000001.json")
+    assert holder._url("r", 1) == leftover and not os.path.exists(leftover)
+    with open(leftover, "w") as f:
+        f.write("{}")
+    assert holder.write("r", 7, "running") and holder.generations("r") == [7, 8]
 
 def test_plan_prints_steps_cost_and_makespans(demo_path, tmp_path):
     path = tmp_path / "plan.txt"
