@@ -231,10 +231,15 @@ class StudyRunner:
                            "was held by a process of this machine that ended" if gone else "went stale")
                     self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, {why})")
                 self.generation = self.since = generation + 1
-                self.deadline = self.claims.started[run.name] + fencing.LEASE_FRACTION * self.lease_s
+                self.deadline = self._deadline_after_claim(run)
                 return run, generation + 1
             held += 1
         return None, held
+
+    def _deadline_after_claim(self, run: StudyRun) -> float:
+        """The trainer's deadline after a good claim write: half a lease (fencing.LEASE_FRACTION)
+        after the write's first try (an earlier write's retry may be what wrote it)."""
+        return self.claims.started[run.name] + fencing.LEASE_FRACTION * self.lease_s
 
     def _renew(self, run: StudyRun, done: threading.Event) -> None:
         """Renew the lease on `run` every lease/8 until `done`; each good renewal moves the
@@ -263,9 +268,7 @@ class StudyRunner:
                     continue
                 if won:
                     self.renewal_failures = 0
-                    # From the renewal's first try (an earlier renewal's retry may have written it).
-                    started = self.claims.started[run.name]
-                    self.deadline = max(self.deadline, started + fencing.LEASE_FRACTION * self.lease_s)
+                    self.deadline = max(self.deadline, self._deadline_after_claim(run))
                     if self.lease:
                         self.lease.extend(self.deadline)
                     continue
