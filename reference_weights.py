@@ -40,9 +40,13 @@ def _reference_names(config: TRMConfig) -> dict[str, str]:
 
 
 def reference_state_dict(model: TRM) -> dict[str, torch.Tensor]:
-    """Our weights under the reference's names (`model.inner.*`), loadable by its code."""
-    ours = model.state_dict()
-    return {f"model.inner.{theirs}": ours[name] for name, theirs in _reference_names(model.config).items()}
+    """Our weights under the reference's names (`model.inner.*`), loadable by its code; ValueError
+    for a tensor of ours the reference's model has no place for."""
+    ours, names = model.state_dict(), _reference_names(model.config)
+    unmapped = sorted(set(ours) - set(names))
+    if unmapped:
+        raise ValueError(f"no reference name for {unmapped}: the reference's {model.config.arch} has no such tensor")
+    return {f"model.inner.{theirs}": ours[name] for name, theirs in names.items()}
 
 
 def _reference_inner(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

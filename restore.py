@@ -149,12 +149,13 @@ def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers:
     identifiers (another row count, or another fingerprint than `dataset_identifiers`), the
     dense weights are kept and every row of the table starts as the mean of the old rows (as the
     reference does), with one line said; the same identifiers keep the table."""
-    from reference_export import is_model_dir, read_model_dir
+    from reference_export import read_model_dir
     from reference_weights import load_reference_state_dict, mean_row_table
 
     model = TRM(model_config)
-    if is_model_dir(url):  # a model directory (train.py export --format reference)
-        weights, _, _, trained_on = read_model_dir(url)
+    exported = read_model_dir(url)  # a model directory (train.py export --format reference), or None
+    if exported:
+        weights, _, _, trained_on = exported
     else:
         try:
             found = checkpoint.weights_of(url, say)
@@ -209,10 +210,11 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     def with_overrides(config: Config) -> Config:
         return tyro.cli(Config, default=config, args=overrides)
 
-    from reference_export import beside, config_from_all_config, is_model_dir, read_model_dir
+    from reference_export import beside, config_from_all_config, read_model_dir
 
-    if is_model_dir(source):  # evaluated as the run's final evaluation: every test example
-        weights, saved, step, trained_on = read_model_dir(source)
+    exported = read_model_dir(source)
+    if exported:  # evaluated as the run's final evaluation: every test example
+        weights, saved, step, trained_on = exported
         config = config_from_dict(saved)
         config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, max_examples=None),
                                      run=dataclasses.replace(config.run, dir=base.run.dir, init_from=None))
