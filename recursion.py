@@ -289,9 +289,10 @@ class HRM(RecursionScheme):
 
     name = "hrm"
     reference_class = "recursive_reasoning.hrm@HierarchicalReasoningModel_ACTV1"
-    reference_fields = RecursionScheme.reference_fields[:-2]  # no puzzle_emb_len, no_ACT_continue (fixed, `forced`)
     yaml = dict(H_cycles=2, L_cycles=2, H_layers=4, L_layers=4)
     forced = dict(puzzle_emb_len=0, no_ACT_continue=False)
+    reference_fields = tuple(sorted(set(RecursionScheme.reference_fields) - set(forced),  # its code fixes those
+                                    key=RecursionScheme.reference_fields.index))
 
     def layer_fields(self, config):
         return {"L": "L_layers", "H": "H_layers"}
