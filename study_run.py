@@ -134,6 +134,7 @@ class StudyRunner:
         self.since = 0  # the generation of the claim under way's first write by this process
         self.followed: set[tuple] = set()  # (run, since) of worker 0's claims this worker trained
         self.counts = {"done": 0, "failed": 0, "skipped": 0}
+        self.over: set[str] = set()  # the names of the runs and evaluations this process found done
 
     def say(self, text: str) -> None:
         print(f"study: {text}", flush=True)
@@ -182,8 +183,13 @@ class StudyRunner:
     # -- claims ------------------------------------------------------------------------------------
 
     def done(self, item: StudyRun | Evaluation) -> bool:
-        """A run trained to its end, or a test-time setting of one evaluated (study_testtime.py)."""
-        return item.done() if isinstance(item, Evaluation) else finished(self.out, item.name)
+        """A run trained to its end, or a test-time setting of one evaluated (study_testtime.py).
+        A yes is remembered: final.json and metrics.json are written last and never removed, so
+        each pass over the study asks storage only about what is not over yet."""
+        if item.name not in self.over:
+            if item.done() if isinstance(item, Evaluation) else finished(self.out, item.name):
+                self.over.add(item.name)
+        return item.name in self.over
 
     def _patiently(self, what: str, fn):
         """fn() (a claim operation, whose own retries fit in an eighth of the lease), tried again
@@ -202,7 +208,7 @@ class StudyRunner:
         """(the run this process now holds, None if none, the number of runs other holders hold)."""
         held = 0
         for run in order:
-            if self.done(run) or (isinstance(run, Evaluation) and not run.ready()):
+            if self.done(run) or (isinstance(run, Evaluation) and not self.done(run.run)):
                 continue  # an evaluation waits for its run's end (a run held elsewhere keeps this process waiting)
             current = self.claims.current(run.name)
             generation, record = current or (0, {"state": "free"})

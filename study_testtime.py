@@ -84,10 +84,6 @@ class Evaluation:
     def command(self, python: str = sys.executable, extra: tuple[str, ...] = ()) -> list[str]:
         return [python, os.path.join(PROJECT_DIR, "train.py"), "eval", *self.flags, *extra]
 
-    def ready(self) -> bool:
-        """Its run has trained to its end (train.py wrote final.json)."""
-        return storage.exists(storage.join_url(self.run_dir, "final.json"))
-
     def done(self) -> bool:
         """Evaluated: metrics.json, which `train.py eval` writes last, exists."""
         return storage.exists(storage.join_url(self.directory, testtime_curve.METRICS))
