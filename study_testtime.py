@@ -143,13 +143,19 @@ def run_cells(found: dict[str, dict], names: list[str]) -> dict[str, str]:
     return cells
 
 
+def selection_means(rows: list[dict]) -> dict[str, float]:
+    """{selection's metric key: its mean over `rows`} (one setting's metrics of a configuration's
+    runs evaluated there), for each selection every row has: a mean over some of them would
+    be a mean of other runs than the cell says."""
+    return {key: sum(r[key] for r in rows) / len(rows) for key, _ in SELECTIONS if rows and all(key in r for r in rows)}
+
+
 def configuration_cells(members: list[dict[str, dict]], names: list[str]) -> dict[str, str]:
     """A configuration row's cells of each setting: the mean over its runs evaluated there."""
     cells = {}
     for name in names:
-        for column, (key, _) in zip(setting_columns(name), SELECTIONS):
-            values = [found[name][key] for found in members if key in found.get(name, {})]
-            cells[column] = _pct(sum(values) / len(values)) if values else ""
+        means = selection_means([found[name] for found in members if name in found])
+        cells.update({column: _pct(means.get(key)) for column, (key, _) in zip(setting_columns(name), SELECTIONS)})
     return cells
 
 
@@ -161,15 +167,14 @@ def plot_points(configs: list[dict], scaling: dict[str, dict[str, dict]]) -> lis
         members = [scaling.get(r.run.name, {}) for r in c["results"]]
         for name in sorted({n for found in members for n in found}):
             rows = [found[name] for found in members if name in found]
-            first = rows[0]
+            first, means = rows[0], selection_means(rows)
             points.append({
                 "configuration": c["configuration"], "setting": name, "runs": len(rows),
                 "k": first["trajectories"], "noise": first["noise"], "act_steps": first["act_steps"],
                 "latent": first.get("noise_latent", "z_L"),
                 "compute": first.get("act_steps_per_puzzle", first["trajectories"] * first["act_steps"]),
                 "train_flops": c.get("train_flops"),
-                **{label: sum(r[key] for r in rows) / len(rows) for key, label in SELECTIONS
-                   if all(key in r for r in rows)}})
+                **{label: means[key] for key, label in SELECTIONS if key in means}})
     return points
 
 

@@ -229,3 +229,24 @@ def test_the_report_has_a_column_per_setting_and_selection_and_the_test_time_plo
         row = next(r for r in csv.DictReader(f) if r["kind"] == "run")
     assert [row[f"K1-noise0-D2_{rule}_%"] for rule in ("best-Q", "mode", "pass@K")] == ["", "", ""]  # not 0
     assert row["K4-noise0.3-D2_best-Q_%"] == "25.00"
+
+
+def test_a_configurations_cell_and_its_plot_point_are_one_mean_over_the_same_runs():
+    """The mean of a selection over a configuration's runs evaluated at a setting, in its table
+    cell and its plot point alike; a selection one of those runs lacks (a metrics.json of another
+    version) is left out of both, not averaged over the runs that have it."""
+    from types import SimpleNamespace
+
+    from study_testtime import configuration_cells, plot_points
+
+    def metrics(best_q, mode=None):
+        return {"trajectories": 4, "noise": 0.3, "act_steps": 2, "best_q_exact_accuracy": best_q,
+                "pass_exact_accuracy": 0.9, **({} if mode is None else {"mode_exact_accuracy": mode})}
+
+    scaling = {"a": {"S": metrics(0.2, mode=0.4)}, "b": {"S": metrics(0.6)}, "c": {}}  # c: not evaluated at S
+    cells = configuration_cells([scaling[n] for n in "abc"], ["S"])
+    assert cells == {"S_best-Q_%": "40.00", "S_mode_%": "", "S_pass@K_%": "90.00"}
+    config = {"configuration": "w", "results": [SimpleNamespace(run=SimpleNamespace(name=n)) for n in "abc"]}
+    [point] = plot_points([config], scaling)
+    assert point["runs"] == 2 and point["best-Q"] == pytest.approx(0.4) and point["pass@K"] == 0.9
+    assert "mode" not in point
