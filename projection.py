@@ -245,7 +245,8 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
       evaluations  schedule.run_schedule's evaluation steps, the final one included; each reads
                    ceil(examples / puzzles per batch) batches (examples: the whole test split, or
                    eval.max_examples of it except in the final one), a batch holding
-                   hosts x ((global batch / hosts) // K) puzzles (K: eval.trajectories, ptrm.py),
+                   the global batch's puzzles, or at K > 1 hosts x ((global batch / hosts) // K)
+                   (K: eval.trajectories, ptrm.py),
                    D ACT steps each (eval.act_steps; the model's halt_max_steps)
       checkpoints  every run.ckpt_every steps and the final one (checkpoint.Checkpoints), each
                    pausing the loop for checkpoint_pause_ms
@@ -259,10 +260,11 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
     train_steps, evaluation_at = run_schedule(dataset, optim, config.eval.every_epochs)
     capped = min(dataset.test_examples, config.eval.max_examples or dataset.test_examples)
     # At K trajectories per puzzle (ptrm.py; eval.trajectories' last K, as training takes it) each
-    # host's rows of a batch hold (global_batch / hosts) // K whole puzzles (testtime_batches).
+    # host's rows of a batch hold (global_batch / hosts) // K whole puzzles (testtime_batches); at
+    # K=1 a batch is the global batch's puzzles, one row each.
     setting = testtime.training_eval_setting(config.eval, model.halt_max_steps)
     hosts = slice_spec(record["slice"]).hosts
-    puzzles_per_batch = hosts * host_puzzles(global_batch, setting.k, hosts)
+    puzzles_per_batch = global_batch if setting.k == 1 else hosts * host_puzzles(global_batch, setting.k, hosts)
     eval_batches = (len(evaluation_at) - 1) * math.ceil(capped / puzzles_per_batch) \
         + math.ceil(dataset.test_examples / puzzles_per_batch)
     eval_act_steps = eval_batches * setting.act_steps
