@@ -263,7 +263,7 @@ def export_directory(source: str, out: str) -> None:
           f"with the commands that evaluate it here and in the reference's code)", flush=True)
 
 
-def model_card(url: str) -> dict | None:
+def model_dir_config(url: str) -> dict | None:
     """The config.json of a model directory (this format, beside model.safetensors), None when
     `url` is no such directory."""
     if url.endswith(".safetensors") or not storage.exists(storage.join_url(url, "config.json")):
@@ -278,7 +278,7 @@ def model_card(url: str) -> dict | None:
 def read_model_dir(url: str) -> tuple[dict[str, torch.Tensor], dict, int, str | None] | None:
     """(our weights, the run's configuration as a dict, step, identifiers fingerprint) of a
     model directory; None when `url` is not one."""
-    card = model_card(url)
+    card = model_dir_config(url)
     if card is None:
         return None
     weights, _, trained_on = checkpoint.read_exported(storage.join_url(url, "model.safetensors"))
@@ -294,7 +294,7 @@ def beside(checkpoint_url: str) -> tuple[dict | None, str | None]:
     found = None
     if storage.exists(storage.join_url(folder, "all_config.yaml")):
         found = yaml.safe_load(storage.read_bytes(storage.join_url(folder, "all_config.yaml")))
-    card = model_card(folder)
+    card = model_dir_config(folder)
     return found, card["dataset"]["identifiers_fingerprint"] if card else None
 
 
