@@ -18,7 +18,7 @@ from attention import blockwise_extra_flops
 from batches import total_train_steps
 from model import TRMConfig, swiglu_width
 from schedule import Curriculum, run_schedule
-from testtime_batches import host_puzzles
+from testtime_batches import batch_puzzles
 
 if TYPE_CHECKING:
     from config import Config
@@ -264,7 +264,7 @@ def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: 
     # K=1 a batch is the global batch's puzzles, one row each.
     setting = testtime.training_eval_setting(config.eval, model.halt_max_steps)
     hosts = slice_spec(record["slice"]).hosts
-    puzzles_per_batch = global_batch if setting.k == 1 else hosts * host_puzzles(global_batch, setting.k, hosts)
+    puzzles_per_batch = batch_puzzles(global_batch, setting.k, hosts)
     eval_batches = (len(evaluation_at) - 1) * math.ceil(capped / puzzles_per_batch) \
         + math.ceil(dataset.test_examples / puzzles_per_batch)
     eval_act_steps = eval_batches * setting.act_steps

@@ -201,9 +201,9 @@ def evaluation_batches(setting: testtime.Setting, global_batch: int, puzzles: in
     of `hosts` hosts: each host's global_batch / hosts rows hold (global_batch / hosts) // K whole
     puzzles, the rest padding (K need not divide the batch: testtime_batches.py); ValueError
     for a K above a host's rows."""
-    from testtime_batches import host_puzzles
+    from testtime_batches import batch_puzzles
 
-    return math.ceil(puzzles / (hosts * host_puzzles(global_batch, setting.k, hosts)))
+    return math.ceil(puzzles / batch_puzzles(global_batch, setting.k, hosts))
 
 
 def evaluation_hours(setting: testtime.Setting, global_batch: int, puzzles: int, ms_per_act_step: float,

@@ -21,6 +21,12 @@ def host_puzzles(global_batch_size: int, k: int, process_count: int) -> int:
     return rows // k
 
 
+def batch_puzzles(global_batch_size: int, k: int, process_count: int) -> int:
+    """Puzzles of one global evaluation batch at K trajectories, as eval_batches lays them out: the
+    batch itself at K=1, else every host's host_puzzles (ValueError for a K above a host's rows)."""
+    return global_batch_size if k == 1 else host_puzzles(global_batch_size, k, process_count) * process_count
+
+
 class TrajectoryBatches:
     """EvalBatches of host_puzzles(...) * hosts puzzles per batch, each host's puzzles' rows
     repeated K times and padded to its share of the global batch."""
@@ -60,7 +66,7 @@ def eval_batches(test_set, global_batch_size: int, k: int, process_index: int = 
     """The evaluation batches at K trajectories (EvalBatches itself at K=1)."""
     if k == 1:
         return EvalBatches(test_set, global_batch_size, process_index, process_count, max_examples, seed)
-    puzzles = EvalBatches(test_set, host_puzzles(global_batch_size, k, process_count) * process_count,
+    puzzles = EvalBatches(test_set, batch_puzzles(global_batch_size, k, process_count),
                           process_index=process_index, process_count=process_count,
                           max_examples=max_examples, seed=seed)
     return TrajectoryBatches(puzzles, k, global_batch_size // process_count)

@@ -53,7 +53,7 @@ from compiled_costs import eval_ms_per_puzzle
 from config import PRESETS, Config, ConfigError, check_batch_layout, check_config, presets_for
 from model import TRMConfig
 from projection import PAPER_DATASETS, model_flops, slice_spec
-from testtime_batches import host_puzzles
+from testtime_batches import batch_puzzles
 from tpu_topology import Topology, topology
 
 PROGRAMS = ("train_step", "eval_step")
@@ -401,7 +401,7 @@ def _with_run_fields(results: dict[str, dict], config: Config, preset: str, topo
               "batch_per_device": config.optim.global_batch_size // topo.devices}
     hosts = slice_spec(topo.slice).hosts  # each host's rows hold rows // K whole puzzles; K above them: refused
     try:
-        per_batch = hosts * host_puzzles(config.optim.global_batch_size, k, hosts)
+        per_batch = batch_puzzles(config.optim.global_batch_size, k, hosts)
     except ValueError:
         per_batch = 0
     evaluation = {"trajectories": k, "noise": noise, "halt_max_steps": config.model.halt_max_steps,
