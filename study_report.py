@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import goodput
 import storage
 import study_testtime
+import testtime_curve
 from config import flat_config
 from study_plan import StudyRun, declared_papers
 from study_run import read_status
@@ -95,7 +96,7 @@ class RunResult:
     data_path: str = ""
     host: int | None = None  # the study host it ran on (None: the study ran without --host)
     ckpt_every: int | None = None
-    scaling: dict = field(default_factory=dict)  # {test-time setting: its metrics}: study_testtime.run_scaling
+    scaling: dict = field(default_factory=dict)  # {test-time setting: its metrics}: testtime_curve.settings_by_name
 
 
 def _read_json(url: str):
@@ -163,7 +164,7 @@ def collect(out: str) -> list[RunResult]:
         result.data_path, result.host, result.ckpt_every = config.data.path, status.get("host"), config.run.ckpt_every
         result.parameters = parameter_count(config.model)
         result.effective_depth, _, result.forward_passes = recursion_counts(config.model)
-        result.scaling = study_testtime.run_scaling(run_dir)
+        result.scaling = testtime_curve.settings_by_name(run_dir)
         records = _records(run_dir)
         trained = [r["step"] for r in records if r.get("kind") == "train"]
         result.steps_done = final["step"] if final else max(trained, default=0)

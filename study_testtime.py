@@ -113,12 +113,6 @@ def setting_columns(name: str) -> list[str]:
     return [f"{name}_{label}_%" for _, label in SELECTIONS]
 
 
-def run_scaling(run_dir: str) -> dict[str, dict]:
-    """{setting name: its metrics.json} of every test-time setting evaluated in a run directory
-    (those of the study's grid and any evaluated by hand)."""
-    return testtime_curve.settings_by_name(run_dir)
-
-
 def settings_in_order(out: str, runs: list[StudyRun], scaling: dict[str, dict[str, dict]]) -> list[str]:
     """The setting names the report shows: the study file's grid (OUT/study.txt) over its runs, in
     its order, then any other setting a run was evaluated at, in name order."""
