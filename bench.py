@@ -23,7 +23,7 @@ training loss is not finite (after printing the tables and the JSON).
 Columns (the JSON file has these and more, with units in the names; see `bench_preset`):
   params         trainable parameters (the puzzle-embedding table, a SignSGD buffer, not counted)
   GF/ex train    model GFLOP per example of one training step (one ACT segment, forward and
-                 backward; formula in projection.py's `model_flops`); GF/ex eval: of one evaluation ACT step
+                 backward; formula in tpu_costs/run_costs.py's `model_flops`); GF/ex eval: of one evaluation ACT step
                  (an evaluation batch runs halt_max_steps = 16 of them)
   dev@peak ms    device time of a training step of the global batch (768) at the slice's bf16 peak
   host ms        wall time of the host's work for one step in the training loop's thread:
@@ -87,15 +87,15 @@ from typing import Literal
 import numpy as np
 import tyro
 
-import compiled_costs
 import data
-import report
-import tpu_compile
-import trainer as trainer_module  # `trainer` names the Trainer instance below
-from batches import PrefetchedBatches, TrainBatches, train_rows_per_second
-from config import PRESETS, Config, ConfigError, check_against_dataset, check_batch_layout
+from data import PrefetchedBatches, TrainBatches, train_rows_per_second
 from model import TRM, TRMConfig
-from projection import PAPER_DATASETS, SliceSpec, flop_record, project_paper_run, slice_spec
+from tpu_costs import compiled_programs, run_costs
+from tpu_costs.run_costs import PAPER_DATASETS, flop_record, project_paper_run
+from tpu_costs.slices import SliceSpec, slice_spec
+from training import run_log
+from training import trainer as trainer_module  # `trainer` names the Trainer instance below
+from training.config import PRESETS, Config, ConfigError, check_against_dataset, check_batch_layout
 
 PresetName = Literal["sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2"]
 PRESET_NAMES: tuple[PresetName, ...] = ("sudoku-mlp", "sudoku-att", "maze", "arc1", "arc2")
@@ -143,7 +143,8 @@ class BenchConfig:
     device_time: Literal["compiled", "mfu"] = "compiled"
     """Device time of the projection: each step compiled for the slice by the TPU compiler (tpu_compile.py) or --mfu."""
     trajectories: int = 1
-    """Project (and compile) the evaluations at K trajectories per test puzzle (eval.trajectories, ptrm.py)."""
+    """Project (and compile) the evaluations at K trajectories per test puzzle (eval.trajectories,
+    testtime/noisy_trajectories.py)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,7 +273,7 @@ def _device_time_ns() -> tuple[int, int]:
 def step_loss(metrics: np.ndarray, batch: int) -> float:
     """The training loss train.py logs (lm_loss + 0.5 q_halt_loss per example) of one step's
     metric vector."""
-    row = report.summarize(trainer_module.TRAIN_METRICS, metrics, 1, batch)
+    row = run_log.summarize(trainer_module.TRAIN_METRICS, metrics, 1, batch)
     return row["lm_loss"] + 0.5 * row["q_halt_loss"]
 
 
@@ -464,7 +465,7 @@ def measure_checkpoint(trainer, hosts: int, repeats: int) -> dict:
 
 
 def measure_evaluation(trainer, batch: dict, sharding, warmup: int, steps: int, on_cpu: bool) -> dict:
-    """Run warmup + timed evaluation ACT steps as evaluate.py drives them (EMA weights swapped
+    """Run warmup + timed evaluation ACT steps as training/evaluate.py drives them (EMA weights swapped
     in, Trainer.eval_act_step then torch_xla.sync()); host time per ACT step, measured like a
     training step's (trace, plus sync's CPU time on CPU), each started on an idle device."""
     import torch_xla
@@ -596,8 +597,8 @@ class NonFiniteLoss(ValueError):
 
 def compiled_device_time(preset: str, args: BenchConfig) -> dict:
     """The preset's steps at its global batch, compiled for args.slice (tpu_compile.py; cached)."""
-    config = tpu_compile.resolved_config(bench_config(preset, args), preset, args.table_rows)
-    return compiled_costs.device_time_fields(tpu_compile.compile_isolated([(preset, config, args.slice)])[0])
+    config = compiled_programs.resolved_config(bench_config(preset, args), preset, args.table_rows)
+    return run_costs.device_time_fields(compiled_programs.compile_isolated([(preset, config, args.slice)])[0])
 
 
 def check_losses(records: list[dict]) -> None:
@@ -691,8 +692,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: {e}")
     try:
         return run(bench_args)
-    except (ConfigError, NonFiniteLoss, tpu_compile.CompileError) as e:  # ConfigError: e.g. a --batch not dividing
-        hint = "; or at a stated MFU: --device-time mfu --mfu 0.4" if isinstance(e, tpu_compile.CompileError) else ""
+    except (ConfigError, NonFiniteLoss, compiled_programs.CompileError) as e:  # ConfigError: a --batch not dividing
+        compile_failed = isinstance(e, compiled_programs.CompileError)
+        hint = "; or at a stated MFU: --device-time mfu --mfu 0.4" if compile_failed else ""
         raise SystemExit(f"error: {e}{hint}")
 
 

@@ -24,7 +24,7 @@ set -euo pipefail
 readonly PROG=launch.sh
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 readonly REPO
-readonly WORKER_SCRIPT=$REPO/worker.sh   # what runs on the workers; sent with every ssh call
+readonly WORKER_SCRIPT=$REPO/pod/worker.sh   # what runs on the workers; sent with every ssh call
 
 TPU=${TRM_TPU:-}
 ZONE=${TRM_ZONE:-}
@@ -69,14 +69,14 @@ exec 3>&1   # dry-run commands go to the original stdout, even from inside $(...
 # The other parts: each command's usage (launch_help.sh); train and study, their launch on every
 # worker and --retry's watch (launch_run.sh). Functions only; main() at the end runs a command.
 
-# shellcheck source=launch_help.sh
-source "$REPO/launch_help.sh"
-# shellcheck source=launch_run.sh
-source "$REPO/launch_run.sh"
-# shellcheck source=launch_smoke.sh
-source "$REPO/launch_smoke.sh"
-# shellcheck source=launch_fleet.sh
-source "$REPO/launch_fleet.sh"
+# shellcheck source=pod/launch_help.sh
+source "$REPO/pod/launch_help.sh"
+# shellcheck source=pod/launch_run.sh
+source "$REPO/pod/launch_run.sh"
+# shellcheck source=pod/launch_smoke.sh
+source "$REPO/pod/launch_smoke.sh"
+# shellcheck source=pod/launch_fleet.sh
+source "$REPO/pod/launch_fleet.sh"
 
 # ----------------------------------------------------------------------------------------------
 # Small helpers (laptop)
@@ -137,7 +137,7 @@ worker_cmd() {
 }
 
 load_worker_script() {  # sets WORKER_B64, worker.sh as one line of base64 (commands that use ssh)
-  [ -f "$WORKER_SCRIPT" ] || die "no worker.sh next to launch.sh (it runs on the workers)"
+  [ -f "$WORKER_SCRIPT" ] || die "no pod/worker.sh beside launch.sh (it runs on the workers)"
   WORKER_B64=$(base64 < "$WORKER_SCRIPT" | tr -d '\n')
 }
 

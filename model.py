@@ -2,8 +2,8 @@
 
 Same math as the reference implementation (github.com/SamsungSAILMontreal/TinyRecursiveModels):
 the blocks, embeddings and heads every arch shares, the ACT carry, the stablemax loss with the
-Q-halt head (each arch's recursion is recursion.py's; the reference's checkpoints
-reference_weights.py's; the optimizers and the EMA optim.py's; the FLOP count projection.py's).
+Q-halt head (each arch's recursion is modeling/schemes.py's; the reference's checkpoints
+reference/weights.py's; the optimizers and the EMA training/optim.py's; the FLOP count tpu_costs/run_costs.py's).
 Everything here keeps static shapes and never reads a device value on the host, so one training
 step traces to one XLA graph. This file never imports torch_xla: it runs the same on CPU eager
 and on XLA.
@@ -24,14 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import recursion
-from attention import ATTENTIONS, attend
-from counter_hash import hashed_uniform  # noqa: F401 (model.hashed_uniform: the exploration's draws)
-from data import IGNORE_LABEL_ID  # the labels of positions without a target (data.py's batches write it)
-from device_grads import weight_matmul
-from halting import exploration_prob
-from ranges import range_problems, ranged
-from recursion import SCHEMES
+from modeling import schemes
+from modeling.attention import ATTENTIONS, attend
+from modeling.counter_hash import hashed_uniform  # noqa: F401 (model.hashed_uniform: the exploration's draws)
+from modeling.device_grads import weight_matmul
+from modeling.field_ranges import range_problems, ranged
+from modeling.schemes import SCHEMES, exploration_prob
+
+IGNORE_LABEL_ID = -100
+"""The label of a position without a target: the loss and the metrics skip it (torch's
+cross-entropy ignore_index). data.py writes the same value into its batches' labels."""
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -40,8 +42,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 class TRMConfig:
     """Architecture of a TRM; field names follow the reference's arch config."""
 
-    arch: recursion.ArchName = "trm"
-    """The architecture, a recursion scheme registered in recursion.py; choosing one sets its yaml's values unless flags set them."""  # noqa: E501 (one line: tyro keeps line breaks)
+    arch: schemes.ArchName = "trm"
+    """The architecture, a recursion scheme registered in modeling/schemes.py; choosing one sets its yaml's values unless flags set them."""  # noqa: E501 (one line: tyro keeps line breaks)
     seq_len: int = ranged(81, ge=1)
     """Tokens per example (from the dataset)."""
     vocab_size: int = ranged(11, ge=1)
@@ -79,7 +81,7 @@ class TRMConfig:
     halt_exploration_prob: float = ranged(0.1, ge=0, le=1, note="a probability")
     """Probability that a training sequence gets a random minimum of 2..halt_max_steps steps."""
     halt_exploration_final: float | None = ranged(None, ge=0, le=1, note="a probability; leave it out for none")
-    """Anneal the exploration probability linearly to this (halting.py); None: no anneal."""
+    """Anneal the exploration probability linearly to this (modeling/schemes.py); None: no anneal."""
     halt_exploration_anneal_steps: int = ranged(0, ge=0, note="0 = the steps of optim.epochs")
     """Training steps the anneal to halt_exploration_final takes (0: the steps of optim.epochs)."""
     no_ACT_continue: bool = True
@@ -96,7 +98,7 @@ class TRMConfig:
     rope_theta: float = ranged(10000.0, gt=0)
     """RoPE base."""
     attention: Literal["blockwise", "sdpa"] = ranged("blockwise", resumable=True)
-    """How attention is computed (attention.py; the same math): blockwise, over blocks of keys
+    """How attention is computed (modeling/attention.py; the same math): blockwise, over blocks of keys
     (no [batch, heads, seq, seq] tensor when seq > attention_block); sdpa, torch's call as in the reference."""
     attention_block: int = ranged(512, ge=1, resumable=True)
     """Keys per block of the blockwise attention; a sequence within one block is computed at once
@@ -116,7 +118,7 @@ class TRMConfig:
         if self.attention not in ATTENTIONS:
             out.append(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.arch not in SCHEMES:
-            out.append(f"arch must be one of {', '.join(SCHEMES)} (recursion.py's registered schemes), "
+            out.append(f"arch must be one of {', '.join(SCHEMES)} (modeling/schemes.py's registered schemes), "
                        f"got {self.arch!r}")
         if out or range_problems(self):  # the checks below divide by these sizes
             return out
@@ -135,8 +137,8 @@ class TRMConfig:
         return out
 
     @property
-    def scheme(self) -> recursion.RecursionScheme:
-        """The arch's recursion scheme (recursion.py)."""
+    def scheme(self) -> schemes.RecursionScheme:
+        """The arch's recursion scheme (modeling/schemes.py)."""
         return SCHEMES[self.arch]
 
     def halt_score(self, q_halt: torch.Tensor, q_continue: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,7 +198,7 @@ def swiglu_width(width: int, expansion: float) -> int:
 class Linear(nn.Module):
     """y = x W^T (+ b) with float32 weights cast to the activation dtype; LeCun truncated init.
     Every matmul with the weight goes through device_grads.weight_matmul, which gives the weight's
-    gradient the reference's reduction in a sharded training step (device_grads.py; another use
+    gradient the reference's reduction in a sharded training step (modeling/device_grads.py; another use
     of the weight there is an error)."""
 
     def __init__(self, fan_in: int, fan_out: int, bias: bool = False):
@@ -404,7 +406,7 @@ class TRM(nn.Module):
         return z
 
     def recurse(self, z_H, z_L, x):
-        """One ACT step of the arch's recursion (recursion.py), then the heads."""
+        """One ACT step of the arch's recursion (modeling/schemes.py), then the heads."""
         z_H, z_L, out = self.config.scheme.recurse(self, z_H, z_L, x)
         logits = self.lm_head(out)[:, self.config.prefix_len:]
         q = self.q_head(out[:, 0]).float()
@@ -429,7 +431,7 @@ class TRM(nn.Module):
     def forward(self, carry: Carry, batch: dict[str, torch.Tensor],
                 perturb=None) -> tuple[Carry, dict[str, torch.Tensor]]:
         """One ACT step. `perturb(z_H, z_L, data, steps)`, if given, returns the latents this step's
-        recursion starts from (test-time noise, ptrm.py; `steps` counts the row's earlier steps)."""
+        recursion starts from (test-time noise, noisy_trajectories.py; `steps` counts the row's earlier steps)."""
         config = self.config
         # Rows that halted at the previous step start over on the new batch's example.
         reset = carry.halted

@@ -1,7 +1,7 @@
 """The only file that speaks torch_xla SPMD: runtime start, the device mesh, sharding
 annotations, the small cross-host protocol (barrier, broadcast, config check), and the few
 runtime calls the training loop needs (sync, counters, profiles, the accelerator's kind, device
-memory); capture.py holds the rest.
+memory); training/capture.py holds the rest.
 
 Data parallel over one global 1-D mesh named "data": batch-shaped tensors (inputs, the ACT
 carry) and the puzzle-embedding table are split on their first dimension across every device

@@ -10,9 +10,9 @@ processes (one per TPU VM of a fleet), resumable, compared in one report.
     python study.py report runs/tiny-study --wandb-project trm  # and the table and plots in W&B
 
 A study file has one run per line, `NAME PRESET [train.py flags...]`; `{a,b,c}` in a flag's
-value makes one run per value and `--seeds K` one per seed (study_plan.py; docs/studies.md).
-Each run trains in OUT/NAME with `python train.py` (study_run.py), claimed under a lease
-(claims.py). On a fleet, `bash launch.sh study STUDY_NAME STUDY_FILE` starts this on every VM.
+value makes one run per value and `--seeds K` one per seed (fleet/plan.py; docs/studies.md).
+Each run trains in OUT/NAME with `python train.py` (fleet/runner.py), claimed under a lease
+(fleet/claims.py). On a fleet, `bash launch.sh study STUDY_NAME STUDY_FILE` starts this on every VM.
 
 Exit status of `run`: 0 every run done or recorded as failed (or stopped on SIGTERM:
 run it again to go on), 1 a study or flags that cannot run, 75 a run kept exiting 75 (storage
@@ -23,12 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-import storage
-import study_testtime
-from lifecycle import EXIT_RETRYABLE
-from projection import SliceSpec, slice_spec
-from schedule import run_schedule
-from study_plan import (
+from fleet import testtime_grid
+from fleet.plan import (
     StudyError,
     changed_flags,
     dataset_sizes,
@@ -38,6 +34,10 @@ from study_plan import (
     projected_hours,
     resolved_config,
 )
+from rundir import storage
+from tpu_costs.slices import SliceSpec, slice_spec
+from training.lifecycle import EXIT_RETRYABLE
+from training.schedule import run_schedule
 
 
 def read_study(url: str) -> tuple[list, str]:
@@ -71,36 +71,35 @@ def _hours(hours: float) -> str:
 def compiled_device_times(jobs: list[tuple], slices: dict[str, str], processes: int | None = None) -> dict:
     """{slice key: {run name: its steps' device time fields}} for (run, config, train split's
     sizes) jobs on each slice of `slices` ({key: slice name}): each run's evaluation step and the
-    training step of each recursion curriculum stage it trains in (compiled_costs.run_programs),
+    training step of each recursion curriculum stage it trains in (run_costs.run_programs),
     each distinct program compiled once for each slice (tpu_compile.py: each trace and compile in a
     process that ends, cached by program and topology)."""
-    import compiled_costs
-    import tpu_compile
+    from tpu_costs import compiled_programs, run_costs
 
     distinct: dict[str, list] = {}  # settings -> [preset, config, programs, label]
     runs: dict[str, list[str]] = {}
     for run, config, sizes in jobs:
         runs[run.name] = []
-        for program_config, programs in compiled_costs.run_programs(config, sizes):
-            settings = tpu_compile.program_settings(program_config)
+        for program_config, programs in run_costs.run_programs(config, sizes):
+            settings = compiled_programs.program_settings(program_config)
             label = run.configuration if program_config is config else \
                 f"{run.configuration} stage H{program_config.model.H_cycles}L{program_config.model.L_cycles}"
             entry = distinct.setdefault(settings, [run.preset, program_config, (), label])
-            entry[2] = tuple(p for p in tpu_compile.PROGRAMS if p in entry[2] or p in programs)
+            entry[2] = tuple(p for p in compiled_programs.PROGRAMS if p in entry[2] or p in programs)
             runs[run.name].append(settings)
     for slice_name in slices.values():
-        cached = sum(tpu_compile.cached_results(c, slice_name, programs) is not None
+        cached = sum(compiled_programs.cached_results(c, slice_name, programs) is not None
                      for _, c, programs, _ in distinct.values())
         print(f"compiling {len(distinct)} distinct program(s) for {slice_name} with the TPU compiler ({cached} cached; "
               "a real-size training step takes minutes on a laptop)", flush=True)
     names = list(dict.fromkeys(slices.values()))
-    compiled = tpu_compile.compile_isolated([(preset, config, name, programs) for name in names
+    compiled = compiled_programs.compile_isolated([(preset, config, name, programs) for name in names
                                              for preset, config, programs, _ in distinct.values()],
                                             processes=processes,
                                             labels=[label for _ in names for *_, label in distinct.values()])
     results = {name: dict(zip(distinct, compiled[i * len(distinct):(i + 1) * len(distinct)]))
                for i, name in enumerate(names)}
-    return {key: {run.name: compiled_costs.device_time_fields(
+    return {key: {run.name: run_costs.device_time_fields(
         [r for settings in runs[run.name] for r in results[name][settings]],
         (config.model.H_cycles, config.model.L_cycles)) for run, config, _ in jobs} for key, name in slices.items()}
 
@@ -142,11 +141,11 @@ def plan(args) -> int:
         return plan_on_cpu(args, runs, sizes, configs)
     device = {"host": {}, "whole": {}}
     if compiled and known:
-        import tpu_compile
+        from tpu_costs import compiled_programs
 
         try:
             device = compiled_device_times(known, {"host": host.name, "whole": spec.name}, args.jobs)
-        except tpu_compile.CompileError as e:
+        except compiled_programs.CompileError as e:
             raise SystemExit(f"error: {e}; or project at a stated MFU: --mfu 0.4")
         except KeyboardInterrupt:
             raise SystemExit(130)
@@ -195,7 +194,7 @@ def plan(args) -> int:
           "projections assume every step device-bound (bench.py measures the host's part)"
           + ("; the compiler's estimates assume Google's published clock and HBM bandwidth, only a TPU measures "
              "a step (launch.sh smoke)" if compiled else ""))
-    study_testtime.print_plan(runs, text, sizes, host, spec, vms, mfu, whole_mfu, compiled, args.jobs,
+    testtime_grid.print_plan(runs, text, sizes, host, spec, vms, mfu, whole_mfu, compiled, args.jobs,
                               sorted(loads.items(), key=lambda item: (-item[1], item[0])), whole_h, startup)
     for path, error in sizes.items():
         names = [r.name for r, h, _ in rows if h is None and paths[r.name] == path]
@@ -237,7 +236,7 @@ def plan_on_cpu(args, runs: list, sizes: dict, configs: dict) -> int:
 
 
 def run(args) -> int:
-    from study_run import StudyRunner
+    from fleet.runner import StudyRunner
 
     runs, text = read_study(args.study)
     if args.lease_s <= 0:
@@ -261,7 +260,7 @@ def run(args) -> int:
 
 
 def report(args) -> int:
-    import study_report
+    from fleet import report as study_report
 
     return study_report.main(args)
 
@@ -299,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-s", type=float, default=120.0,
                    help="a claim not renewed for this long (seconds, by the observer's clock) may be taken over: "
                         "the run resumes from its checkpoint (default 120; renewed every eighth of it; the run's "
-                        "train.py stops when half of it passes without a renewal: fencing.py)")
+                        "train.py stops when half of it passes without a renewal: fleet/fencing.py)")
     p.add_argument("--whole-slice", action="store_true",
                    help="every host of a multi-host slice runs this command with the same --holder: worker 0 claims "
                         "and the slice trains each run whole; a run exiting other than 0 or 1 stops the study with 75")

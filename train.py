@@ -27,10 +27,10 @@ Presets: sudoku-mlp, sudoku-att, maze, arc1, arc2 (the paper's recipes) and demo
 `bash launch.sh train RUN_NAME PRESET ...` runs this on every host with PJRT_DEVICE=TPU.
 
 The loop is `training()` below, read top to bottom; each thing it calls has a file of its own:
-the flags and presets (config.py), the run's length and learning rates (schedule.py), where
-the state comes from (restore.py), the step (trainer.py), the periodic save and evaluation
-(checkpoint.py, evaluate.py), start-up, SIGTERM and the watchdog (lifecycle.py), what it
-prints and writes (report.py), where each launch's time went (launches.py).
+the flags and presets (training/config.py), the run's length and learning rates (training/schedule.py), where
+the state comes from (commands/restore.py), the step (training/trainer.py), the periodic save and evaluation
+(training/checkpoint.py, training/evaluate.py), start-up, SIGTERM and the watchdog (training/lifecycle.py), what it
+prints and writes (training/run_log.py), where each launch's time went (training/launch_records.py).
 """
 from __future__ import annotations
 
@@ -38,23 +38,22 @@ import gc
 import sys
 import time
 
-import checkpoint
-import compile_cache
 import data
-import eval_command
-import export
-import fencing
-import predict
-import storage
-from batches import PrefetchedBatches, TrainBatches, total_train_steps
-from checkpoint import Checkpoints
-from config import PRESETS, Config, ConfigError, parse_config, settings_lines
-from evaluate import Evaluations
-from launches import Launch, first_launch_start
-from lifecycle import EXIT_RETRYABLE, Preempted, Preemption, ShutdownDeadline, Watchdog, check_devices, start
-from report import HostLog, Profile, RunLog
-from restore import resume_or_start
-from schedule import Curriculum, lr_at, resolve_anneal, run_schedule
+from commands import eval_command, export, predict
+from commands.restore import resume_or_start
+from data import PrefetchedBatches, TrainBatches, total_train_steps
+from fleet import fencing
+from puzzles import builders
+from rundir import storage
+from tpu_costs.slices import peak_tflops_per_device
+from training import checkpoint, compile_cache
+from training.checkpoint import Checkpoints
+from training.config import PRESETS, Config, ConfigError, parse_config, settings_lines
+from training.evaluate import Evaluations
+from training.launch_records import Launch, first_launch_start
+from training.lifecycle import EXIT_RETRYABLE, Preempted, Preemption, ShutdownDeadline, Watchdog, check_devices, start
+from training.run_log import HostLog, Profile, RunLog
+from training.schedule import Curriculum, lr_at, resolve_anneal, run_schedule
 
 
 def main(config: Config, preset: str | None = None) -> dict:
@@ -88,6 +87,7 @@ def training(config: Config, train_set: data.Dataset, test_set: data.Dataset, sh
     full_steps = total_train_steps(train_set.metadata, optim.epochs, optim.global_batch_size)
     config, curriculum = resolve_anneal(config, full_steps), Curriculum(config, full_steps)
     log = RunLog(config, total_steps, sharding.is_main_process(), sharding, curriculum=curriculum,
+                 peak_tflops=peak_tflops_per_device(device_kind),  # None off a known TPU: no MFU
                  first_launch=lambda: first_launch_start(config.run.dir))  # names the run's W&B run, if mirrored
     log.say(f"TRM on {device_kind}: {num_devices} devices on {num_hosts} host(s) ({local_devices} here); "
             f"global batch {optim.global_batch_size}, {total_steps} steps, {len(eval_steps)} evaluations "
@@ -208,7 +208,9 @@ def command_line(argv: list[str]) -> int:
         if argv[0] in COMMANDS:
             COMMANDS[argv[0]](argv[1:])
             return 0
-        result = main(parse_config(argv), argv[0] if argv[0] in PRESETS else None)
+        config = parse_config(argv)
+        builders.ensure_demo_data(config.data.path)  # `python train.py demo` on a fresh checkout
+        result = main(config, argv[0] if argv[0] in PRESETS else None)
         return 0 if result["final"] is not None or result["preempted"] else 1
     except storage.StorageError as e:
         print(f"error: {e}\nStorage failed beyond its retries; relaunching may help (exit status {EXIT_RETRYABLE}).",

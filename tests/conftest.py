@@ -127,10 +127,9 @@ def gcs_url(gcs_server):
 @pytest.fixture(scope="session")
 def demo_path(tmp_path_factory):
     """A small 4x4-Sudoku demo dataset (100 groups of 8 puzzles, 40 held-out puzzles), built once."""
-    import build_data
-
+    from puzzles import builders
     path = str(tmp_path_factory.mktemp("demo"))
-    build_data.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
+    builders.build_demo(path, train_puzzles=100, num_aug=7, test_puzzles=40, seed=0)
     return path
 
 

@@ -1,4 +1,4 @@
-"""Small data for the tests of data.py, build_data.py and arc.py: synthetic datasets, tiny builder sources."""
+"""Small data for the tests of data.py, build_data.py and puzzles/arc.py: synthetic datasets, tiny builder sources."""
 import csv
 import json
 import os

@@ -1,4 +1,4 @@
-"""Tests of arc.py: hand-made votes with known pass@k, tie breaks, augmentation inversion,
+"""Tests of puzzles/arc.py: hand-made votes with known pass@k, tie breaks, augmentation inversion,
 sharded voting, submission files and the evaluator on a dataset built by build_arc."""
 import gzip
 import json
@@ -8,9 +8,10 @@ import pickle
 import numpy as np
 import pytest
 
-import arc
 import data
-from arc import (
+from data import EvalBatches
+from puzzles import arc
+from puzzles.arc import (
     VOTES_FORMAT,
     ArcEvaluator,
     decode_summary,
@@ -20,8 +21,7 @@ from arc import (
     sigmoid,
     write_submission,
 )
-from batches import EvalBatches
-from build_arc import build_arc
+from puzzles.build_arc import build_arc
 from tests.data_fixtures import ARC_EVALUATION, ARC_EVALUATION_SOLUTIONS, arc_files
 
 # ------------------------------------------------------------------------------------------

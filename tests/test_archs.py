@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import reference_weights
-from config import PRESETS, arch_in, presets_for, with_arch
 from model import TRM, TRMConfig, loss_and_metrics
-from recursion import arch_defaults
+from modeling.schemes import arch_defaults
+from reference import weights as reference_weights
+from training.config import PRESETS, arch_in, presets_for, with_arch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "reference"))
 
@@ -274,7 +274,7 @@ def test_choosing_an_arch_gives_its_yaml_values_and_checks_what_its_code_cannot_
 def test_a_reference_checkpoint_of_each_arch_loads_for_eval(arch, tmp_path):
     """`train.py eval PRESET --init-from ref.pt [--model.arch ARCH]`'s loading: the arch read from
     the checkpoint's tensors, its yaml's values, the sizes from the shapes, the weights as saved."""
-    from restore import load_weights_for_eval
+    from commands.restore import load_weights_for_eval
 
     ours, theirs = ours_and_theirs(arch, "float32")
     found = reference_weights.reference_config(theirs.state_dict(), TRMConfig())
@@ -303,8 +303,8 @@ def test_each_arch_trains_through_the_captured_step_on_the_mesh(demo_path, tmp_p
     [B, 1, 1] with an H network only (trm_singlez carries the same shapes; hrm's networks are
     trm's separate_H_L ablation's, checked against it bitwise in test_the_ablations_...)."""
     import train
-    from config import parse_config
     from tests.test_train import tiny_args
+    from training.config import parse_config
 
     args = ("--model.arch", arch, "--model.num-heads", "4", "--optim.max-steps", "4", "--run.log-every", "1",
             "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "1")
@@ -324,8 +324,8 @@ def test_each_arch_trains_through_the_captured_step_on_the_mesh(demo_path, tmp_p
 def test_flop_count_of_each_arch_equals_its_matmuls(arch, flags):
     """projection.model_flops (the step line's MFU, tpu_compile's model count, a plan's
     device-hours) against the matmuls torch counts in one training and one evaluation step."""
-    from projection import model_flops
     from tests.test_bench import counted_flops
+    from training.model_flops import model_flops
 
     config = small_config(arch, "float32", **flags)
     flops = model_flops(config)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import data
-import predict
 import train
-from config import parse_config
+from commands import predict
 from tests.test_predict import digits, write_demo_csv
 from tests.test_train import run_in_fresh_process, tiny_args
+from training.config import parse_config
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

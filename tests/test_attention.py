@@ -1,4 +1,4 @@
-"""attention.py: the blockwise attention computes the plain attention's outputs and gradients
+"""modeling/attention.py: the blockwise attention computes the plain attention's outputs and gradients
 (float32 and bf16, on CPU eager and on the XLA device the trainer uses, where its backward is
 fenced by an optimization barrier), and a model built with either gives the same loss and
 gradients. The tolerances are errors against a float64 reference of the same inputs: float32
@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-import attention
 from model import TRM, TRMConfig, loss_and_metrics
+from modeling import attention
 
 SHAPE = (2, 4, 100, 16)  # batch, heads, seq, head_dim: 100 keys are 3 blocks of 32 and one of 4
 
@@ -49,7 +49,7 @@ def test_blockwise_attention_in_bf16_is_as_accurate_as_the_plain_attention():
 def test_blockwise_attention_on_xla_equals_cpu_and_fences_its_backward():
     import torch_xla
 
-    import capture  # noqa: F401 - sets the barrier, as a training run does
+    from training import capture  # noqa: F401 - sets the barrier, as a training run does
     device = torch_xla.device()
     truth = attention_and_grads("sdpa", torch.float64)
     for dtype, tolerance in ((torch.float32, 3e-5), (torch.bfloat16, None)):

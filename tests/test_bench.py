@@ -15,20 +15,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import bench
 import data
-from batches import TrainBatches
 from bench import PRESET_NAMES
-from config import PRESETS
+from data import TrainBatches
 from model import TRM, loss_and_metrics
-from projection import (
-    PAPER_DATASETS,
-    PaperDataset,
-    flop_record,
-    model_flops,
-    project_paper_run,
-    projected_ms,
-    slice_spec,
-)
-from trainer import Trainer
+from tpu_costs.run_costs import PAPER_DATASETS, PaperDataset, flop_record, project_paper_run, projected_ms
+from tpu_costs.slices import slice_spec
+from training.config import PRESETS
+from training.model_flops import model_flops
+from training.trainer import Trainer
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,11 +94,12 @@ def test_a_curriculum_counts_each_stage_at_its_own_cycles():
     Trainer.recursing runs it, counted by torch), and so are the step line's MFU, the run's
     training FLOPs and its projected hours; counting them at the model's cycles overstated the
     first Sudoku stage's MFU 3.9 times."""
-    import report
-    from projection import stage_flops, train_flops_of, train_stages
-    from schedule import Curriculum
     from tests.test_train import _Slice
-    from trainer import TRAIN_METRICS
+    from tpu_costs.run_costs import train_flops_of, train_stages
+    from training import run_log
+    from training.model_flops import stage_flops
+    from training.schedule import Curriculum
+    from training.trainer import TRAIN_METRICS
 
     tiny = dataclasses.replace(bench.tiny_model(PRESETS["sudoku-mlp"][1].model), seq_len=20, num_puzzle_identifiers=5)
     torch.manual_seed(0)
@@ -126,7 +121,9 @@ def test_a_curriculum_counts_each_stage_at_its_own_cycles():
     assert final / first == pytest.approx(3.888, abs=1e-3)
     assert train_flops_of(config, stages) == sum(stage_flops(config.model, c)["train"] * n for c, n in stages) * 768
     assert train_flops_of(config, stages) < final * 65104 * 768  # the curriculum row's train_flops, 11% lower
-    import study_report  # the report's train_flops column: the same, or none where the stages cannot be placed
+    from fleet import (
+        report as study_report,  # the report's train_flops column: the same, or none where the stages cannot be placed
+    )
 
     assert study_report.trained_flops(config, PAPER_DATASETS["sudoku-mlp"], 65104) == train_flops_of(config, stages)
     assert study_report.trained_flops(config, None, 65104) is None
@@ -140,7 +137,8 @@ def test_a_curriculum_counts_each_stage_at_its_own_cycles():
     sums[TRAIN_METRICS.index("count")] = 768 * 100
     mfu = {}
     for last, given in ((100, curriculum), (3300, curriculum), (100, None)):
-        log = report.RunLog(config, 65104, main_host=False, sharding=_Slice(32, "TPU v4"), curriculum=given)
+        log = run_log.RunLog(config, 65104, main_host=False, sharding=_Slice(32, "TPU v4"), curriculum=given,
+                             peak_tflops=275.0)
         log._report_train(sums, last, 100, 2.0, 1e-4)
         log.close()
         mfu[last, given is not None] = log.history[-1]["mfu"]
@@ -168,25 +166,25 @@ def test_a_curriculum_run_compiles_each_stages_training_step():
     """compiled_costs.run_programs: a curriculum run compiles its evaluation step and the training
     step of each stage (the model at the stage's cycles, the curriculum off: the program
     Trainer.recursing runs); device_time_fields names each stage's estimate by its cycles."""
-    import compiled_costs
+    from tpu_costs import run_costs
 
     config = dataclasses.replace(PRESETS["sudoku-mlp"][1], optim=dataclasses.replace(
         PRESETS["sudoku-mlp"][1].optim, curriculum_epochs=10000))
-    programs = compiled_costs.run_programs(config, PAPER_DATASETS["sudoku-mlp"])
+    programs = run_costs.run_programs(config, PAPER_DATASETS["sudoku-mlp"])
     assert programs[0] == (config, ("train_step", "eval_step"))
     assert [(c.model.H_cycles, c.model.L_cycles, c.optim.curriculum_epochs, p) for c, p in programs[1:]] == [
         (1, 2, 0, ("train_step",)), (1, 3, 0, ("train_step",)), (2, 4, 0, ("train_step",)), (2, 5, 0, ("train_step",))]
     short = dataclasses.replace(config, optim=dataclasses.replace(config.optim, max_steps=100))  # the first stage only
-    assert [(c.model.H_cycles, c.model.L_cycles, p) for c, p in compiled_costs.run_programs(
+    assert [(c.model.H_cycles, c.model.L_cycles, p) for c, p in run_costs.run_programs(
         short, PAPER_DATASETS["sudoku-mlp"])] == [(3, 6, ("eval_step",)), (1, 2, ("train_step",))]
-    assert compiled_costs.run_programs(PRESETS["sudoku-mlp"][1], PAPER_DATASETS["sudoku-mlp"]) == [
+    assert run_costs.run_programs(PRESETS["sudoku-mlp"][1], PAPER_DATASETS["sudoku-mlp"]) == [
         (PRESETS["sudoku-mlp"][1], ("train_step", "eval_step"))]
     results = [{"program": "train_step", "cycles": [3, 6], "compiled": True, "estimate_ms": 30.0,
                 "estimate_source": "XLA"},
                {"program": "eval_step", "cycles": [3, 6], "compiled": True, "estimate_ms": 5.0},
                {"program": "train_step", "cycles": [1, 2], "compiled": True, "estimate_ms": 10.0},
                {"program": "train_step", "cycles": [1, 3], "compiled": False, "error": "RESOURCE_EXHAUSTED"}]
-    fields = compiled_costs.device_time_fields(results, (3, 6))
+    fields = run_costs.device_time_fields(results, (3, 6))
     assert fields["compiled_ms_per_train_step"] == 30.0 and fields["compiled_ms_per_eval_step"] == 5.0
     assert fields["compiled_ms_per_train_stage"] == {"3,6": 30.0, "1,2": 10.0}
     assert fields["refused"] == ["train_step (H_cycles 1 L_cycles 3)"]

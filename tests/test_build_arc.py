@@ -22,7 +22,7 @@ import pytest
 
 import build_data
 import data
-from build_arc import build_arc
+from puzzles.build_arc import build_arc
 
 PREFIX = os.path.join(os.path.dirname(__file__), "data", "arc_tasks", "tiny")
 

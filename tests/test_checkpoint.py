@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import checkpoint
 import data
-import reference_weights
-import storage
 import train
-from checkpoint import CheckpointWriter, Shard
-from config import check_against_dataset, parse_config
-from restore import load_initial_weights
+from commands.restore import load_initial_weights
+from reference import weights as reference_weights
+from rundir import storage
+from training import checkpoint
+from training.checkpoint import CheckpointWriter, Shard
+from training.config import check_against_dataset, parse_config
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,7 +158,7 @@ WRITER_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {project!r}); sys.path.insert(0, {tests!r})
     {fault}
     from test_checkpoint import host_shards, sample_state
-    from checkpoint import CheckpointWriter
+    from training.checkpoint import CheckpointWriter
     p, count, gate = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     step, seed, attempt = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
     while gate and not os.path.exists(gate):  # a held host: it writes once the test opens its gate

@@ -1,4 +1,4 @@
-"""The compilation cache kept in a bucket (compile_cache.py), through the GCS emulator.
+"""The compilation cache kept in a bucket (training/compile_cache.py), through the GCS emulator.
 
 The CPU backend does not use XLA's persistent cache (no files appear in run.compile_cache_dir),
 so these tests check the round trip of the files, not the compile time a TPU saves.
@@ -12,10 +12,10 @@ import time
 
 from test_checkpoint import run_args
 
-import compile_cache
-import storage
 import train
-from config import RunConfig, parse_config
+from rundir import storage
+from training import compile_cache
+from training.config import RunConfig, parse_config
 
 
 def cache_files(directory, sizes):

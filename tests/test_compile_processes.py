@@ -25,12 +25,13 @@ PROCESS_PEAK_BOUND = 2.5e9
 
 DRIVER = """
 import dataclasses, json, resource, sys
-import tpu_compile
-from config import PRESETS
+from tpu_costs import compiled_programs
+from training.config import PRESETS
 base = PRESETS["demo"][1]
-jobs = [("demo", dataclasses.replace(base, model=dataclasses.replace(tpu_compile.narrow(base.model, width), H_cycles=1,
+narrow = compiled_programs.narrow
+jobs = [("demo", dataclasses.replace(base, model=dataclasses.replace(narrow(base.model, width), H_cycles=1,
                                                                     L_cycles=1)), "v4-8") for width in (32, 64, 96)]
-results = tpu_compile.compile_isolated(jobs, programs=("eval_step",), processes=int(sys.argv[1]))
+results = compiled_programs.compile_isolated(jobs, programs=("eval_step",), processes=int(sys.argv[1]))
 print("RESULT", json.dumps({"children_peak": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
                             "results": [r[0] for r in results]}))
 """
@@ -93,16 +94,16 @@ def test_a_writer_killed_mid_write_leaves_no_partial_file_for_ever(tmp_path, mon
     """_store writes .KEY.PID.partial, then renames it: a compile killed between the two leaves
     the file. clean_partials (which compile_isolated runs as it ends) removes those whose writer
     has ended and keeps one whose writer still runs (another plan writing now)."""
-    import tpu_compile
+    from tpu_costs import compiled_programs
 
-    monkeypatch.setattr(tpu_compile, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_programs, "CACHE_DIR", str(tmp_path))
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     dead, alive = tmp_path / f".k1.{ended.pid}.partial", tmp_path / f".k2.{os.getpid()}.partial"
     dead.write_text("{")
     alive.write_text("{")
-    tpu_compile._store("k3", {"compiled": True})
-    assert tpu_compile.clean_partials() == 1
+    compiled_programs._store("k3", {"compiled": True})
+    assert compiled_programs.clean_partials() == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name, "k3.json"]
 
 
@@ -112,11 +113,10 @@ def test_memory_kinds_are_per_program_and_preset_so_a_sudoku_peak_never_sizes_an
     the two programs of one run too), so neither's peak sizes the other's."""
     import dataclasses
 
-    import bounded_processes
-    import tpu_compile
-    from config import PRESETS
+    from tpu_costs import bounded_processes, compiled_programs
+    from training.config import PRESETS
 
-    monkeypatch.setattr(tpu_compile, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled_programs, "CACHE_DIR", str(tmp_path))
     kinds = {}
 
     def run(tasks, processes=None):  # what compile_isolated hands bounded_processes: the traces, then their compiles
@@ -127,10 +127,10 @@ def test_memory_kinds_are_per_program_and_preset_so_a_sudoku_peak_never_sizes_an
         raise KeyboardInterrupt  # nothing traced or compiled
 
     monkeypatch.setattr(bounded_processes, "run", run)
-    jobs = [(p, dataclasses.replace(PRESETS[p][1], model=tpu_compile.narrow(PRESETS[p][1].model)), "v4-8")
+    jobs = [(p, dataclasses.replace(PRESETS[p][1], model=compiled_programs.narrow(PRESETS[p][1].model)), "v4-8")
             for p in ("sudoku-mlp", "arc1")]
     with pytest.raises(KeyboardInterrupt):
-        tpu_compile.compile_isolated(jobs, labels=["sudoku", "arc"], say=lambda *a, **k: None)
+        compiled_programs.compile_isolated(jobs, labels=["sudoku", "arc"], say=lambda *a, **k: None)
     assert kinds == {"sudoku for v4-8": "trace sudoku-mlp v4-8", "arc for v4-8": "trace arc1 v4-8",
                      "sudoku for v4-8 train_step": "compile train_step sudoku-mlp v4-8",
                      "sudoku for v4-8 eval_step": "compile eval_step sudoku-mlp v4-8",
@@ -140,7 +140,7 @@ def test_memory_kinds_are_per_program_and_preset_so_a_sudoku_peak_never_sizes_an
 
 THREADED_PARENT = """
 import sys, threading, time
-import bounded_processes
+from tpu_costs import bounded_processes
 threading.Thread(target=lambda: [time.sleep(0.001) for _ in iter(int, 1)], daemon=True).start()  # a busy thread
 bounded_processes.run([bounded_processes.Task("sleeper", ["sleep", "120"], "sleep")], processes=1)
 """

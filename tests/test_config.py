@@ -10,10 +10,10 @@ import typing
 import pytest
 
 import train
-from config import PRESETS, Config, check_config, config_differences, parse_config, resumable_fields
-from eval_command import evaluate_command
-from export import export
-from lifecycle import start
+from commands.eval_command import evaluate_command
+from commands.export import export
+from training.config import PRESETS, Config, check_config, config_differences, parse_config, resumable_fields
+from training.lifecycle import start
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSING = "/nonexistent/trm-dataset"  # never opened: the checks come first
@@ -176,7 +176,7 @@ def test_eval_flags_are_checked_before_anything_runs(capsys):
 def test_a_run_saved_before_a_field_existed_resumes_with_its_default():
     # Run directories made before optim.optimizer and optim.lr_schedule existed trained with
     # AdamATan2 and the cosine schedule: the defaults, so no configuration change.
-    from restore import refuse_changed_config
+    from commands.restore import refuse_changed_config
 
     config = cli("--run.dir", "/tmp/never-written")
     saved = dataclasses.asdict(config)

@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-import build_data
-import checkpoint
-from config import PRESETS, PROJECT_DIR
 from model import TRM
+from puzzles import builders
 from tests.test_checkpoint import subprocess_env
+from training import checkpoint
+from training.config import PRESETS, PROJECT_DIR
 
 
 @pytest.mark.parametrize("beside", ["alone", "beside a CPU-bound process"])
@@ -28,7 +28,7 @@ def test_an_evaluation_at_16_trajectories_of_the_whole_demo_test_set_on_8_device
     # steps each, 152 programs with an all-reduce whose steps read no device value, so the host
     # runs ahead. Untrained weights: the abort does not depend on them, and no training is paid for.
     data_dir = tmp_path / "demo"
-    build_data.build_demo(str(data_dir), seed=0)
+    builders.build_demo(str(data_dir), seed=0)
     config = dataclasses.replace(PRESETS["demo"][1].model, num_puzzle_identifiers=1)
     model_file = tmp_path / "model.safetensors"
     checkpoint.export_model(TRM(config).state_dict(), {"config": {"model": dataclasses.asdict(config)}, "step": 0},

@@ -13,12 +13,11 @@ import fsspec.implementations.memory
 import numpy as np
 import pytest
 
-import arc
 import build_data
 import data
-from batches import EvalBatches, TrainBatches, total_train_steps
-from build_arc import build_arc
-from data import DatasetError
+from data import DatasetError, EvalBatches, TrainBatches, total_train_steps
+from puzzles import arc, builders
+from puzzles.build_arc import build_arc
 from tests.data_fixtures import (
     ARC_EVALUATION,
     ARC_EVALUATION_SOLUTIONS,
@@ -45,7 +44,7 @@ def synthetic(tmp_path_factory):
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("demo"))
-    build_data.build_demo(root, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
+    builders.build_demo(root, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
     return root
 
 
@@ -65,7 +64,7 @@ def test_local_dataset_is_memory_mapped_in_place(demo_root):
 
 
 def test_gcs_read_caches_once_and_matches_local(gcs_url, demo_root, tmp_path):
-    build_data.build_demo(gcs_url, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
+    builders.build_demo(gcs_url, train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
     cache = str(tmp_path / "cache")
     first = data.open_dataset(gcs_url, "train", cache_dir=cache)
     assert first.downloaded_bytes > 0
@@ -92,10 +91,10 @@ def _same_arrays(dataset, reference):
 
 def test_gcs_dataset_rebuilt_at_the_same_url_is_served_whole(gcs_url, tmp_path):
     cache = str(tmp_path / "cache")
-    build_data.build_demo(gcs_url, train_puzzles=20, num_aug=3, test_puzzles=10, seed=3)
+    builders.build_demo(gcs_url, train_puzzles=20, num_aug=3, test_puzzles=10, seed=3)
     first = data.open_train_test(gcs_url, cache_dir=cache)
-    build_data.build_demo(gcs_url, train_puzzles=20, num_aug=3, test_puzzles=10, seed=4)  # same sizes
-    build_data.build_demo(str(tmp_path / "rebuilt"), train_puzzles=20, num_aug=3, test_puzzles=10, seed=4)
+    builders.build_demo(gcs_url, train_puzzles=20, num_aug=3, test_puzzles=10, seed=4)  # same sizes
+    builders.build_demo(str(tmp_path / "rebuilt"), train_puzzles=20, num_aug=3, test_puzzles=10, seed=4)
     for old, new, split in zip(first, data.open_train_test(gcs_url, cache_dir=cache), data.SPLITS):
         assert not np.array_equal(old.inputs, new.inputs)
         _same_arrays(new, data.open_dataset(str(tmp_path / "rebuilt"), split))
@@ -166,12 +165,12 @@ def test_split_rebuilt_while_being_copied_is_not_served(tmp_path):
     url = f"{_RebuiltDuringCopy.protocol}://{tmp_path.name}/dataset"
     cache = str(tmp_path / "cache")
     sizes = dict(train_puzzles=20, num_aug=3, test_puzzles=10)  # two builds with the same shapes
-    build_data.build_demo(url, seed=3, **sizes)
-    _RebuiltDuringCopy.rebuild = lambda: build_data.build_demo(url, seed=4, **sizes)
+    builders.build_demo(url, seed=3, **sizes)
+    _RebuiltDuringCopy.rebuild = lambda: builders.build_demo(url, seed=4, **sizes)
     with pytest.raises(DatasetError, match=r"train changed while it was being copied to .*cache/train "
                                            r"\(rebuilt or re-uploaded meanwhile\?\)"):
         data.open_dataset(url, "train", cache_dir=cache)
-    build_data.build_demo(str(tmp_path / "local"), seed=4, **sizes)
+    builders.build_demo(str(tmp_path / "local"), seed=4, **sizes)
     _same_arrays(data.open_dataset(url, "train", cache_dir=cache), data.open_dataset(str(tmp_path / "local"), "train"))
 
 
@@ -293,7 +292,7 @@ def test_eval_cap_is_a_fixed_sorted_subset(synthetic):
 # ----------------------------------------------------------------------------- builders
 
 def test_demo_labels_are_the_unique_solutions(demo_root):
-    solutions = build_data.all_sudoku_4x4()
+    solutions = builders.all_sudoku_4x4()
     assert len(solutions) == 288
     for split in data.SPLITS:
         dataset = data.open_dataset(demo_root, split)
@@ -308,7 +307,7 @@ def test_demo_labels_are_the_unique_solutions(demo_root):
 
 
 def test_builders_are_reproducible(tmp_path, demo_root):
-    build_data.build_demo(str(tmp_path), train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
+    builders.build_demo(str(tmp_path), train_puzzles=40, num_aug=7, test_puzzles=50, seed=3)
     for split in data.SPLITS:
         for name in data.ARRAY_NAMES:
             file = f"{split}/all__{name}.npy"
@@ -320,7 +319,7 @@ def test_build_sudoku(tmp_path):
     train_csv = sudoku_csv(str(tmp_path / "train.csv"), 6, seed=0)
     test_csv = sudoku_csv(str(tmp_path / "test.csv"), 5, seed=1)
     out = str(tmp_path / "sudoku")
-    build_data.build_sudoku(out, train_csv, test_csv, subsample_size=3, min_difficulty=1, num_aug=4,
+    builders.build_sudoku(out, train_csv, test_csv, subsample_size=3, min_difficulty=1, num_aug=4,
                             seed=0)
     train, test = data.open_train_test(out)
     assert (train.num_groups, train.num_puzzles, test.num_examples) == (3, 15, 4)
@@ -336,7 +335,7 @@ def test_build_sudoku(tmp_path):
 
 def test_build_maze(tmp_path):
     out = str(tmp_path / "maze")
-    build_data.build_maze(out, maze_csv(str(tmp_path / "tr.csv"), 3),
+    builders.build_maze(out, maze_csv(str(tmp_path / "tr.csv"), 3),
                           maze_csv(str(tmp_path / "te.csv"), 2),
                           aug=True)
     train, test = data.open_train_test(out)

@@ -1,12 +1,12 @@
-"""device_grads.py: each dense weight's gradient summed over its uses on each device, then once
+"""modeling/device_grads.py: each dense weight's gradient summed over its uses on each device, then once
 across the devices in float32, as the reference sums it on that many GPUs (its pretrain.py
 all-reduces each param.grad); any other use of those weights in a sharded step is an error."""
 import pytest
 import torch
 
-import device_grads
 import sharding
 from model import TRM, Linear, TRMConfig, loss_and_metrics
+from modeling import device_grads
 
 
 def model_gradients(model, batch, devices: int, rows=None):

@@ -15,10 +15,10 @@ import textwrap
 import pytest
 import torch
 
-import checkpoint
 import sharding
 from tests.data_fixtures import write_synthetic
 from tests.ports import free_port
+from training import checkpoint
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONTIGUOUS, INTERLEAVED, REVERSED = "0,1,2,3|4,5,6,7", "0,1,4,5|2,3,6,7", "4,5,6,7|0,1,2,3"

@@ -13,15 +13,13 @@ import pytest
 import tyro
 
 import build_data
-import export
-import predict
 import study
 import train
-import weights_flags
 from bench import BenchConfig
-from config import PRESETS, check_config
+from commands import export, predict, weights_flags
 from tests.test_launch import Pod
 from tests.test_quickstart import INSTALL, StandInClone
+from training.config import PRESETS, check_config
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 DOCS = [PROJECT_DIR / "README.md", *sorted((PROJECT_DIR / "docs").glob("*.md"))]

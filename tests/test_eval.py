@@ -10,19 +10,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import checkpoint
 import data
-import evaluate
 import model
-import reference_weights
 import train
-from batches import EvalBatches, total_train_steps
-from build_arc import build_arc
-from config import PRESETS, ConfigError, parse_config
-from eval_command import evaluate_command
-from restore import load_weights_for_eval
-from schedule import evaluation_steps
+from commands.eval_command import evaluate_command
+from commands.restore import load_weights_for_eval
+from data import EvalBatches, total_train_steps
+from puzzles.build_arc import build_arc
+from reference import weights as reference_weights
 from tests.data_fixtures import ARC_EVALUATION_SOLUTIONS, arc_files
+from training import checkpoint, evaluate
+from training.config import PRESETS, ConfigError, parse_config
+from training.schedule import evaluation_steps
 
 
 def small(run_dir, cache_dir, *extra):
@@ -129,7 +128,7 @@ def test_arc_votes_aggregate_over_a_runs_evaluations_across_a_preemption(tmp_pat
     evaluation step and resumed scores the same as one that ran straight through, and
     `train.py eval --eval.arc-aggregate` votes over the saved evaluations of earlier steps."""
     import sharding
-    from arc import ArcEvaluator, decode_summary, encode_summary
+    from puzzles.arc import ArcEvaluator, decode_summary, encode_summary
 
     arc_path = str(tmp_path / "arc")
     build_arc(arc_path, arc_files(str(tmp_path)), subsets=("training", "evaluation"),
@@ -270,7 +269,7 @@ def test_evaluation_schedule_counts_epochs_and_ends_with_the_final_evaluation():
 
 @pytest.mark.parametrize("where", ["local", "gcs"])
 def test_saved_arc_votes_are_found_by_step_locally_and_on_gcs(where, tmp_path, request):
-    from arc import ArcEvaluator
+    from puzzles.arc import ArcEvaluator
 
     root = str(tmp_path / "eval") if where == "local" else request.getfixturevalue("gcs_url") + "/eval"
     votes = {step: {"votes": {("T", bytes([1, 1, step])): {b"\x01\x01\x07": [step, step * 2 ** 70 + 1]}},

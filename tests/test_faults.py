@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-import checkpoint
 import sharding
 from tests.ports import free_port
+from training import checkpoint
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = ["--optim.max-steps", "4", "--run.ckpt-every", "2"]

@@ -1,4 +1,4 @@
-"""One trainer per run (fencing.py, claims.py, study_run.py): real study.py processes train a real
+"""One trainer per run (fleet/fencing.py, fleet/claims.py, fleet/runner.py): real study.py processes train a real
 run on the GCS emulator while a fault hits one holder, and every test watches, the whole time,
 which train.py processes of the run are alive (/proc) and which of them wrote what into the run
 directory (storage's audit file, TRM_STORAGE_AUDIT). Each asserts that no two trainers of the run
@@ -19,9 +19,8 @@ import time
 
 import pytest
 
-import claims
-import fencing
-import storage
+from fleet import claims, fencing
+from rundir import storage
 from tests.study_fixtures import PROJECT_DIR, study, wait_for
 
 LEASE_S = 10.0
@@ -288,7 +287,7 @@ def test_with_the_default_lease_a_takeover_comes_half_a_lease_after_the_last_dea
 
 
 def test_a_fenced_process_stops_when_its_holder_goes_and_never_writes_past_its_deadline(tmp_path, monkeypatch):
-    """fencing.py alone: the trainer's side ends its process (exit 76) at the pipe's end of file,
+    """fleet/fencing.py alone: the trainer's side ends its process (exit 76) at the pipe's end of file,
     and its check refuses a change to the run directory past the deadline (other paths pass)."""
     lease = fencing.Lease(time.monotonic() + 60.0, str(tmp_path / "run"))
     child = subprocess.Popen([sys.executable, "-c", "import time, fencing; fencing.start_from_environment(); "

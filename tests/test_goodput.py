@@ -1,4 +1,4 @@
-"""Where a study's time went (goodput.py, launches.py): the report's causes of a study claimed by
+"""Where a study's time went (fleet/goodput.py, training/launch_records.py): the report's causes of a study claimed by
 three processes with one killed mid-run and its run taken over (conftest.py's `finished_study`), checked
 against the runs' own records: the metrics records and checkpoints read right after the kill, the
 launch records and the study's status files."""
@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-import goodput
-from launches import read_launches
-from study_plots import write_timeline
+from fleet import goodput
+from fleet.plots import write_timeline
 from tests.study_fixtures import study
+from training.launch_records import read_launches
 
 CAUSE_COLUMNS = [f"{cause}_s" for cause in goodput.CAUSES]
 

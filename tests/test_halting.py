@@ -1,4 +1,4 @@
-"""halt_steps.py, halting.py and the curriculum (schedule.Curriculum): the halting-step
+"""training/halt_steps.py, modeling/schemes.py and the curriculum (schedule.Curriculum): the halting-step
 distribution of an evaluation, the annealed halting exploration, and the recursion curriculum's
 stages and resume."""
 import dataclasses
@@ -13,13 +13,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import data
-import halt_steps
 import model
 import train
-from batches import EvalBatches
-from config import PRESETS, parse_config
-from eval_command import evaluate_command
-from schedule import Curriculum, resolve_anneal
+from commands.eval_command import evaluate_command
+from data import EvalBatches
+from training import halt_steps
+from training.config import PRESETS, parse_config
+from training.schedule import Curriculum, resolve_anneal
 
 
 def test_first_halt_buckets_exploration_anneal_and_curriculum_stages_are_their_closed_forms():
@@ -182,8 +182,8 @@ def test_the_paper_ablations_study_plans_before_its_datasets_exist_with_the_pape
     """studies/paper-ablations.txt: 19 configurations, 53 runs, each Sudoku and Maze one over 3
     seeds, every @paper line naming one of them; `plan` prints every run without any dataset."""
     import study
-    import study_report
-    from study_plan import StudyError, declared_papers, parse_study
+    from fleet import report as study_report
+    from fleet.plan import StudyError, declared_papers, parse_study
 
     monkeypatch.setenv("TRM_BUCKET", "my-bucket")
     text = open(os.path.join(os.path.dirname(__file__), "..", "studies", "paper-ablations.txt")).read()

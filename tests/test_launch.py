@@ -26,13 +26,13 @@ from tests.ports import free_port
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 LAUNCH = PROJECT_DIR / "launch.sh"
-WORKER = PROJECT_DIR / "worker.sh"
+WORKER = PROJECT_DIR / "pod" / "worker.sh"
 FAKE_GCLOUD = PROJECT_DIR / "tests" / "launch_fake_gcloud"
 SUBCOMMANDS = ["create", "delete", "setup", "deploy", "check", "smoke", "train", "status", "logs", "stop",
                "tensorboard"]
 TPU = "trm-test"
 # launch.sh sources the others
-LAUNCH_PARTS = ("launch.sh", "launch_help.sh", "launch_run.sh", "launch_smoke.sh", "launch_fleet.sh")
+LAUNCH_PARTS = ("launch.sh", "pod/launch_help.sh", "pod/launch_run.sh", "pod/launch_smoke.sh", "pod/launch_fleet.sh")
 
 STUB_TRAIN = r'''
 import json, os, re, signal, sys, time
@@ -127,7 +127,8 @@ class Pod:
             d.mkdir()
         (bin_dir / "gcloud").write_text(f'#!/bin/sh\nexec {sys.executable} -S {FAKE_GCLOUD} "$@"\n')
         (bin_dir / "gcloud").chmod(0o755)
-        for part in LAUNCH_PARTS + ("worker.sh",):
+        (self.repo / "pod").mkdir()
+        for part in LAUNCH_PARTS + ("pod/worker.sh",):
             shutil.copy(PROJECT_DIR / part, self.repo / part)
         shutil.copy(PROJECT_DIR / "requirements.txt", self.repo / "requirements.txt")
         (self.repo / "train.py").write_text(STUB_TRAIN)
@@ -275,7 +276,7 @@ def test_workers_run_the_worker_sh_sent_with_each_call(pod):
     assert command.endswith(" worker.sh remote_status")
     assert pod.run("status").stdout.count("NONE") == pod.workers   # before any deploy
     pod.run("deploy")
-    (pod.home(1) / "trm" / "worker.sh").write_text("exit 99\n")   # a stale deployed copy is not used
+    (pod.home(1) / "trm" / "pod" / "worker.sh").write_text("exit 99\n")   # a stale deployed copy is not used
     assert pod.run("status").stdout.count("NONE") == pod.workers
 
 
@@ -454,9 +455,9 @@ def test_deploy_ships_tracked_code_only_and_compares_hashes(pod):
     for w in range(pod.workers):
         code = pod.home(w) / "trm"
         shipped = sorted(str(p.relative_to(code)) for p in code.rglob("*") if p.is_file())
-        assert shipped == [".trm-code-sha256sums", "docs/a file with spaces.txt", "launch.sh", "launch_fleet.sh",
-                           "launch_help.sh", "launch_run.sh", "launch_smoke.sh", "requirements.txt", "train.py",
-                           "worker.sh"]
+        assert shipped == [".trm-code-sha256sums", "docs/a file with spaces.txt", "launch.sh", "pod/launch_fleet.sh",
+                           "pod/launch_help.sh", "pod/launch_run.sh", "pod/launch_smoke.sh", "pod/worker.sh",
+                           "requirements.txt", "train.py"]
         assert (code / "docs" / "a file with spaces.txt").read_text() == "uncommitted edit\n"
     assert pod.run("deploy").stderr.count("code ") >= pod.workers   # again: same code, no error
 
@@ -629,11 +630,11 @@ def test_study_retry_relaunches_after_a_preemption_and_the_study_completes(pod):
     pod.set_tpu(states=["READY", "PREEMPTED"])
     result = pod.run("study", "--retry", "s1", str(STUDY_FILE), STUB_PLAN="hang,0")
     assert "preempted" in result.stderr and "run s1 finished" in result.stderr
-    retry = pod.root / "buckets" / "trm-bucket" / "studies" / "s1" / "study" / "retry"  # for goodput.py
+    retry = pod.root / "buckets" / "trm-bucket" / "studies" / "s1" / "study" / "retry"  # for fleet/goodput.py
     assert sorted(json.loads(p.read_text())["event"] for p in retry.glob("*.json")) == ["preempted", "relaunched"]
     verbs = [c[4] for c in pod.calls() if c[1] == "compute"]
     assert verbs.count("delete") == 1 and verbs.count("create") == 1
-    for w in range(pod.workers):  # relaunched as it was; the study skips and resumes (study_run.py)
+    for w in range(pod.workers):  # relaunched as it was; the study skips and resumes (fleet/runner.py)
         assert len(pod.launches(w)) == 2
         assert pod.launch_record(w, 1)["argv"] == pod.launch_record(w, 0)["argv"]
         assert pod.launch_record(w, 1)["argv"][-6:-2] == ["--whole-slice", "--worker", str(w), "--"]
@@ -923,8 +924,8 @@ def test_retry_relaunches_the_real_trainer_after_a_lost_or_hung_host(tmp_path, d
     """The real train.py on two simulated workers (sharding.SIMULATED_SLICE_ENV): worker 1's
     trainer is SIGKILLed (a lost VM) or SIGSTOPped (a hung host); worker 0 exits 75 (the broken
     collective, or its watchdog), --retry relaunches both, and the run resumes and finishes."""
-    import checkpoint
     import sharding
+    from training import checkpoint
 
     pod = Pod(tmp_path, workers=2)
     try:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import model
-import reference_weights
 from model import TRM, Carry, TRMConfig, loss_and_metrics
-from optim import EMA, AdamATan2, SignSGD
+from reference import weights as reference_weights
+from training.optim import EMA, AdamATan2, SignSGD
 
 
 def tiny_config(**overrides) -> TRMConfig:

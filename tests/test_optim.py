@@ -1,4 +1,4 @@
-"""optim.py: AdamATan2 against the adam-atan2 kernel's rule, SignSGD against a per-id loop, EMA."""
+"""training/optim.py: AdamATan2 against the adam-atan2 kernel's rule, SignSGD against a per-id loop, EMA."""
 import copy
 import math
 
@@ -7,8 +7,8 @@ import torch
 
 import model
 from model import TRM
-from optim import EMA, AdamATan2, SignSGD, dense_optimizer
 from tests.test_model import tiny_config
+from training.optim import EMA, AdamATan2, SignSGD, dense_optimizer
 
 
 def test_adam_atan2_matches_hand_computed_steps():

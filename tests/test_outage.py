@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint
-import storage
-from lifecycle import EXIT_RETRYABLE
+from rundir import storage
+from training import checkpoint
+from training.lifecycle import EXIT_RETRYABLE
 
 PROJECT_DIR = str(Path(__file__).resolve().parent.parent)
 
@@ -90,7 +90,7 @@ def test_with_retries_rides_out_a_short_outage_and_gives_up_on_a_lasting_one(fak
 DEADLINE_SCRIPT = """
 import sys, threading
 sys.path.insert(0, {project!r})
-from lifecycle import Preemption, ShutdownDeadline
+from training.lifecycle import Preemption, ShutdownDeadline
 preemption = Preemption(1, 10, None, ShutdownDeadline({timeout}))
 print("ready", flush=True)
 threading.Event().wait()  # the main thread stuck, as on a storage call that never returns

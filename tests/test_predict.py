@@ -9,14 +9,15 @@ import pytest
 
 import build_data
 import data
-import predict
 import train
-from build_arc import build_arc
-from config import PROJECT_DIR, parse_config
+from commands import predict
+from puzzles import builders
+from puzzles.build_arc import build_arc
 from tests.data_fixtures import arc_files
 from tests.test_checkpoint import subprocess_env
 from tests.test_eval import TINY_ARC, small
 from train import usage
+from training.config import PROJECT_DIR, parse_config
 
 
 def digits(tokens) -> str:
@@ -69,7 +70,7 @@ def test_predict_answers_a_demo_runs_test_puzzles_as_its_evaluation_did(demo_pat
     first = result["puzzles"][0]
     assert (f"sudoku 1: halts at ACT step {first['act_steps']} of 4, q_halt confidence "
             f"{first['q_halt_confidence']:.4f}") in said
-    given, answer = build_data.puzzle_grid(first["puzzle"]), build_data.puzzle_grid(first["answer"])
+    given, answer = builders.puzzle_grid(first["puzzle"]), builders.puzzle_grid(first["answer"])
     assert f"  {given[:7]}   ->   {answer[:7]}\n  {given[8:15]}        {answer[8:15]}\n" in said
 
     # Bare lines (no answers) after a puzzle on the command line: the same answers, checked here
@@ -133,8 +134,8 @@ def test_predict_help_and_refusals(capsys):
     with pytest.raises(SystemExit, match="not both"):
         predict.predict_command(["--init-from", "runs/nothing", "--task", "a", "--puzzle", "1234"])
     with pytest.raises(build_data.DatasetError, match="neither a Sudoku .* nor a maze"):
-        build_data.encode_puzzles(["12x4"], 4, 4)
+        builders.encode_puzzles(["12x4"], 4, 4)
     with pytest.raises(build_data.DatasetError, match="has 3 cells but the model reads 16"):
-        build_data.encode_puzzles(["123"], 16, 6)
-    kind, tokens = build_data.encode_puzzles(["S  #", "#oG "], 4, 6)
-    assert kind == "maze" and build_data.puzzle_string(kind, tokens[1]) == "#oG "
+        builders.encode_puzzles(["123"], 16, 6)
+    kind, tokens = builders.encode_puzzles(["S  #", "#oG "], 4, 6)
+    assert kind == "maze" and builders.puzzle_string(kind, tokens[1]) == "#oG "

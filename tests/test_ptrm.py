@@ -1,5 +1,5 @@
 """Test-time scaling (PTRM, issue 37 and 47): noisy trajectories, depth D, best-Q / mode@K /
-pass@K selection, any K, the settings' directories (ptrm.py, testtime*.py, eval_command.py)."""
+pass@K selection, any K, the settings' directories (noisy_trajectories.py, testtime*.py, eval_command.py)."""
 import dataclasses
 import json
 import os
@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-import counter_hash
 import data
-import halt_steps
-import predict
-import ptrm
-import testtime
-import testtime_batches
 import train
-from config import parse_config
-from eval_command import evaluate_command
+from commands import predict
+from commands.eval_command import evaluate_command
 from model import TRM, Carry, TRMConfig, loss_and_metrics
+from modeling import counter_hash
 from tests.test_model import random_batch, tiny_config
 from tests.test_train import PROJECT_DIR, tiny_args
+from testtime import batches as testtime_batches
+from testtime import noisy_trajectories
+from testtime import settings as testtime_settings
+from training import halt_steps
+from training.config import parse_config
 
 
 def eval_steps(m: TRM, batch: dict, trajectories=None, steps=None):
@@ -59,16 +59,16 @@ def test_one_trajectory_without_noise_is_the_evaluation_bit_for_bit():
     config = tiny_config()
     m, batch = trained_looking_model(config), random_batch(config, 16, seed=1)
     reference = eval_steps(m, batch)
-    assert ptrm.trajectories_of(1, 0.0, seed=3) is None  # eval and training do not route it through ptrm
+    assert noisy_trajectories.trajectories_of(1, 0.0, seed=3) is None  # eval and training do not route it through ptrm
     # Routed through ptrm anyway, nothing changes.
-    metrics, preds, q, _ = eval_steps(m, batch, ptrm.Trajectories(1, 0.0))
+    metrics, preds, q, _ = eval_steps(m, batch, noisy_trajectories.Trajectories(1, 0.0))
     assert torch.equal(preds, reference[1]) and torch.equal(q, reference[2])
     assert all(torch.equal(metrics[name], reference[0][name]) for name in metrics)
     # K identical trajectories (no noise) choose the first: the answers and counts of K=1; so do
     # K=3 trajectories with two padding rows after the puzzles' 48 (rows that count nowhere).
     for k, padding in ((4, 0), (3, 2)):
         repeated = {name: torch.cat([v.repeat_interleave(k, 0), v[:padding]]) for name, v in batch.items()}
-        metrics, preds, q, _ = eval_steps(m, repeated, ptrm.Trajectories(k, 0.0))
+        metrics, preds, q, _ = eval_steps(m, repeated, noisy_trajectories.Trajectories(k, 0.0))
         assert torch.equal(preds[:16 * k:k], reference[1]) and torch.equal(q[:16 * k:k], reference[2])
         for name in ("count", "exact_accuracy", "steps"):
             assert metrics[name] == reference[0][name], (k, name)
@@ -101,7 +101,7 @@ def test_best_q_mode_and_pass_at_k_on_planted_answers_with_ties_and_padding():
                1, 1]         # padding rows: no labels, never counted
     q_halt = torch.tensor([3.0, 0.0, 1.0, 2.0, 0.0, 1.0, 5.0, -1.0, 1.0, 1.0, 0.0, 0.0, 9.0, 9.0])
     labels = [1] * 4 + [0] * 4 + [1] * 4
-    t = ptrm.Trajectories(k, 0.5)
+    t = noisy_trajectories.Trajectories(k, 0.5)
     carry, logits = planted(answers, labels, 14)
     outputs = {"logits": logits, "q_halt_logits": q_halt}
     assert t.best(q_halt).int().argmax(1).tolist() == [0, 2, 0]
@@ -133,7 +133,8 @@ def test_archs_that_halt_on_q_continue_rank_by_q_halt_minus_q_continue(monkeypat
     q_continue = torch.tensor([-0.5, -3.0])  # q_halt - q_continue: -0.5, 1.0
     carry, logits = planted([0, 1], [1, 1], 2)
     outputs = {"logits": logits, "q_halt_logits": q_halt, "q_continue_logits": q_continue}
-    by_q_halt, by_rule = ptrm.Trajectories(2, 0.5), ptrm.Trajectories(2, 0.5, halt_score=HRM_RULE)
+    by_q_halt = noisy_trajectories.Trajectories(2, 0.5)
+    by_rule = noisy_trajectories.Trajectories(2, 0.5, halt_score=HRM_RULE)
     assert by_q_halt.best(by_q_halt.scores(outputs)).tolist() == [[True, False]]
     assert by_rule.best(by_rule.scores(outputs)).tolist() == [[False, True]]
     picked, selected, _ = by_rule.select(carry, outputs)
@@ -152,20 +153,20 @@ def test_archs_that_halt_on_q_continue_rank_by_q_halt_minus_q_continue(monkeypat
                                                          model=TRMConfig(no_ACT_continue=no_continue)),
                                   sharding=SimpleNamespace(data_split=lambda: (0, 1)),
                                   set_evaluation=lambda t, d, got=got: got.update(t=t, d=d))
-        ptrm.set_evaluation(trainer, testtime.Setting(4, 0.3, 16))
+        noisy_trajectories.set_evaluation(trainer, testtime_settings.Setting(4, 0.3, 16))
         ranked = got["t"].scores({"q_halt_logits": q_halt, "q_continue_logits": q_continue})
         assert torch.equal(ranked, q_halt - q_continue if expected else q_halt)
         assert got["d"] == 16 and got["t"].host_rows == 32
 
 
 def test_the_counter_hash_is_int32_and_draws_what_the_int64_hash_drew():
-    """model.hashed_uniform and the noise: one int32 hash (counter_hash.py), whose draws are the
+    """model.hashed_uniform and the noise: one int32 hash (modeling/counter_hash.py), whose draws are the
     int64 hashes' of before, bit for bit (values recorded from them)."""
     u = counter_hash.hashed_uniform(7, torch.tensor(3), torch.arange(4), 0)
     assert u.tolist() == [0.8352841138839722, 0.6832155585289001, 0.6397753953933716, 0.6470803022384644]
     batch = {"inputs": torch.arange(8).view(2, 4) % 5, "puzzle_identifiers": torch.tensor([0, 3])}
     z = torch.zeros(2, 3, 2)
-    _, noisy = ptrm.Trajectories(2, 1.0, seed=7).perturb(z, z, batch, torch.tensor([0, 5]))
+    _, noisy = noisy_trajectories.Trajectories(2, 1.0, seed=7).perturb(z, z, batch, torch.tensor([0, 5]))
     assert noisy[:, 0].tolist() == [[2.41269850730896, 1.8127593994140625], [1.2950316667556763, 0.5719338059425354]]
     assert counter_hash.mix(torch.tensor([1, -7], dtype=torch.int32)).dtype == torch.int32
 
@@ -175,7 +176,7 @@ def test_noise_is_a_function_of_seed_puzzle_trajectory_and_step_on_the_chosen_la
     batch = {k: v.repeat_interleave(4, 0) for k, v in random_batch(config, 6, seed=2).items()}
     z = torch.zeros(24, config.total_len, config.hidden_size)
     steps = torch.zeros(24, dtype=torch.int32)
-    t = ptrm.Trajectories(4, 1.0, seed=7)
+    t = noisy_trajectories.Trajectories(4, 1.0, seed=7)
     untouched, noise = t.perturb(z, z, batch, steps)
     assert untouched is z  # z_L only, the default
     assert abs(noise.std().item() - 1.0) < 0.02 and abs(noise.mean().item()) < 0.02
@@ -186,7 +187,7 @@ def test_noise_is_a_function_of_seed_puzzle_trajectory_and_step_on_the_chosen_la
     shifted = {k: v.roll(4, 0) for k, v in batch.items()}
     assert torch.equal(t.perturb(z, z, shifted, steps)[1].roll(-4, 0), noise)
     wider = {k: v.view(6, 4, *v.shape[1:])[:, :2].reshape(12, *v.shape[1:]) for k, v in batch.items()}
-    assert torch.equal(ptrm.Trajectories(2, 1.0, seed=7).perturb(z[:12], z[:12], wider, steps[:12])[1],
+    assert torch.equal(noisy_trajectories.Trajectories(2, 1.0, seed=7).perturb(z[:12], z[:12], wider, steps[:12])[1],
                        noise.view(6, 4, *noise.shape[1:])[:, :2].reshape(12, *noise.shape[1:]))
     # z_H: its own draw; both: z_L's draw is the default's, z_H's the z_H one's.
     on_h, same = dataclasses.replace(t, latent="z_H").perturb(z, z, batch, steps)
@@ -205,7 +206,7 @@ def test_noise_and_selection_on_a_sharded_xla_mesh_equal_cpu_eager(spmd_mesh):
     m = trained_looking_model(config)
     puzzles = random_batch(config, 10, seed=3)
     batch = {k: torch.cat([v.repeat_interleave(3, 0), v[:2]]) for k, v in puzzles.items()}
-    t = ptrm.Trajectories(3, 0.5, seed=1)
+    t = noisy_trajectories.Trajectories(3, 0.5, seed=1)
     depth = config.halt_max_steps + 2
     cpu = eval_steps(m, batch, t, depth)
     device = sharding.device()
@@ -227,8 +228,8 @@ def test_noise_and_selection_on_a_sharded_xla_mesh_equal_cpu_eager(spmd_mesh):
 
 
 def test_trajectory_flags_settings_and_any_k():
-    assert testtime.parse_trajectories("1,4,16") == [1, 4, 16]
-    assert testtime.parse_noises("0,0.3") == [0.0, 0.3]
+    assert testtime_settings.parse_trajectories("1,4,16") == [1, 4, 16]
+    assert testtime_settings.parse_noises("0,0.3") == [0.0, 0.3]
     with pytest.raises(SystemExit, match=r"eval.trajectories='1,0' must be .* \(set it with --eval.trajectories\)"):
         parse_config(["demo", "--eval.trajectories", "1,0"])
     with pytest.raises(SystemExit, match=r"eval.noise='-1' must be"):
@@ -242,10 +243,10 @@ def test_trajectory_flags_settings_and_any_k():
     # Noise 0 runs at K=1 only (issue 47: `4,16 --eval.noise 0,0.3` ran its noise-0 point at K=4).
     config = parse_config(["demo", "--eval.trajectories", "4,16", "--eval.noise", "0,0.3", "--eval.noise-latent",
                            "both"])
-    assert [p.name for p in testtime.settings(config.eval, 4)] == ["K1-noise0-D4-both", "K4-noise0.3-D4-both",
+    assert [p.name for p in testtime_settings.settings(config.eval, 4)] == ["K1-noise0-D4-both", "K4-noise0.3-D4-both",
                                                                    "K16-noise0.3-D4-both"]
-    assert testtime.setting_name(16, 0.3, 64) == "K16-noise0.3-D64"
-    assert testtime.setting_dir("gs://b/runs/r", 100, 1.0, 16, "z_H") == "gs://b/runs/r/test-time/K100-noise1-D16-z_H"
+    assert testtime_settings.setting_name(16, 0.3, 64) == "K16-noise0.3-D64"
+    assert testtime_settings.setting_dir("gs://b/runs/r", 100, 1.0, 16, "z_H") == "gs://b/runs/r/test-time/K100-noise1-D16-z_H"
 
 
 def test_k_that_does_not_divide_the_batch_gives_each_puzzle_exactly_k_rows(demo_path):
@@ -273,10 +274,10 @@ ONE_DEVICE_EVAL = """
 import json, sys
 sys.path.insert(0, {project!r})
 import sharding
-import testtime_curve
-from eval_command import evaluate_command
+from testtime import curve
+from commands.eval_command import evaluate_command
 evaluate_command({args!r})
-print("RESULT" + json.dumps({{"curve": testtime_curve.saved_settings({run_dir!r}), "xla": sharding.xla_counters()}}))
+print("RESULT" + json.dumps({{"curve": curve.saved_settings({run_dir!r}), "xla": sharding.xla_counters()}}))
 """
 
 
@@ -334,8 +335,8 @@ def test_eval_writes_each_setting_into_the_run_resumably_and_leaves_its_eval_unc
     assert saved[-1] == result
     assert all(r["transfers"] == 1 for r in saved)  # the metrics, read once per setting
     assert (run_dir / "test-time" / "trajectories.png").read_bytes()[:4] == b"\x89PNG"
-    import testtime_curve
-    assert [testtime_curve.name_of(r) for r in testtime_curve.saved_settings(str(run_dir))] == names
+    from testtime import curve
+    assert [curve.name_of(r) for r in curve.saved_settings(str(run_dir))] == names
     capsys.readouterr()
     stamps = {n: (run_dir / "test-time" / n / "metrics.json").stat().st_mtime_ns for n in names}
     assert evaluate_command(args) == result
@@ -346,8 +347,8 @@ def test_eval_writes_each_setting_into_the_run_resumably_and_leaves_its_eval_unc
 def test_depth_d_is_the_evaluation_at_halt_max_steps_and_goes_on_from_the_carry_beyond(k3_run):
     """--eval.act-steps 4 (the demo's halt_max_steps) is the evaluation without the flag; 6 is the
     EMA model's recursion run 6 ACT steps by hand from the initial state, eagerly."""
-    from config import PRESETS
-    from restore import load_weights_for_eval
+    from commands.restore import load_weights_for_eval
+    from training.config import PRESETS
 
     tmp_path, _, common = k3_run
     plain = ["--eval.trajectories", "1", "--eval.noise", "0"]
@@ -428,8 +429,9 @@ def test_a_k_that_does_not_divide_the_batch_answers_as_a_dividing_batch_in_eval_
 def test_projection_of_an_evaluation_at_k_trajectories():
     """bench.py --trajectories K / projection: an evaluation batch holds hosts x ((global_batch /
     hosts) // K) puzzles, as the evaluation lays them out."""
-    from config import PRESETS
-    from projection import PAPER_DATASETS, flop_record, project_paper_run, slice_spec
+    from tpu_costs.run_costs import PAPER_DATASETS, flop_record, project_paper_run
+    from tpu_costs.slices import slice_spec
+    from training.config import PRESETS
 
     preset = PRESETS["sudoku-mlp"][1]
     record = flop_record("sudoku-mlp", preset, slice_spec("v4-8"))
@@ -466,8 +468,8 @@ def test_tpu_compile_compiles_the_evaluation_at_k_trajectories(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (result,) = json.loads(out.read_text())["programs"]
     assert (result["trajectories"], result["noise"], result["puzzles_per_batch"]) == (8, 0.5, 128 // 8)
-    import tpu_compile
-    per_puzzle = tpu_compile.eval_ms_per_puzzle(result)
+    from tpu_costs import compiled_programs
+    per_puzzle = compiled_programs.eval_ms_per_puzzle(result)
     assert per_puzzle == pytest.approx(result["estimate_ms"] * 4 / 16)  # demo: 4 ACT steps, 16 puzzles a batch
     assert f"per test puzzle: {per_puzzle:.4f} ms of device time" in done.stdout
     assert "K=8 trajectories each, noise 0.5" in done.stdout

@@ -10,17 +10,17 @@ import torch
 import torch_xla
 from safetensors.torch import load_file
 
-import checkpoint
 import data
 import sharding
 import train
-from build_arc import build_arc
-from config import check_against_dataset, parse_config
-from export import export
-from restore import load_initial_weights
+from commands.export import export
+from commands.restore import load_initial_weights
+from puzzles.build_arc import build_arc
 from tests.data_fixtures import arc_files
 from tests.test_train import run_in_fresh_process
-from trainer import TABLE, Trainer
+from training import checkpoint
+from training.config import check_against_dataset, parse_config
+from training.trainer import TABLE, Trainer
 
 # An ARC dataset of 10 identifiers: more rows than the 8 devices, not a multiple of them (XLA
 # gives each device 2 rows, the last device none).

@@ -24,8 +24,8 @@ import pytest
 import build_data
 import data
 import train
-from config import PRESETS, check_against_dataset, config_differences, parse_config
 from tests.data_fixtures import arc_rule_files, maze_30x30_csv, sudoku_csv
+from training.config import PRESETS, check_against_dataset, config_differences, parse_config
 
 NARROW = ["--model.hidden-size", "64", "--model.num-heads", "1", "--model.puzzle-emb-ndim", "64",
           "--optim.global-batch-size", "8"]

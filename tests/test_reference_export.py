@@ -17,11 +17,11 @@ import torch
 import yaml
 
 import train
-from checkpoint import CheckpointWriter, Shard, read_exported
-from config import Config, DataConfig, parse_config
 from model import TRM, TRMConfig, loss_and_metrics
-from recursion import SCHEMES
+from modeling.schemes import SCHEMES
 from tests.test_archs import BATCH, ACTLossHead, batches, small_config
+from training.checkpoint import CheckpointWriter, Shard, read_exported
+from training.config import Config, DataConfig, parse_config
 
 ARCHS = ["trm", "trm_singlez", "trm_hier6", "hrm", "transformers_baseline"]
 PRETRAIN = Path(__file__).resolve().parent / "reference" / "pretrain.py"  # the reference's, unchanged
@@ -162,7 +162,7 @@ def test_an_exported_model_runs_in_the_reference_as_here(arch, dtype, overrides,
     else:
         assert worst <= (1e-6 if dtype == "float32" else 5e-3), worst
     # The directory's own export holds the same weights as the run's checkpoint.
-    from reference_export import read_model_dir
+    from reference.model_dir import read_model_dir
 
     weights, saved_config, step, trained_on = read_model_dir(str(out))
     assert step == 3 and trained_on == "0123456789abcdef" and saved_config["model"]["arch"] == arch
@@ -208,7 +208,7 @@ def tiny_run(demo_path, tmp_path, *extra):
 def test_a_checkpoint_inside_the_curriculum_is_refused(demo_path, tmp_path):
     """Mid-curriculum weights were trained with fewer cycles than the model's: the reference has
     no curriculum (optim.curriculum_epochs named); past it, the export goes through."""
-    from reference_export import refusals
+    from reference.model_dir import refusals
 
     config = parse_config(tiny_run(demo_path, tmp_path, "--optim.curriculum-epochs", "100", "--optim.epochs", "200",
                                    "--optim.curriculum-start-H-cycles", "1"))
@@ -228,7 +228,7 @@ def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, gcs_url):
     """The demo trained here, exported to the reference format: its card holds the run's final
     metrics, `train.py eval --init-from DIR` gives them bit for bit, and the reference checkpoint
     in it (read back through its all_config.yaml) evaluates bit for bit as our own export."""
-    from eval_command import evaluate_command
+    from commands.eval_command import evaluate_command
 
     trained = train.main(parse_config(tiny_run(demo_path, tmp_path, "--optim.max-steps", "6")))
     final = trained["final"]
@@ -251,7 +251,7 @@ def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, gcs_url):
         assert from_directory[key] == final[key], key
 
     # The same from a bucket (the GCS emulator), and as the weights a fine-tuning starts from.
-    from restore import load_initial_weights
+    from commands.restore import load_initial_weights
 
     remote = gcs_url + "/models/demo"
     assert train.command_line(["export", str(tmp_path / "run"), "--format", "reference", "--out", remote]) == 0

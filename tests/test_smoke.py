@@ -1,5 +1,5 @@
 """launch.sh smoke end to end on the stand-in pod (tests/launch_fake_gcloud): two simulated
-workers run the real smoke.py and train.py on their CPUs (sharding.SIMULATED_SLICE_ENV),
+workers run the real pod/smoke.py and train.py on their CPUs (sharding.SIMULATED_SLICE_ENV),
 the bucket is the local GCS server; TPU-only numbers read "no TPU"."""
 import json
 import subprocess
@@ -41,7 +41,7 @@ def smoke(pod, *args, **env):
 
 
 def test_smoke_runs_every_check_on_the_stand_in_and_fails_when_resumed_losses_differ(smoke_pod, gcs_server):
-    import storage
+    from rundir import storage
 
     pod = smoke_pod
     result = smoke(pod, "--steps", "24", "demo", *TINY)
@@ -67,7 +67,8 @@ def test_smoke_runs_every_check_on_the_stand_in_and_fails_when_resumed_losses_di
     # The same records with the resumed losses shifted (test hook): the comparison fails, exit 1.
     state = pod.home(0) / "trm-state"
     report = subprocess.run(
-        [str(pod.env["FAKE_PYTHON"]), str(pod.home(0) / "trm" / "smoke.py"), "report", "--out", out + "-shifted",
+        [str(pod.env["FAKE_PYTHON"]), str(pod.home(0) / "trm" / "pod" / "smoke.py"), "report",
+         "--out", out + "-shifted",
          "--accelerator", "v4-16", "--workers", "2", "--preset", "demo", "--steps", "24",
          "--run-a", saved["run_a"], "--log-a", str(state / "logs" / f"{saved['run_a'].rsplit('/', 1)[1]}.log"),
          "--run-b", saved["run_b"], "--log-b", str(state / "logs" / f"{saved['run_b'].rsplit('/', 1)[1]}.log"),
@@ -93,7 +94,7 @@ def test_smoke_calls_parse_in_the_real_gcloud(tmp_path):
 
 
 def test_smoke_reads_the_compilers_estimate_from_tpu_compile_json(tmp_path, capsys):
-    import smoke
+    from pod import smoke
 
     path = tmp_path / "compile.json"  # tpu_compile.py PRESET --slice SLICE --json FILE
     path.write_text(json.dumps({"programs": [

@@ -1,4 +1,4 @@
-"""Tests of storage.py: local writes, upload_dir, list_files and download_dir, the messages of failing
+"""Tests of rundir/storage.py: local writes, upload_dir, list_files and download_dir, the messages of failing
 operations, URL spelling."""
 import os
 import socket
@@ -7,7 +7,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-import storage
+from rundir import storage
 
 
 def test_write_bytes_creates_local_parents_and_reads_back(tmp_path):

@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-import claims
-import storage
-from study_plan import StudyError, fleet_schedule, parse_study
-from study_report import seed_interval, t95, wilson
+from fleet import claims
+from fleet.plan import StudyError, fleet_schedule, parse_study
+from fleet.report import seed_interval, t95, wilson
+from rundir import storage
 from tests.ports import free_port
 from tests.study_fixtures import LEASE_S, PROJECT_DIR, study, wait_for
 
@@ -77,7 +77,7 @@ def test_bad_lines_are_all_refused_with_their_line_numbers(tmp_path):
 
 RACER = """
 import json, os, random, sys, time
-import claims
+from fleet import claims
 out, holder, runs, barrier = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 mine = claims.Claims(out, holder, lease_s=60.0)
 mine.generations("warm-up")  # gcsfs's session, before the start

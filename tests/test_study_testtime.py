@@ -1,4 +1,4 @@
-"""Test-time compute as a study axis (study_testtime.py): a study file's @test-time grid, checked;
+"""Test-time compute as a study axis (fleet/testtime_grid.py): a study file's @test-time grid, checked;
 its evaluations' commands, order and price; a tiny study whose finished run is evaluated once per
 setting by real study.py and train.py eval processes, a killed holder's evaluation taken over;
 and the report's columns of each setting and its plot."""
@@ -12,11 +12,11 @@ import signal
 
 import pytest
 
-import claims
-from study_plan import StudyError, parse_study, scaling_settings
-from study_testtime import evaluation_batches, evaluation_hours, evaluations, fleet_makespan
+from fleet import claims
+from fleet.plan import StudyError, parse_study, scaling_settings
+from fleet.testtime_grid import evaluation_batches, evaluation_hours, evaluations, fleet_makespan
 from tests.study_fixtures import study, wait_for
-from testtime import Setting
+from testtime.settings import Setting
 
 
 def test_grid_lines_expand_per_configuration_and_bad_values_are_refused():
@@ -92,7 +92,8 @@ def test_an_evaluation_is_priced_from_batches_of_whole_puzzles_and_d_act_steps()
 
 
 def test_plan_prices_every_evaluation_of_the_grid(demo_path, tmp_path):
-    from projection import flop_record, slice_spec
+    from tpu_costs.run_costs import flop_record
+    from tpu_costs.slices import slice_spec
 
     path = tmp_path / "plan.txt"
     path.write_text(f"w demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
@@ -113,7 +114,7 @@ def test_plan_prices_every_evaluation_of_the_grid(demo_path, tmp_path):
 
 
 def test_an_evaluation_is_claimed_only_once_its_run_has_finished(demo_path, tmp_path):
-    from study_run import StudyRunner
+    from fleet.runner import StudyRunner
 
     text = f"w demo --data.path {demo_path} --model.puzzle-emb-ndim 32\n@test-time K=4 noise=0.3 D=2\n"
     runs, out = parse_study(text), tmp_path / "out"
@@ -178,7 +179,7 @@ def test_every_finished_run_is_evaluated_once_per_setting_and_a_killed_holders_e
         assert outputs["a"].count(f"study: {name}: done in") == 1
     assert f"study: {killed}: taking over from c (its lease" in outputs["a"]
     # a evaluates the other setting too; the killed one it takes over at once or after the lease (a
-    # claim left by a dead process of the same machine is taken at once, claims.py), so in either order.
+    # claim left by a dead process of the same machine is taken at once, fleet/claims.py), so in either order.
     assert "study: w+K1-noise0-D2: starting" in outputs["a"]
     # Run again: everything done is skipped, nothing launched.
     again = study("run", str(out.parent / "study.txt"), "--out", str(out), "--holder", "a",
@@ -188,9 +189,9 @@ def test_every_finished_run_is_evaluated_once_per_setting_and_a_killed_holders_e
 
 
 def test_the_report_has_a_column_per_setting_and_selection_and_the_test_time_plot(evaluated_study, tmp_path):
-    from study_plots import write_test_time
-    from study_report import collect, configurations
-    from study_testtime import plot_points
+    from fleet.plots import write_test_time
+    from fleet.report import collect, configurations
+    from fleet.testtime_grid import plot_points
 
     out = tmp_path / "out"
     shutil.copytree(evaluated_study[0], out)
@@ -237,7 +238,7 @@ def test_a_configurations_cell_and_its_plot_point_are_one_mean_over_the_same_run
     version) is left out of both, not averaged over the runs that have it."""
     from types import SimpleNamespace
 
-    from study_testtime import configuration_cells, plot_points
+    from fleet.testtime_grid import configuration_cells, plot_points
 
     def metrics(best_q, mode=None):
         return {"trajectories": 4, "noise": 0.3, "act_steps": 2, "best_q_exact_accuracy": best_q,

@@ -1,4 +1,4 @@
-"""A new architecture is one class registered once (recursion.py; docs/faithfulness.md, "Adding
+"""A new architecture is one class registered once (modeling/schemes.py; docs/faithfulness.md, "Adding
 an architecture"). The toy scheme below is defined in this file alone, and the product takes it
 everywhere an arch goes: --model.arch and --help, its yaml values and the fields it fixes, its own
 config checks, its halting rule, a reference-format checkpoint recognised as it, and training
@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-import reference_weights
-from config import parse_config
 from model import TRM, TRMConfig
-from recursion import PLACEHOLDER, RecursionScheme, arch_defaults, register
+from modeling.schemes import PLACEHOLDER, RecursionScheme, arch_defaults, register
+from reference import weights as reference_weights
 from tests.test_train import tiny_args
+from training.config import parse_config
 
 
 @register  # at import, as an arch's module does: the toy is an arch in this test process from here on

@@ -41,16 +41,16 @@ NARROW_BATCH, NARROW_TABLE_ROWS = 16, 64  # 4 examples per device; a table split
 
 DRIVER = """
 import dataclasses, json, sys
-import tpu_compile
-from config import PRESETS, with_arch
+from tpu_costs import compiled_programs
+from training.config import PRESETS, with_arch
 results = []
 for name, (preset, arch, slices) in json.loads(sys.argv[2]).items():
     config = with_arch(PRESETS[preset][1], arch)
-    config = dataclasses.replace(config, model=tpu_compile.narrow(config.model),
+    config = dataclasses.replace(config, model=compiled_programs.narrow(config.model),
                                  optim=dataclasses.replace(config.optim, global_batch_size=int(sys.argv[3])))
-    config = tpu_compile.resolved_config(config, preset, int(sys.argv[4]))
+    config = compiled_programs.resolved_config(config, preset, int(sys.argv[4]))
     for slice_name in slices:
-        results += tpu_compile.compile_programs(config, name, slice_name)
+        results += compiled_programs.compile_programs(config, name, slice_name)
 open(sys.argv[1], "w").write(json.dumps(results))
 """
 
@@ -178,7 +178,7 @@ def test_step_bytes_stay_within_the_budget(compiled, preset):
 
 @pytest.mark.parametrize("preset", ["maze", "arc1"])
 def test_step_bytes_attention_never_writes_a_sequence_by_sequence_tensor(compiled, preset):
-    """The blockwise attention (attention.py, the presets' default) holds each block of keys'
+    """The blockwise attention (modeling/attention.py, the presets' default) holds each block of keys'
     [batch, heads, seq, block] scores, never [batch, heads, seq, seq]: in training and in
     evaluation, on both slices (the check finds such a tensor where there is one:
     test_tpu_compile_reads_hlo_statistics_from_text). sudoku-att's 97 positions are one block
@@ -219,14 +219,14 @@ def test_tpu_compile_each_dense_weight_is_all_reduced_once_in_float32(compiled, 
 
 def narrow_config(preset, arch=None):
     """The preset's config (in `arch`) as the compile driver narrows and resolves it."""
-    import tpu_compile
-    from config import PRESETS as CONFIGS
-    from config import with_arch
+    from tpu_costs import compiled_programs
+    from training.config import PRESETS as CONFIGS
+    from training.config import with_arch
 
     config = with_arch(CONFIGS[preset][1], arch)
-    config = dataclasses.replace(config, model=tpu_compile.narrow(config.model),
+    config = dataclasses.replace(config, model=compiled_programs.narrow(config.model),
                                  optim=dataclasses.replace(config.optim, global_batch_size=NARROW_BATCH))
-    return tpu_compile.resolved_config(config, preset, NARROW_TABLE_ROWS)
+    return compiled_programs.resolved_config(config, preset, NARROW_TABLE_ROWS)
 
 
 @pytest.fixture(scope="module")
@@ -278,14 +278,14 @@ def test_tpu_compile_a_program_too_large_for_hbm_fails_with_the_compilers_messag
 
 def test_tpu_compile_cache_key_covers_the_code_the_programs_are_traced_from():
     """A compiled program is cached under a key of the code it is traced from: every project file
-    the traced modules import is in it (attention.py once was not, and a changed attention read
+    the traced modules import is in it (modeling/attention.py once was not, and a changed attention read
     an old program from the cache)."""
-    import tpu_compile
     from tests.test_layout import reachable
+    from tpu_costs import compiled_programs
 
     traced = {"model", "optim", "capture", "sharding"}
     traced |= set().union(*(reachable(name) for name in traced))
-    assert {f"{m}.py" for m in traced} <= set(tpu_compile.PROGRAM_SOURCES)
+    assert {f"{m}.py" for m in traced} <= set(compiled_programs.PROGRAM_SOURCES)
 
 
 def test_tpu_compile_refuses_a_slice_it_does_not_know():
@@ -296,7 +296,7 @@ def test_tpu_compile_refuses_a_slice_it_does_not_know():
 
 def test_tpu_compile_reads_hlo_statistics_from_text():
     """hlo_stats against a hand-written program: bytes, collectives and cycle estimates."""
-    import hlo_stats
+    from tpu_costs import hlo_stats
 
     text = Path(__file__).with_name("data").joinpath("tiny_program.hlo.txt").read_text()
     stats = hlo_stats.parse_program(text)
@@ -325,10 +325,10 @@ def test_tpu_compile_reads_hlo_statistics_from_text():
 
 
 def cached_estimates(config, slice_name, cache_dir, monkeypatch) -> dict:
-    import tpu_compile
+    from tpu_costs import compiled_programs
 
-    monkeypatch.setattr(tpu_compile, "CACHE_DIR", str(cache_dir))
-    results = tpu_compile.cached_results(config, slice_name)
+    monkeypatch.setattr(compiled_programs, "CACHE_DIR", str(cache_dir))
+    results = compiled_programs.cached_results(config, slice_name)
     assert results is not None, "the programs were compiled into this cache"
     return {r["program"]: r["estimate_ms"] for r in results}
 
@@ -340,8 +340,8 @@ def test_tpu_compile_plans_a_study_from_compiled_programs_and_declared_sizes(tmp
     file declares its sizes (the demo's: 100 groups of one-example puzzles, 300 test examples)."""
     import dataclasses
 
-    from config import PRESETS
-    from study_plan import StudyError, declared_datasets
+    from fleet.plan import StudyError, declared_datasets
+    from training.config import PRESETS
 
     study = tmp_path / "study.txt"
     path = tmp_path / "not-built"
@@ -380,9 +380,9 @@ def test_tpu_compile_gives_bench_its_device_time(tmp_path, demo_cache, monkeypat
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (record,) = json.loads(out.read_text())["records"]
     args = bench.BenchConfig(presets=("sudoku-mlp",), tiny=True, flops_only=True, slice="v4-8")
-    import tpu_compile
+    from tpu_costs import compiled_programs
 
-    ms = cached_estimates(tpu_compile.resolved_config(bench.bench_config("sudoku-mlp", args), "sudoku-mlp", None),
+    ms = cached_estimates(compiled_programs.resolved_config(bench.bench_config("sudoku-mlp", args), "sudoku-mlp", None),
                           "v4-8", demo_cache, monkeypatch)
     assert record["compiled_ms_per_train_step"] == ms["train_step"] and record["compiled_ms_per_eval_step"] == \
         ms["eval_step"]

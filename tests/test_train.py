@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import train
-from batches import PrefetchedBatches, TrainBatches
-from config import PRESETS, OptimConfig, check_against_dataset, parse_config, settings_lines
-from schedule import lr_at
+from data import PrefetchedBatches, TrainBatches
+from training.config import PRESETS, OptimConfig, check_against_dataset, parse_config, settings_lines
+from training.schedule import lr_at
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,7 +34,7 @@ def run_in_fresh_process(args, cpu_devices=8):
         import json, sys
         sys.path.insert(0, {PROJECT_DIR!r})
         import train
-        from config import parse_config
+        from training.config import parse_config
         result = train.main(parse_config({args!r}))
         print("RESULT" + json.dumps({{k: result[k] for k in ("history", "evals", "final", "xla",
                                                                "checkpoint_transfers", "startup_transfers")}}))
@@ -122,12 +122,12 @@ def test_lines_printed_by_two_threads_at_once_stay_whole(tmp_path):
     code = textwrap.dedent(f"""
         import sys, threading
         sys.path.insert(0, {PROJECT_DIR!r})
-        import report
+        from training import run_log
         sys.setswitchinterval(1e-6)
         def speak(name):
             for i in range(2000):
                 print(name, "line", i, "of", 2000, flush=i % 2 == 0)
-        with report.HostLog({str(tmp_path)!r}, 0, "now"):
+        with run_log.HostLog({str(tmp_path)!r}, 0, "now"):
             threads = [threading.Thread(target=speak, args=(name,)) for name in ("step", "compile")]
             [t.start() for t in threads]
             [t.join() for t in threads]
@@ -149,13 +149,13 @@ def metrics_records(run_dir: str) -> list[dict]:
 
 
 def test_metrics_parts_rotate_and_a_relaunch_drops_the_steps_it_redoes(tmp_path):
-    import report
+    from training import run_log
 
     def flushed(metrics):
         assert metrics.uploads.wait(metrics.uploads.request(), 10)
 
     run_dir = str(tmp_path / "run")
-    metrics = report.MetricsFile(run_dir)
+    metrics = run_log.MetricsFile(run_dir)
     metrics.PART_RECORDS = 2
     assert metrics.continue_from(0) == 0
     for step in (1, 2, 3, 4, 5):
@@ -166,7 +166,7 @@ def test_metrics_parts_rotate_and_a_relaunch_drops_the_steps_it_redoes(tmp_path)
     assert [r["step"] for r in metrics_records(run_dir)] == [1, 2, 3, 4, 5]
     assert metrics_records(run_dir)[-1]["loss"] is None  # strict JSON: non-finite numbers are null
     # A relaunch from the checkpoint of step 3 drops steps 4 and 5 (which it redoes) and continues.
-    again = report.MetricsFile(run_dir)
+    again = run_log.MetricsFile(run_dir)
     again.PART_RECORDS = 2
     assert again.continue_from(3) == 2
     again.add({"kind": "train", "step": 4, "loss": 0.2})
@@ -358,14 +358,14 @@ def test_prefetched_batches_come_in_step_order_from_a_background_thread():
 def test_a_nan_stop_writes_the_non_finite_window_before_it_exits(demo_path, tmp_path, monkeypatch):
     # A NaN stop is a SystemExit from inside the loop: the metrics records of the window that went
     # non-finite must be written before it leaves, however slow the writes (an object store).
-    import report
+    from training import run_log
 
-    write = report.MetricsFile._write
+    write = run_log.MetricsFile._write
 
     def slow_write(self):
         time.sleep(1.0)
         write(self)
-    monkeypatch.setattr(report.MetricsFile, "_write", slow_write)
+    monkeypatch.setattr(run_log.MetricsFile, "_write", slow_write)
     with pytest.raises(SystemExit, match="not finite"):
         train.main(parse_config(tiny_args(demo_path, tmp_path, "--optim.lr", "1e30", "--optim.max-steps", "8",
                                        "--run.log-every", "4", "--run.ckpt-every", "4")))
@@ -382,7 +382,7 @@ def test_grad_norm_is_clip_grad_norms_total_norm_of_the_eager_cpu_gradients(demo
     import data
     import sharding
     from model import TRM, Carry, loss_and_metrics
-    from trainer import TRAIN_METRICS, Trainer
+    from training.trainer import TRAIN_METRICS, Trainer
 
     config = parse_config(tiny_args(demo_path, tmp_path, "--model.forward-dtype", "float32", "--model.H-cycles", "2",
                                  "--model.L-cycles", "1"))  # smaller than the demo's 3 x 6: compiles faster
@@ -428,16 +428,17 @@ class _Slice:
 def test_mfu_is_model_flops_over_time_and_peak_and_absent_on_cpu():
     import torch
 
-    import report
-    from projection import model_flops, peak_tflops_per_device
-    from trainer import TRAIN_METRICS
+    from tpu_costs.slices import peak_tflops_per_device
+    from training import run_log
+    from training.model_flops import model_flops
+    from training.trainer import TRAIN_METRICS
 
     # 43 GFLOP per example, 768 per step, 100 steps in 2 s (20 ms each) on 32 devices of a v4:
     # 43e9 * 768 / 0.02 s / 32 = 51.6 TFLOP/s per device, 51.6 / 275 = 18.76% MFU.
-    rates = report.speed(100, 2.0, 768, 43e9, 32, 275.0)
+    rates = run_log.speed(100, 2.0, 768, 43e9, 32, 275.0)
     assert rates["step_ms"] == pytest.approx(20.0) and rates["examples_per_s"] == pytest.approx(38400.0)
     assert rates["tflops_per_device"] == pytest.approx(51.6) and rates["mfu"] == pytest.approx(51.6 / 275)
-    assert "mfu" not in report.speed(100, 2.0, 768, 43e9, 32, None)
+    assert "mfu" not in run_log.speed(100, 2.0, 768, 43e9, 32, None)
     assert [peak_tflops_per_device(k) for k in ("TPU v4", "TPU v5 lite", "TPU v5", "TPU v6 lite", "CPU", "TPU",
                                                 None)] == [275.0, 197.0, 459.0, 918.0, None, None, None]
 
@@ -449,7 +450,8 @@ def test_mfu_is_model_flops_over_time_and_peak_and_absent_on_cpu():
     sums[TRAIN_METRICS.index("grad_norm")] = 0.25 * 100  # 100 steps of norm 0.25: the window's mean is 0.25
     rows = {}
     for kind in ("TPU v4", "CPU"):
-        log = report.RunLog(config, 1000, main_host=False, sharding=_Slice(32, "CPU"), device_kind=kind)
+        log = run_log.RunLog(config, 1000, main_host=False, sharding=_Slice(32, "CPU"),
+                             peak_tflops=peak_tflops_per_device(kind))
         log._report_train(sums, 100, 100, 2.0, 1e-4)
         log.close()
         rows[kind] = log.history[-1]

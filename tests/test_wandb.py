@@ -1,4 +1,4 @@
-"""The optional W&B mirror (wandb_mirror.py), always in offline mode (WANDB_MODE=offline: nothing
+"""The optional W&B mirror (training/wandb_mirror.py), always in offline mode (WANDB_MODE=offline: nothing
 leaves the machine, no account needed).
 
 Reading an offline run back: wandb 0.31 writes it through its Go core (wandb-core) into
@@ -23,11 +23,10 @@ from pathlib import Path
 
 import pytest
 
-import launches
-import wandb_mirror
-from config import config_from_dict, parse_config, with_new_fields
 from tests.study_fixtures import study
 from tests.test_train import PROJECT_DIR, run_in_fresh_process, tiny_args
+from training import launch_records, wandb_mirror
+from training.config import config_from_dict, parse_config, with_new_fields
 
 pytest.importorskip("wandb")
 
@@ -152,7 +151,7 @@ def test_an_offline_run_holds_the_tensorboard_scalars_and_pictures_at_the_same_s
     assert run["config"]["run_dir_url"] == str(run_dir) and run["config"]["model"]["num_puzzle_identifiers"] == 1
     # One id, derived from the run directory, and recorded there with the last step sent.
     record = json.loads((run_dir / wandb_mirror.RECORD).read_text())
-    first = min(r["process_start"] for r in launches.read_launches(str(run_dir)))  # the run's first launch
+    first = min(r["process_start"] for r in launch_records.read_launches(str(run_dir)))  # the run's first launch
     assert run["id"] == record["id"] == wandb_mirror.run_id(str(run_dir), first) and record["last_step"] == 40
     assert run["project"] == "trm-test" and f"W&B mirror: run {run['id']} of project trm-test (offline" in ran_text
     assert "W&B mirror: " in ran_text and "warning: the W&B mirror" not in ran_text
@@ -195,7 +194,7 @@ def test_a_resumed_run_continues_one_wandb_run_without_repeating_a_step(demo_pat
     _, stdout = run_in_fresh_process(tiny_args(demo_path, tmp_path, "--optim.max-steps", "60", *flags))
     assert "(step 20)" in stdout and "steps up to 40 were sent by an earlier launch" in stdout, stdout
     first, second = offline_runs(run_dir)
-    started = min(r["process_start"] for r in launches.read_launches(str(run_dir)))  # the first launch's
+    started = min(r["process_start"] for r in launch_records.read_launches(str(run_dir)))  # the first launch's
     assert first["id"] == second["id"] == wandb_mirror.run_id(str(run_dir), started)  # one W&B run (`wandb sync`)
     assert sorted(first["history"]) == [10, 20, 30, 40] and sorted(second["history"]) == [50, 60]
     assert "eval/exact_accuracy" in first["history"][40] and "eval/exact_accuracy" in second["history"][60]
@@ -217,10 +216,10 @@ def test_a_new_run_in_a_deleted_run_directory_is_a_new_wandb_run(tmp_path):
     def mirrored(first_launch: float | None) -> str:
         """The id a launch's mirror opens, after the launch records of a run first launched then."""
         if first_launch is not None:
-            records = run_dir / launches.LAUNCH_DIR
+            records = run_dir / launch_records.LAUNCH_DIR
             records.mkdir(parents=True, exist_ok=True)
             (records / "launch-first.json").write_text(json.dumps({"process_start": first_launch}))
-        mirror = wandb_mirror.Mirror(config, {}, lambda: launches.first_launch_start(str(run_dir)))
+        mirror = wandb_mirror.Mirror(config, {}, lambda: launch_records.first_launch_start(str(run_dir)))
         mirror.log(1, {"train/loss": 1.0})
         mirror.close()
         record = json.loads((run_dir / wandb_mirror.RECORD).read_text())
@@ -233,7 +232,7 @@ def test_a_new_run_in_a_deleted_run_directory_is_a_new_wandb_run(tmp_path):
     shutil.rmtree(run_dir)  # the run deleted, and started again in the same directory
     assert mirrored(2000.0) != first
     shutil.rmtree(run_dir)  # a first launch whose own record is not written yet: this process's start
-    assert mirrored(None) == wandb_mirror.run_id(str(run_dir), launches.process_start_time()) != first
+    assert mirrored(None) == wandb_mirror.run_id(str(run_dir), launch_records.process_start_time()) != first
 
 
 def run_with_wandb_down(args) -> tuple[dict, str]:
@@ -247,7 +246,7 @@ def run_with_wandb_down(args) -> tuple[dict, str]:
             raise ConnectionError("W&B is down")
         wandb.sdk.wandb_run.Run.log = down
         import train
-        from config import parse_config
+        from training.config import parse_config
         result = train.main(parse_config({args!r}))
         print("RESULT" + json.dumps({{k: result[k] for k in ("history", "evals", "final", "xla")}}))
     """)

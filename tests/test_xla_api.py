@@ -8,10 +8,10 @@ import torch_xla.core.xla_builder as xb
 PRIVATE_API = [
     # (where it is used, dotted path under torch_xla)
     ("sharding.py host_batch_to_global", "_XLAC._xla_tensors_from_aten"),
-    ("capture.py CapturedComputation", "_XLAC._xla_set_enable_alias_with_buffer_donor_config"),
-    ("capture.py CapturedComputation", "_XLAC._xla_user_computation"),
-    ("capture.py donate", "_XLAC._set_buffer_donation"),
-    ("capture.py CapturedComputation", "_XLAC.lowering.LoweringContext"),
+    ("training/capture.py CapturedComputation", "_XLAC._xla_set_enable_alias_with_buffer_donor_config"),
+    ("training/capture.py CapturedComputation", "_XLAC._xla_user_computation"),
+    ("training/capture.py donate", "_XLAC._set_buffer_donation"),
+    ("training/capture.py CapturedComputation", "_XLAC.lowering.LoweringContext"),
     ("tests/test_train.py", "_XLAC._get_xla_sharding_spec"),
 ]
 LOWERING_CONTEXT_METHODS = ["set_name_string", "build", "hlo", "device_parameter_id_tensor_mapping",
@@ -32,4 +32,4 @@ def test_lowering_context_and_builder_have_what_capture_uses():
     missing = [m for m in LOWERING_CONTEXT_METHODS if not hasattr(context, m)]
     missing += [f"xla_builder.{f}" for f in ("create_placeholder_tensor", "computation_from_module_proto")
                 if not hasattr(xb, f)]
-    assert not missing, f"torch_xla {torch_xla.__version__} lacks {missing}, used by capture.py"
+    assert not missing, f"torch_xla {torch_xla.__version__} lacks {missing}, used by training/capture.py"

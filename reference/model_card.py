@@ -1,0 +1,109 @@
+"""The model card (README.md) of a model directory (reference/model_dir.py): what was trained, on
+which dataset, its final metrics, and the commands that evaluate it here and in the reference's
+own code. Written from the directory's config.json alone."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import yaml
+
+METRIC_ORDER = ("exact_accuracy", "accuracy", "q_halt_accuracy", "steps", "lm_loss", "q_halt_loss", "count")
+
+
+def metrics_table(metrics: dict) -> list[str]:
+    names = [k for k in METRIC_ORDER if k in metrics] + sorted(
+        k for k, v in metrics.items() if k not in METRIC_ORDER and isinstance(v, (int, float)) and k != "step")
+    return ["| metric | value |", "| --- | --- |", *(f"| {k} | {metrics[k]!r} |" for k in names)]
+
+
+def model_card(card: dict, out: str) -> str:
+    """README.md of the model directory `out` described by `card` (its config.json)."""
+    config, dataset, reference = card["config"], card["dataset"], card["reference"]
+    model, arch = config["model"], config["model"]["arch"]
+    ckpt = reference["checkpoint"]
+    name = out.rstrip("/").rsplit("/", 1)[-1]
+    metrics = card["metrics"]
+    data_arg = reference["all_config"]["data_paths"][0]
+    local = "://" not in out
+    here = os.path.abspath(out) if local else out
+    there = here if local else f"/path/to/{name}"  # the reference reads local files: a copy of the directory
+    lines = [
+        "---",
+        f"tags: [tiny-recursive-model, {arch}]",
+        "library_name: pytorch",
+        "---",
+        f"# {name}",
+        "",
+        f"A Tiny Recursive Model ({arch}, hidden size {model['hidden_size']}, {model['forward_dtype']}): the EMA "
+        f"weights of step {card['step']}, from the checkpoint {card['source']}.",
+        "",
+        "## Dataset",
+        "",
+        f"Trained on `{dataset['path']}`: {dataset['num_puzzle_identifiers']} puzzle identifiers (the rows of "
+        f"the puzzle-embedding table, in the order of the dataset's identifiers.json, fingerprint "
+        f"`{dataset['identifiers_fingerprint']}`), sequences of {dataset['seq_len']} tokens of a "
+        f"{dataset['vocab_size']}-token vocabulary. Evaluate it only on a dataset with the same identifiers: "
+        "both commands below refuse another.",
+        "",
+        "## Final metrics",
+        "",
+    ]
+    if metrics:
+        lines += [f"The run's evaluation of step {card['step']} on every test example:", "", *metrics_table(metrics)]
+    else:
+        lines += [f"The run did not evaluate step {card['step']}; the commands below do."]
+    lines += [
+        "",
+        "## Evaluate it here",
+        "",
+        "```",
+        f"python train.py eval --init-from {here} --data.path {dataset['path']}",
+        "```",
+        "",
+        "(`--init-from` takes this directory, local or gs://; it evaluates as the run's final evaluation did, "
+        "on every test example, and gives the metrics above.)",
+        "",
+        "## Evaluate it in the reference's code",
+        "",
+        f"The reference ({reference['repository']}, commit {reference['commit']}) reads `{ckpt}` (its "
+        "`save_train_state`'s format, `_orig_mod.model.inner.*`) and `all_config.yaml` (its `PretrainConfig`). It "
+        "has no evaluation-only entry point: `evaluate_in_reference.py` runs the evaluating part of its "
+        "`pretrain.launch`, calling its `create_model` (whose `load_checkpoint` loads the weights) and "
+        "`evaluate` unchanged. From a checkout of the reference, on a CUDA machine with its requirements"
+        + ("" if local else " (after copying this directory there)") + ":",
+        "",
+        "```",
+        f"cd TinyRecursiveModels && python {there}/evaluate_in_reference.py --data {data_arg}",
+        "```",
+        "",
+        "To train or fine-tune from it there: `python pretrain.py --config-path "
+        f"{there} --config-name all_config load_checkpoint={there}/{ckpt}`, or with the same settings as "
+        "overrides of the reference's own config:",
+        "",
+        "```",
+        "python pretrain.py " + " ".join(shlex.quote(o) for o in reference["hydra_overrides"]),
+        "```",
+        "",
+    ]
+    if reference["not_in_all_config"]:
+        lines += ["Training settings the reference's config cannot say (the weights evaluate the same; "
+                  "retraining there would differ):", "", *(f"- {s}" for s in reference["not_in_all_config"]), ""]
+    lines += [
+        "## Training configuration",
+        "",
+        "The reference's (`all_config.yaml`):",
+        "",
+        "```yaml",
+        yaml.safe_dump(reference["all_config"], sort_keys=False).rstrip(),
+        "```",
+        "",
+        "This project's (`config.json`'s `config`):",
+        "",
+        "```json",
+        json.dumps(config, indent=2),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)

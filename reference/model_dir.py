@@ -1,0 +1,412 @@
+"""A trained model handed to the reference's own code (github.com/SamsungSAILMontreal/
+TinyRecursiveModels): `train.py export SOURCE --format reference --out DIR` writes a model
+directory in the layout model hubs use, which both this project and the reference's pretrain.py
+read:
+
+    DIR/model.safetensors          our export (EMA weights, model config and identifiers in its metadata)
+    DIR/config.json                our whole run configuration, the reference's, the dataset, the metrics
+    DIR/README.md                  the model card: training config, dataset, final metrics, how to evaluate
+    DIR/step_N                     the reference's checkpoint, as its save_train_state saves it
+    DIR/all_config.yaml            the reference's PretrainConfig, as its save_code_and_config writes it
+    DIR/evaluate_in_reference.py   its pretrain.load_checkpoint and pretrain.evaluate, unchanged, on DIR
+
+What the reference cannot express is refused, naming the option (`refusals`). Reading back:
+`read_model_dir` (train.py eval / --run.init-from DIR), `config_from_all_config` (a reference
+checkpoint beside its all_config.yaml, ours or the reference's own)."""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import torch
+import yaml
+
+from model import TRM
+from modeling.schemes import SCHEMES
+from rundir import storage
+from training import checkpoint
+from training.config import Config, config_from_dict, with_arch, with_new_fields
+
+REFERENCE_REPO = "https://github.com/SamsungSAILMontreal/TinyRecursiveModels"
+REFERENCE_COMMIT = "e7b68717f0a6c4cbb4ce6fbef787b14f42083bd9"
+"""The reference commit whose model files tests/reference holds and whose pretrain.py this format targets."""
+LOSS = {"name": "losses@ACTLossHead", "loss_type": "stablemax_cross_entropy"}
+COMPILED_PREFIX = "_orig_mod."
+"""pretrain.py compiles the model (unless DISABLE_COMPILE is set): its state_dict, which
+save_train_state saves and load_checkpoint loads, names every tensor under this prefix."""
+FORMAT = "trm-model/1"
+SCRIPT = "evaluate_in_reference.py"
+
+
+def refusals(config: Config, step: int, full_steps: int | None) -> list[str]:
+    """What of this run the reference's code cannot express, each naming the option and why
+    (empty: it can be exported). `full_steps`: the run's steps of optim.epochs (None: unknown)."""
+    model, optim, out = config.model, config.optim, []
+    if model.separate_H_L:
+        out.append("model.separate_H_L=True: the paper's separate f_H/f_L ablation; the reference's trm.py has "
+                   "one shared network (its H_layers is ignored) and no flag for a second one")
+    if model.one_step_grad:
+        out.append("model.one_step_grad=True: the paper's 1-step-gradient ablation; the reference's trm.py "
+                   "always takes the gradient through the whole last recursion (L_cycles + 1 updates)")
+    if model.attention == "blockwise" and model.total_len > model.attention_block and model.forward_dtype != "float32":
+        blocks = -(-model.total_len // model.attention_block)
+        out.append(f"model.attention_block={model.attention_block}: this model's attention ran over {blocks} key "
+                   f"blocks of its {model.total_len} positions with an online softmax whose {model.forward_dtype} "
+                   "probabilities are rounded against each block's running maximum, where the reference computes "
+                   "one softmax over all keys (SDPA): other numerics in every attention layer (in float32 the "
+                   "two agree to float32 rounding). Train with --model.attention-block "
+                   f"{model.total_len} or more, or --model.attention sdpa")
+    if model.puzzle_emb_ndim == 0:
+        out.append("model.puzzle_emb_ndim=0: the reference's pretrain.load_checkpoint reads "
+                   "model.model.puzzle_emb.weights.shape whatever the model, and a model without a puzzle "
+                   "embedding has none (AttributeError): its code cannot load this model")
+    if optim.curriculum_epochs:
+        from training.schedule import Curriculum
+
+        cycles = (model.H_cycles, model.L_cycles)
+        at = Curriculum(config, full_steps).at(step) if full_steps else None
+        if at != cycles:
+            out.append(f"optim.curriculum_epochs={optim.curriculum_epochs}: "
+                       + (f"step {step} trained with H_cycles {at[0]}, L_cycles {at[1]}, not the model's "
+                          f"{cycles[0]}, {cycles[1]}" if at else
+                          "the dataset is unreadable, so whether the curriculum was over cannot be told")
+                       + "; the reference has no recursion curriculum. Export a checkpoint past the curriculum")
+    return out
+
+
+def reference_arch(config: Config) -> dict:
+    """all_config.yaml's `arch`: the model class, the loss and the fields its config class reads."""
+    model = config.model
+    scheme = SCHEMES[model.arch]
+    arch = {"name": scheme.reference_class, "loss": dict(LOSS)}
+    for name in scheme.reference_fields:
+        value = getattr(model, name)
+        arch[name] = float(value) if name == "expansion" else value
+    return arch
+
+
+def reference_data_path(path: str) -> str:
+    """A local path as it is; a bucket's dataset as the reference's data/NAME (its builders' place)."""
+    return "data/" + path.rstrip("/").rsplit("/", 1)[-1] if "://" in path else path
+
+
+def all_config(config: Config) -> dict:
+    """The reference's PretrainConfig (pretrain.py) with this run's architecture, data and
+    training settings: what its save_code_and_config writes as all_config.yaml, and what
+    `python pretrain.py --config-path DIR --config-name all_config` rebuilds."""
+    optim, ev = config.optim, config.eval
+    every = min(ev.every_epochs, optim.epochs)  # the reference asserts that it divides epochs
+    return {
+        "arch": reference_arch(config),
+        "data_paths": [reference_data_path(config.data.path)],
+        "data_paths_test": [],
+        "evaluators": [{"name": "arc@ARC"}] if ev.arc else [],
+        "global_batch_size": optim.global_batch_size,
+        "epochs": optim.epochs,
+        "lr": optim.lr,
+        "lr_min_ratio": 1.0 if optim.lr_schedule == "constant" else optim.lr_min_ratio,
+        "lr_warmup_steps": optim.lr_warmup_steps,
+        "weight_decay": optim.weight_decay,
+        "beta1": optim.beta1,
+        "beta2": optim.beta2,
+        "puzzle_emb_lr": optim.puzzle_emb_lr,
+        "puzzle_emb_weight_decay": optim.puzzle_emb_weight_decay,
+        "project_name": None,
+        "run_name": None,
+        "load_checkpoint": None,
+        "checkpoint_path": None,
+        "seed": config.run.seed,
+        "checkpoint_every_eval": False,
+        "eval_interval": every if optim.epochs % every == 0 else None,
+        "min_eval_interval": 0,
+        "eval_save_outputs": [],
+        "ema": optim.ema_rate > 0,
+        "ema_rate": optim.ema_rate if optim.ema_rate > 0 else 0.999,
+        "freeze_weights": False,
+    }
+
+
+def hydra_value(value) -> str:
+    """A value in hydra's override grammar (YAML-like literals)."""
+    if isinstance(value, list):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
+def hydra_overrides(saved: dict, arch: str) -> list[str]:
+    """all_config.yaml as overrides of the reference's own config (`python pretrain.py ...`):
+    the arch's config group (its config/arch/ARCH.yaml), then every value with `++` (add or
+    override: its yamls leave some fields out, e.g. rope_theta); the loss and the evaluators'
+    default (ARC's) as its yamls have them."""
+    out = [f"arch={arch}"]
+    out += [f"++arch.{k}={hydra_value(v)}" for k, v in saved["arch"].items() if k not in ("name", "loss")]
+    for key, value in saved.items():
+        if key == "arch" or value is None or (key == "evaluators" and value):
+            continue
+        out.append(f"++{key}={hydra_value(value)}")
+    return out
+
+
+def not_in_all_config(config: Config) -> list[str]:
+    """Training settings of this run that the reference's PretrainConfig cannot say (the weights
+    do not depend on them at evaluation; retraining in the reference would differ)."""
+    optim, model, out = config.optim, config.model, []
+    if optim.optimizer != "adam_atan2":
+        out.append(f"optim.optimizer={optim.optimizer} (the reference: AdamATan2 only)")
+    if optim.lr_schedule == "linear" and optim.lr_min_ratio < 1:
+        out.append("optim.lr_schedule=linear (the reference: cosine only)")
+    if not model.act_enabled and "act_enabled" not in SCHEMES[model.arch].reference_fields:
+        out.append(f"model.act_enabled=False (the reference's {model.arch} always halts on its Q head in training)")
+    if model.halt_exploration_final is not None:
+        out.append(f"model.halt_exploration_final={model.halt_exploration_final} (the reference: a constant "
+                   "halt_exploration_prob, written as the anneal's start)")
+    if optim.curriculum_epochs:
+        out.append(f"optim.curriculum_epochs={optim.curriculum_epochs} (over by this step; the reference has "
+                   "no curriculum)")
+    if optim.max_steps is not None:
+        out.append(f"optim.max_steps={optim.max_steps} (the reference trains whole epochs)")
+    return out
+
+
+def reference_state_dict(weights: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
+    """Our EMA weights (our names) as the reference's compiled ACTLossHead names them
+    (`_orig_mod.model.inner.*`), each tensor in the dtype the reference's own model holds it in
+    (load_checkpoint assigns them as they are): float32 weights, the initial-state buffers in
+    forward_dtype (as ours)."""
+    from reference.weights import reference_state_dict as theirs
+
+    model = TRM(config.model)
+    model.load_state_dict(weights, strict=True)
+    return {COMPILED_PREFIX + k: v.detach().clone().contiguous() for k, v in theirs(model).items()}
+
+
+def run_dir_of(checkpoint_url: str) -> str:
+    """RUN from RUN/checkpoints/step_N."""
+    return checkpoint_url.rstrip("/").rsplit("/", 2)[0]
+
+
+def final_metrics(checkpoint_url: str, step: int) -> dict | None:
+    """The run's evaluation of this step (its eval/step_N/metrics.json), or None."""
+    url = storage.join_url(run_dir_of(checkpoint_url), "eval", f"step_{step}", "metrics.json")
+    if not storage.exists(url):
+        return None
+    return json.loads(storage.read_bytes(url))
+
+
+def _full_steps(config: Config) -> int | None:
+    import data
+    from data import total_train_steps
+
+    try:
+        metadata = data.read_metadata(config.data.path, "train")
+    except (data.DatasetError, OSError):
+        return None
+    return total_train_steps(metadata, config.optim.epochs, config.optim.global_batch_size)
+
+
+def export_reference(source: str, out: str, say=print) -> dict:
+    """`train.py export SOURCE --format reference --out DIR`: the model directory (module
+    docstring) of SOURCE's EMA weights; returns its config.json. Raises ValueError naming what
+    the reference cannot express."""
+    found = checkpoint.weights_of(source, say)
+    if found is None:
+        raise ValueError(f"{source} is not a run or checkpoint directory (the reference format needs the run's "
+                         "configuration, which a checkpoint holds)")
+    weights, state, url = found
+    config = config_from_dict(with_new_fields(state["config"]))
+    step = state["step"]
+    refused = refusals(config, step, _full_steps(config) if config.optim.curriculum_epochs else None)
+    if refused:
+        raise ValueError("the reference's code cannot express this model:\n  " + "\n  ".join(refused))
+    theirs = reference_state_dict(weights, config)
+    ckpt = f"step_{step}"
+    reference = all_config(config)
+    metrics = final_metrics(url, step)
+    card = {
+        "format": FORMAT,
+        "step": step,
+        "source": url,
+        "config": dataclasses.asdict(config),
+        "dataset": {"path": config.data.path, "identifiers_fingerprint": state.get("dataset_identifiers"),
+                    "num_puzzle_identifiers": config.model.num_puzzle_identifiers,
+                    "seq_len": config.model.seq_len, "vocab_size": config.model.vocab_size},
+        "metrics": metrics,
+        "reference": {"repository": REFERENCE_REPO, "commit": REFERENCE_COMMIT, "checkpoint": ckpt,
+                      "all_config": reference, "hydra_overrides": hydra_overrides(reference, config.model.arch),
+                      "not_in_all_config": not_in_all_config(config)},
+    }
+    buffer = io.BytesIO()
+    torch.save(theirs, buffer)
+    checkpoint.export_model(weights, state, storage.join_url(out, "model.safetensors"))
+    storage.write_bytes(storage.join_url(out, ckpt), buffer.getvalue())
+    storage.write_bytes(storage.join_url(out, "all_config.yaml"),
+                        yaml.safe_dump(reference, sort_keys=False).encode())
+    storage.write_bytes(storage.join_url(out, SCRIPT), evaluation_script(ckpt).encode())
+    storage.write_bytes(storage.join_url(out, "config.json"), json.dumps(card, indent=2).encode())
+    from reference.model_card import model_card
+
+    storage.write_bytes(storage.join_url(out, "README.md"), model_card(card, out).encode())
+    return card
+
+
+def export_directory(source: str, out: str) -> None:
+    """The command line's `export SOURCE --format reference --out DIR` (its URLs checked by
+    export.export_command): errors as one line each."""
+    try:
+        card = export_reference(source, out)
+    except (ValueError, checkpoint.CheckpointError) as e:
+        raise SystemExit(f"error: {e}")
+    ref = card["reference"]
+    print(f"exported the EMA weights of {card['source']} (step {card['step']}) to {out}: model.safetensors, "
+          f"the reference's {ref['checkpoint']} and all_config.yaml, config.json, README.md (the model card, "
+          f"with the commands that evaluate it here and in the reference's code)", flush=True)
+
+
+def model_dir_config(url: str) -> dict | None:
+    """The config.json of a model directory (this format, beside model.safetensors), None when
+    `url` is no such directory."""
+    if url.endswith(".safetensors") or not storage.exists(storage.join_url(url, "config.json")):
+        return None
+    try:
+        card = json.loads(storage.read_bytes(storage.join_url(url, "config.json")))
+    except (ValueError, OSError):
+        return None
+    return card if isinstance(card, dict) and card.get("format") == FORMAT else None
+
+
+def read_model_dir(url: str) -> tuple[dict[str, torch.Tensor], dict, int, str | None] | None:
+    """(our weights, the run's configuration as a dict, step, identifiers fingerprint) of a
+    model directory; None when `url` is not one."""
+    card = model_dir_config(url)
+    if card is None:
+        return None
+    weights, _, trained_on = checkpoint.read_exported(storage.join_url(url, "model.safetensors"))
+    trained_on = trained_on or card["dataset"]["identifiers_fingerprint"]
+    return weights, with_new_fields(card["config"]), card["step"], trained_on
+
+
+def beside(checkpoint_url: str) -> tuple[dict | None, str | None]:
+    """(all_config.yaml, identifiers fingerprint of our config.json) in the directory of a
+    reference checkpoint, each None when absent: the reference writes all_config.yaml beside its
+    step_N files, our model directory both."""
+    folder = checkpoint_url.rstrip("/").rsplit("/", 1)[0] if "/" in checkpoint_url else "."
+    found = None
+    if storage.exists(storage.join_url(folder, "all_config.yaml")):
+        found = yaml.safe_load(storage.read_bytes(storage.join_url(folder, "all_config.yaml")))
+    card = model_dir_config(folder)
+    return found, card["dataset"]["identifiers_fingerprint"] if card else None
+
+
+def config_from_all_config(saved: dict, base: Config) -> Config:
+    """`base` with what a reference all_config.yaml says: the arch (its model class) and every
+    model field its config class reads, the data path, batch size, optimizer settings, EMA, seed
+    and ARC evaluation. The rest (attention, run settings) stays as `base` says."""
+    arch = saved.get("arch") or {}
+    by_class = {s.reference_class: name for name, s in SCHEMES.items()}
+    if arch.get("name") not in by_class:
+        raise ValueError(f"all_config.yaml's arch.name {arch.get('name')!r} is none of the reference's "
+                         f"models: {', '.join(by_class)}")
+    name = by_class[arch["name"]]
+    base = with_arch(base, name)
+    fields = {}
+    for field in SCHEMES[name].reference_fields:
+        if field in arch:
+            if isinstance(arch[field], str) and arch[field].startswith("${"):
+                raise ValueError(f"all_config.yaml's arch.{field} is {arch[field]!r}: an unresolved hydra "
+                                 "interpolation; give the value")
+            fields[field] = arch[field]
+    if "expansion" in fields:
+        fields["expansion"] = float(fields["expansion"])
+    model = dataclasses.replace(base.model, **fields)
+    optim = dataclasses.replace(base.optim, **{k: saved[k] for k in (
+        "global_batch_size", "epochs", "lr", "lr_min_ratio", "lr_warmup_steps", "weight_decay", "beta1", "beta2",
+        "puzzle_emb_lr", "puzzle_emb_weight_decay") if k in saved},
+        ema_rate=saved.get("ema_rate", 0.999) if saved.get("ema") else 0.0)
+    paths = saved.get("data_paths") or [base.data.path]
+    return dataclasses.replace(
+        base, model=model, optim=optim, data=dataclasses.replace(base.data, path=paths[0]),
+        run=dataclasses.replace(base.run, seed=saved.get("seed", base.run.seed)),
+        eval=dataclasses.replace(base.eval, arc=any(str(e.get("name", "")).startswith("arc@")
+                                                    for e in saved.get("evaluators") or [])))
+
+
+def evaluation_script(ckpt: str) -> str:
+    """DIR/evaluate_in_reference.py: the reference has no evaluation-only entry point; this runs
+    the part of its pretrain.launch that evaluates, calling its own functions unchanged."""
+    return _SCRIPT.replace("@CHECKPOINT@", ckpt).replace("@COMMIT@", REFERENCE_COMMIT)
+
+
+_SCRIPT = '''"""Evaluate this model directory with the reference's own code
+(https://github.com/SamsungSAILMontreal/TinyRecursiveModels, commit @COMMIT@): its
+pretrain.py builds the model from all_config.yaml (create_model, whose load_checkpoint reads
+@CHECKPOINT@) and runs its evaluate() on the test split, as its training loop evaluates. Nothing
+of the reference is changed. Run it from the reference's checkout, on a CUDA machine with its
+requirements installed:
+
+    cd TinyRecursiveModels && python /path/to/this/evaluate_in_reference.py --data data/DATASET
+
+--data: the dataset directory (built by the reference's builders or this project's, the same
+layout); its identifiers.json must be the one the model was trained on (checked).
+"""
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def fingerprint(data_path):
+    """The hash of the dataset's identifier names in order, as the exporting project computes it."""
+    path = os.path.join(data_path, "identifiers.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        names = json.load(f)
+    return hashlib.sha256(json.dumps(names, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\\n\\n")[0])
+    parser.add_argument("--data", help="the dataset directory (default: all_config.yaml's data_paths)")
+    args = parser.parse_args()
+    sys.path.insert(0, os.getcwd())
+    import pretrain  # the reference's, from its checkout (the current directory)
+
+    with open(os.path.join(HERE, "all_config.yaml")) as f:
+        raw = yaml.safe_load(f)
+    with open(os.path.join(HERE, "config.json")) as f:
+        trained_on = json.load(f)["dataset"]["identifiers_fingerprint"]
+    if args.data:
+        raw["data_paths"], raw["data_paths_test"] = [args.data], []
+    found = fingerprint(raw["data_paths"][0])
+    if trained_on and found and found != trained_on:
+        sys.exit(f"error: {raw['data_paths'][0]} has other puzzle identifiers (fingerprint {found}) than the "
+                 f"model was trained on ({trained_on}): row i of its puzzle table belongs to another puzzle there")
+    checkpoint = os.path.join(HERE, "@CHECKPOINT@")
+    if "DISABLE_COMPILE" in os.environ:  # an uncompiled model names its tensors without _orig_mod.
+        state = torch.load(checkpoint, map_location="cpu")
+        checkpoint = os.path.join(tempfile.mkdtemp(), "@CHECKPOINT@")
+        torch.save({k.removeprefix("_orig_mod."): v for k, v in state.items()}, checkpoint)
+    raw.update(load_checkpoint=checkpoint, checkpoint_path=None)
+    config = pretrain.PretrainConfig(**raw)
+    kwargs = dict(epochs_per_iter=1, global_batch_size=config.global_batch_size, rank=0, world_size=1)
+    _, train_metadata = pretrain.create_dataloader(config, "train", test_set_mode=False, **kwargs)
+    eval_loader, eval_metadata = pretrain.create_dataloader(config, "test", test_set_mode=True, **kwargs)
+    evaluators = pretrain.create_evaluators(config, eval_metadata)
+    train_state = pretrain.init_train_state(config, train_metadata, rank=0, world_size=1)  # load_checkpoint
+    train_state.model.eval()
+    metrics = pretrain.evaluate(config, train_state, eval_loader, eval_metadata, evaluators, rank=0,
+                                world_size=1, cpu_group=None)
+    print(json.dumps(metrics, indent=2, default=float))
+
+
+if __name__ == "__main__":
+    main()
+'''
