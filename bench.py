@@ -273,7 +273,7 @@ def _device_time_ns() -> tuple[int, int]:
 def step_loss(metrics: np.ndarray, batch: int) -> float:
     """The training loss train.py logs (lm_loss + 0.5 q_halt_loss per example) of one step's
     metric vector."""
-    row = run_log.summarize(trainer_module.TRAIN_METRICS, metrics, 1, batch)
+    row = run_log.window_metrics(trainer_module.TRAIN_METRICS, metrics, 1, batch)
     return row["lm_loss"] + 0.5 * row["q_halt_loss"]
 
 

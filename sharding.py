@@ -76,8 +76,8 @@ class NoTPUError(RuntimeError):
 # waiting in its all-reduce and 1 blocked dispatch task: the 8th device's task never started.
 # torch_xla dispatches one program at a time, so at most `devices` dispatch tasks block; twice
 # the device count leaves the running program a thread for every device. The client's intra-op
-# pool takes the same size: the demo's training measured about 10% more CPU time (2 cores, the
-# same wall time within the noise), and its reductions split otherwise (the last bits move).
+# pool takes the same size (its cost on the demo: docs/measurements.md), and its reductions split
+# otherwise (the last bits move).
 CPU_POOL_ENV = "PJRT_NPROC"
 
 

@@ -35,8 +35,8 @@ from fleet.plan import (
     resolved_config,
 )
 from rundir import storage
+from rundir.contract import EXIT_RETRYABLE
 from tpu_costs.slices import SliceSpec, slice_spec
-from training.lifecycle import EXIT_RETRYABLE
 from training.schedule import run_schedule
 
 

@@ -228,7 +228,7 @@ def command_line(argv: list[str]) -> int:
 if __name__ == "__main__":
     status = command_line(sys.argv[1:])
     # Everything is written and closed by now. The interpreter's last garbage collection walks the
-    # ~500k objects torch, torch_xla and the run hold: 4 s of exit on 2 busy cores, 16 s beside other
-    # work (measured), which a study counts in the launch's time. Frozen objects are not walked.
+    # objects torch, torch_xla and the run hold, seconds of exit (docs/measurements.md) that a study
+    # counts in the launch's time. Frozen objects are not walked.
     gc.freeze()
     sys.exit(status)

@@ -207,7 +207,7 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     def with_overrides(config: Config) -> Config:
         return tyro.cli(Config, default=config, args=overrides)
 
-    from reference.model_dir import beside, config_from_all_config, read_model_dir
+    from reference.model_dir import config_from_all_config, files_beside_checkpoint, read_model_dir
 
     exported = read_model_dir(source)
     if exported:  # evaluated as the run's final evaluation: every test example
@@ -236,7 +236,7 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     state_dict = read_reference_checkpoint(source)
     # Beside it, the reference's all_config.yaml gives the arch's settings (and our model
     # directory's config.json the identifiers the table was trained on).
-    saved_config, trained_on = beside(source)
+    saved_config, trained_on = files_beside_checkpoint(source)
     try:
         if saved_config is not None:
             base = config_from_all_config(saved_config, base)

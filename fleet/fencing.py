@@ -7,7 +7,7 @@ Every renewal of the claim that succeeded gives the trainer a deadline on that c
 renewal's start plus LEASE_FRACTION of the lease. An observer on another VM takes the run over
 only after it has seen the same generation for the whole lease on its own clock, so the trainer
 is dead, and its writes have landed, well before any other trainer of the run can start
-(docs/studies.md: the guarantee, its assumptions and margins). The holder passes
+(docs/study-runs.md: the guarantee, its assumptions and margins). The holder passes
 
     TRM_FENCE_FD         a pipe's read end: a line "DEADLINE" (seconds, time.monotonic) per renewal,
                          "lost" when the holder lost the claim; its end of file: the holder died
@@ -31,11 +31,9 @@ import threading
 import time
 
 from rundir import storage
+from rundir.contract import EXIT_FENCED
 
 FD_ENV, DEADLINE_ENV, DIR_ENV, PARENT_ENV = "TRM_FENCE_FD", "TRM_FENCE_DEADLINE", "TRM_FENCE_DIR", "TRM_FENCE_PARENT"
-EXIT_FENCED = 76
-"""train.py's exit status when it stopped because its lease is no longer good (or its holder
-died): the holder's run goes to whoever holds its claim next, from the last checkpoint."""
 LEASE_FRACTION = 0.5
 """A renewal started at time t (the holder's monotonic clock) lets the trainer write until
 t + LEASE_FRACTION x lease; observers take over no earlier than t + lease on their own clocks."""

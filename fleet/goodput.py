@@ -25,8 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from rundir import storage
-from training.launch_records import read_launches, read_records
-from training.run_log import format_duration
+from rundir.contract import format_duration, read_launches, read_records
 
 CAUSES = ("training", "evaluation", "compiling", "startup", "checkpoint", "closing", "lost")
 """A run's causes, in the order printed; a study adds IDLE and DOWN."""

@@ -29,6 +29,7 @@ from fleet import goodput, testtime_grid
 from fleet.plan import StudyRun, declared_papers
 from fleet.runner import read_status
 from rundir import storage
+from rundir.contract import FINAL
 from testtime import curve
 from training.config import flat_config
 
@@ -154,7 +155,7 @@ def collect(out: str) -> list[RunResult]:
     for run in runs:
         run_dir = storage.join_url(out, run.name)
         status = read_status(out, run.name) or {}
-        final = _read_json(storage.join_url(run_dir, "final.json"))
+        final = _read_json(storage.join_url(run_dir, FINAL))
         state = "done" if final else status.get("state", "not started")
         result = RunResult(run, state, {k: configs[run.name].get(k) for k in varied},
                            last_line=status.get("last_line", ""), seconds=status.get("seconds_total"))
@@ -315,7 +316,7 @@ def write_outputs(out: str, runs: list[dict], configs: list[dict], varied: list[
           "mean final exact accuracy in %, with the Student t 95% interval over seeds (none for one seed; clipped to "
           "0-100%).\n\n"
           + markdown(configs, config_columns) + "\n\nWhere the time went (each run's seconds per cause in the "
-          "columns after wall_time_s; docs/studies.md says what each counts):\n\n```\n" + spent + "\n```\n")
+          "columns after wall_time_s; docs/goodput.md says what each counts):\n\n```\n" + spent + "\n```\n")
     if test_time:  # a table of its own: a column per setting and selection is wide
         md += ("\nTest-time compute: each setting (K trajectories per puzzle, noise, D ACT steps) with its exact "
                "accuracy in % by best Q, by the most frequent answer (mode@K) and by any trajectory (pass@K, an "

@@ -54,10 +54,8 @@ from fleet.plan import StudyRun, dataset_sizes, projected_hours
 from fleet.testtime_grid import Evaluation, evaluations
 from puzzles.builders import ensure_demo_data
 from rundir import storage
+from rundir.contract import EXIT_RETRYABLE, FINAL, LAUNCH_STARTED_ENV, STUDY_HOST_ENV, format_duration
 from tpu_costs.slices import slice_spec
-from training.launch_records import LAUNCH_STARTED_ENV, STUDY_HOST_ENV
-from training.lifecycle import EXIT_RETRYABLE  # train.py's: a relaunch may help
-from training.run_log import format_duration
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: train.py and the packages
 FORWARD_AFTER_S = 2.0
@@ -79,7 +77,7 @@ def read_status(out: str, name: str) -> dict | None:
 
 def finished(out: str, name: str) -> bool:
     """The run trained all its steps and evaluated (train.py wrote its final.json)."""
-    return storage.exists(storage.join_url(out, name, "final.json"))
+    return storage.exists(storage.join_url(out, name, FINAL))
 
 
 def run_costs(runs: list[StudyRun]) -> dict[str, float]:
@@ -453,7 +451,7 @@ class StudyRunner:
                 if isinstance(run, Evaluation):
                     self.say(f"{label}: done in {format_duration(fields['seconds'])}: {run.summary()}")
                     return None
-                final = json.loads(storage.read_bytes(storage.join_url(self.out, run.name, "final.json")))
+                final = json.loads(storage.read_bytes(storage.join_url(self.out, run.name, FINAL)))
                 self.say(f"{label}: done in {format_duration(fields['seconds'])}: exact accuracy "
                          f"{100 * final['metrics'].get('exact_accuracy', float('nan')):.2f}%")
                 return None

@@ -66,7 +66,7 @@ def _forward(q, k, v, block: int):
 
     # v with a column of ones: probabilities @ [v, 1] gives their weighted sum of v and their own
     # row sum in one matmul (on a TPU the extra column rides in the matrix unit's padding; a
-    # separate sum over the keys reads the float32 probabilities again: 16% of arc1's step). The
+    # separate sum over the keys reads the float32 probabilities again: docs/measurements.md). The
     # sum is then of the probabilities as they meet v (bf16 in the presets, summed in float32):
     # the weights of the average sum to 1.
     v_ones = torch.cat([v, torch.ones(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device)], dim=-1)
@@ -116,7 +116,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             probs = torch.exp(scores - log_sum_exp.unsqueeze(-1))
             # dV = P^T dO and dK = dS^T Q written as (dO^T P)^T and (Q^T dS)^T: the same sums over
             # the queries, with the [.., seq, block] matrix as the matmul's right operand as it is laid
-            # out (XLA wrote a transposed copy of each otherwise: 11% of arc1's step).
+            # out (XLA wrote a transposed copy of each otherwise: docs/measurements.md).
             grad_v.append(torch.matmul(grad_out.transpose(-2, -1), probs.to(grad_out.dtype)).transpose(-2, -1))
             grad_probs = _matmul_wide(grad_out, v_block.transpose(-2, -1))
             grad_scores = (probs * (grad_probs - row_term) * scale).to(q.dtype)

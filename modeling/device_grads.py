@@ -9,7 +9,7 @@ autograd adds the uses in float32; then its pretrain.py (`train_batch`) all-redu
 
 Left to itself, XLA's SPMD partitioner computes each use's bfloat16 weight-gradient matmul as a
 partial sum over the device's rows and all-reduces it right there, in bfloat16, before the
-uses are added (sudoku-mlp: 7 uses x 2 layers, 71.8 MB of bfloat16 per step for 5.03M weights).
+uses are added (one all-reduce per use and weight: docs/measurements.md has sudoku-mlp's bytes).
 XLA's all-reduce reassociation does not merge them across the float32 converts between the
 all-reduces and the adds. So the step here says what it means: during a training forward
 (`per_device_weight_grads`), every `model.Linear` holds a float32 view of its weight broadcast to

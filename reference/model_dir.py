@@ -286,7 +286,7 @@ def read_model_dir(url: str) -> tuple[dict[str, torch.Tensor], dict, int, str | 
     return weights, with_new_fields(card["config"]), card["step"], trained_on
 
 
-def beside(checkpoint_url: str) -> tuple[dict | None, str | None]:
+def files_beside_checkpoint(checkpoint_url: str) -> tuple[dict | None, str | None]:
     """(all_config.yaml, identifiers fingerprint of our config.json) in the directory of a
     reference checkpoint, each None when absent: the reference writes all_config.yaml beside its
     step_N files, our model directory both."""

@@ -25,7 +25,7 @@ Every failure takes bounded time, so that a lasting outage stops a run instead o
 - one request to GCS gives up when connecting or waiting for an answer takes REQUEST_TIMEOUT_S
   (gcsfs sets no timeout: a server that accepts connections and never answers would hang a read
   or write forever); gcsfs itself tries each request 6 times with 1-17 s pauses, so one attempt
-  of ours fails in ~35 s when the server refuses connections and in ~155 s when it is silent;
+  of ours fails within minutes, refused or silent (docs/measurements.md);
 - with_retries starts no new attempt RETRY_BUDGET_S after its first: a lasting outage fails in
   2-3 minutes, a shorter one (a 45 s blip) is ridden out.
 Not bounded: a large upload stuck mid-body (the peer's TCP window stays closed) waits on TCP.

@@ -28,8 +28,8 @@ import dataclasses, json, resource, sys
 from tpu_costs import compiled_programs
 from training.config import PRESETS
 base = PRESETS["demo"][1]
-narrow = compiled_programs.narrow
-jobs = [("demo", dataclasses.replace(base, model=dataclasses.replace(narrow(base.model, width), H_cycles=1,
+narrowed_model = compiled_programs.narrowed_model
+jobs = [("demo", dataclasses.replace(base, model=dataclasses.replace(narrowed_model(base.model, width), H_cycles=1,
                                                                     L_cycles=1)), "v4-8") for width in (32, 64, 96)]
 results = compiled_programs.compile_isolated(jobs, programs=("eval_step",), processes=int(sys.argv[1]))
 print("RESULT", json.dumps({"children_peak": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
@@ -127,7 +127,7 @@ def test_memory_kinds_are_per_program_and_preset_so_a_sudoku_peak_never_sizes_an
         raise KeyboardInterrupt  # nothing traced or compiled
 
     monkeypatch.setattr(bounded_processes, "run", run)
-    jobs = [(p, dataclasses.replace(PRESETS[p][1], model=compiled_programs.narrow(PRESETS[p][1].model)), "v4-8")
+    jobs = [(p, dataclasses.replace(PRESETS[p][1], model=compiled_programs.narrowed_model(PRESETS[p][1].model)), "v4-8")
             for p in ("sudoku-mlp", "arc1")]
     with pytest.raises(KeyboardInterrupt):
         compiled_programs.compile_isolated(jobs, labels=["sudoku", "arc"], say=lambda *a, **k: None)

@@ -7,7 +7,7 @@ and that the run ends with the metrics of the same run trained without interrupt
 a holder's whole process group stopped for twice the lease while another holder takes the run
 over; the study process alone SIGKILLed; claim writes failing for longer than the lease; claim
 writes whose answer was lost; two holders of one name. Each prints its takeover time and what the
-old trainer did (docs/studies.md quotes them)."""
+old trainer did (docs/study-runs.md quotes them)."""
 import json
 import os
 import re

@@ -55,7 +55,7 @@ def test_first_halt_buckets_exploration_anneal_and_curriculum_stages_are_their_c
         wrong = wrong + counts
     assert wrong.tolist() == [9, 0, 0, 0, 0]
     result = dict(zip(halt_steps.metric_names(steps_max), (total / len(counted)).tolist()), count=len(counted))
-    halt_steps.summarize(result, steps_max)
+    halt_steps.with_mean_halt_step(result, steps_max)
     assert result["mean_halt_step"] == pytest.approx((1 * 2 + 2 + 3 * 2 + 4 * 2 + 4 * 2) / 9)
     hist = halt_steps.histogram(result)
     assert hist["bucket_counts"] == pytest.approx([2, 1, 2, 4]) and hist["num"] == pytest.approx(9)

@@ -46,7 +46,7 @@ from training.config import PRESETS, with_arch
 results = []
 for name, (preset, arch, slices) in json.loads(sys.argv[2]).items():
     config = with_arch(PRESETS[preset][1], arch)
-    config = dataclasses.replace(config, model=compiled_programs.narrow(config.model),
+    config = dataclasses.replace(config, model=compiled_programs.narrowed_model(config.model),
                                  optim=dataclasses.replace(config.optim, global_batch_size=int(sys.argv[3])))
     config = compiled_programs.resolved_config(config, preset, int(sys.argv[4]))
     for slice_name in slices:
@@ -224,7 +224,7 @@ def narrow_config(preset, arch=None):
     from training.config import with_arch
 
     config = with_arch(CONFIGS[preset][1], arch)
-    config = dataclasses.replace(config, model=compiled_programs.narrow(config.model),
+    config = dataclasses.replace(config, model=compiled_programs.narrowed_model(config.model),
                                  optim=dataclasses.replace(config.optim, global_batch_size=NARROW_BATCH))
     return compiled_programs.resolved_config(config, preset, NARROW_TABLE_ROWS)
 

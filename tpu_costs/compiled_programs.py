@@ -85,7 +85,7 @@ class CompileCommand:
 # Tracing (torch_xla's CPU runtime, the slice's device count)
 
 
-def narrow(model: TRMConfig, width: int = 64) -> TRMConfig:
+def narrowed_model(model: TRMConfig, width: int = 64) -> TRMConfig:
     """The preset's model at a narrow width (tests): hidden size, heads and puzzle embedding
     narrowed; sequence, cycles, layers, halting, positions, mixer and dtype kept."""
     return dataclasses.replace(model, hidden_size=width, num_heads=max(1, width // 32),

@@ -222,7 +222,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "arc2": ("ARC-AGI-2, attention TRM (paper: 7.8% pass@2)",
              _preset(_arc, data=dict(path="data/arc2concept-aug-1000"))),
     # The demo keeps the presets' bfloat16 activations, so the first command users run takes the
-    # numerics of the real runs (on 2 cores: 99.7-100% exact; float32 99.0% with ~13% less CPU time).
+    # numerics of the real runs (its accuracy and cost against float32: docs/measurements.md).
     "demo": ("4x4 Sudoku built locally, a tiny TRM on the CPU mesh in minutes",
              _preset(data=dict(path=DEMO_DATA_PATH),
                      model=dict(seq_len=16, vocab_size=6, hidden_size=64, num_heads=4, expansion=2.0,

@@ -95,7 +95,7 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     # The reference's evaluate divides every sum, the losses included, by count.
     sums = dict(zip(names, sums.cpu().numpy().tolist()))
     result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
-    halt_steps.summarize(result, trainer.eval_steps)  # mean_halt_step
+    halt_steps.with_mean_halt_step(result, trainer.eval_steps)  # mean_halt_step
     for name in ("mode_exact_accuracy", "pass_exact_accuracy"):  # one answer: every selection's
         result.setdefault(name, result["exact_accuracy"])
     result["best_q_exact_accuracy"] = result["exact_accuracy"]

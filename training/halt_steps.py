@@ -41,7 +41,7 @@ def first_halt_counts(first_halt: torch.Tensor, carry, outputs: dict[str, torch.
     return first_halt.to(torch.int32), counts.float()
 
 
-def summarize(result: dict[str, float], steps_max: int) -> dict[str, float]:
+def with_mean_halt_step(result: dict[str, float], steps_max: int) -> dict[str, float]:
     """`result` (fractions of the counted puzzles per bucket) with mean_halt_step added: the mean
     first halting step, never-halted puzzles at steps_max; absent with nothing counted."""
     fractions = [result[name] for name in metric_names(steps_max)]

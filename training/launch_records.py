@@ -30,14 +30,10 @@ import threading
 import time
 
 from rundir import storage
+from rundir.contract import LAUNCH_DIR, LAUNCH_STARTED_ENV, STUDY_HOST_ENV, read_launches  # noqa: F401 (re-exported)
 from training.run_log import Uploads
 
-LAUNCH_DIR = "launches"
 PHASES = ("startup", "training", "evaluation", "checkpoint", "closing", "compiling")
-LAUNCH_STARTED_ENV = "TRM_LAUNCH_STARTED"
-"""study.py sets it to the time it started train.py (more exact than the process's start in /proc)."""
-STUDY_HOST_ENV = "TRM_STUDY_HOST"
-"""study.py sets it to the study's holder (the VM, or HOSTNAME-PID) that trains the run."""
 WRITE_EVERY_S = 60.0
 """Between logging windows, the record is rewritten at most this often."""
 
@@ -162,34 +158,9 @@ class Launch:
         storage.write_bytes(self.url, text.encode(), attempts=1)
 
 
-def read_records(directory: str, pattern: str) -> list[dict]:
-    """The JSON records in `directory` whose names match `pattern` (a glob), in name order; a
-    record cut short (a kill mid-write) is left out, a missing directory gives []."""
-    fs, path = storage.filesystem(directory)
-    try:
-        fs.invalidate_cache(path)
-        names = sorted(fs.glob(f"{path.rstrip('/')}/{pattern}"))
-    except FileNotFoundError:
-        return []
-    records = []
-    for name in names:
-        try:
-            records.append(json.loads(fs.cat(name)))
-        except (ValueError, OSError):
-            continue
-    return records
-
-
 def first_launch_start(run_dir: str) -> float:
     """When the run in `run_dir` was first launched: its oldest launch record's process_start, or
     this process's start (`process_start_time`, what this launch's record says) when none is
     written yet. With the directory's URL it names the run: a run started again in the same
     directory after it was deleted is another run, with another first launch."""
     return min([r["process_start"] for r in read_launches(run_dir)] + [process_start_time()])
-
-
-def read_launches(run_dir: str) -> list[dict]:
-    """The launch records of a run directory, oldest first (none: [])."""
-    records = read_records(storage.join_url(run_dir, LAUNCH_DIR), "launch-*.json")
-    return sorted((r for r in records if isinstance(r, dict) and "process_start" in r),
-                  key=lambda r: r["process_start"])

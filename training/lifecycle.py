@@ -15,6 +15,7 @@ import time
 import traceback
 
 import data
+from rundir.contract import EXIT_RETRYABLE  # noqa: F401 (train.py's exit status, re-exported)
 from training import compile_cache, run_log
 from training.config import (
     Config,
@@ -26,10 +27,6 @@ from training.config import (
 )
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: train.py and the packages
-# Exit status when a relaunch may help (EX_TEMPFAIL): a hang (the watchdog), a lost peer host,
-# storage failing beyond its retries. launch.sh train --retry relaunches on it; 1 means a failure
-# that a relaunch would repeat.
-EXIT_RETRYABLE = 75
 
 
 def check_same_identifiers(trained_on: str | None, dataset: str | None, weights_url: str) -> None:

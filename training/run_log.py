@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from rundir import storage
+from rundir.contract import FINAL, format_duration
 from training import halt_steps
 from training.model_flops import model_flops, stage_flops
 from training.trainer import TRAIN_METRICS
@@ -76,13 +77,7 @@ def puzzle_picture(inputs: np.ndarray, prediction: np.ndarray, labels: np.ndarra
     return np.concatenate([panels[0], gap, panels[1], gap, panels[2]], axis=1)
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    h, rem = divmod(seconds, 3600)
-    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
-
-
-def summarize(names, values: np.ndarray, steps: int, global_batch_size: int) -> dict[str, float]:
+def window_metrics(names, values: np.ndarray, steps: int, global_batch_size: int) -> dict[str, float]:
     """Sums over a window of steps → the reference's normalisation: losses per example, the
     rest per halted (counted) example; grad_norm (one value per step) is the window's mean."""
     sums = dict(zip(names, values.tolist()))
@@ -392,7 +387,7 @@ class RunLog:
     loop never waits for them; the event files are copied to a remote run directory by
     `Uploads`, which never hold the reader.
 
-    Each history row (and train/... scalar) holds the window's normalised metrics (`summarize`:
+    Each history row (and train/... scalar) holds the window's normalised metrics (`window_metrics`:
     grad_norm is the mean over the window's steps of the step's dense gradient norm), lr, loss,
     the rates of `speed` (wall time of the window over its steps: the time from the end of the
     previous window's last step to the end of this one's, which includes the host's waits, with
@@ -469,7 +464,7 @@ class RunLog:
         if self.main_host:
             record = {"step": step, "metrics": json.loads(json_record(final)), "devices": self.devices,
                       "hosts": self.sharding.process_count(), "seconds": seconds, "time": time.time()}
-            storage.write_bytes(storage.join_url(self.config.run.dir, "final.json"),
+            storage.write_bytes(storage.join_url(self.config.run.dir, FINAL),
                                 json.dumps(record, indent=2).encode())
 
     def config_text(self, config) -> None:
@@ -509,7 +504,7 @@ class RunLog:
 
     def _report_train(self, sums, step, steps, seconds, lr, now=None):
         batch_size = self.config.optim.global_batch_size
-        row = summarize(TRAIN_METRICS, sums.cpu().numpy(), steps, batch_size)
+        row = window_metrics(TRAIN_METRICS, sums.cpu().numpy(), steps, batch_size)
         row.update(step=step, lr=lr, loss=row["lm_loss"] + 0.5 * row["q_halt_loss"])
         row.update(speed(steps, seconds, batch_size, self.window_flops_per_example(step - steps + 1, step),
                          self.devices, self.peak_tflops))
