@@ -48,7 +48,7 @@ from rundir import storage
 from tpu_costs.slices import peak_tflops_per_device
 from training import checkpoint, compile_cache
 from training.checkpoint import Checkpoints
-from training.config import PRESETS, Config, ConfigError, parse_config, settings_lines
+from training.config import PRESETS, Config, ConfigError, parse_config, reads_demo_data, settings_lines
 from training.evaluate import Evaluations
 from training.launch_records import Launch, first_launch_start
 from training.lifecycle import EXIT_RETRYABLE, Preempted, Preemption, ShutdownDeadline, Watchdog, check_devices, start
@@ -209,7 +209,8 @@ def command_line(argv: list[str]) -> int:
             COMMANDS[argv[0]](argv[1:])
             return 0
         config = parse_config(argv)
-        builders.ensure_demo_data(config.data.path)  # `python train.py demo` on a fresh checkout
+        if reads_demo_data(config):  # `python train.py demo` on a fresh checkout
+            builders.ensure_demo_data(config.data.path)
         result = main(config, argv[0] if argv[0] in PRESETS else None)
         return 0 if result["final"] is not None or result["preempted"] else 1
     except storage.StorageError as e:

@@ -56,6 +56,7 @@ from puzzles.builders import ensure_demo_data
 from rundir import storage
 from rundir.contract import EXIT_RETRYABLE, FINAL, LAUNCH_STARTED_ENV, STUDY_HOST_ENV, format_duration
 from tpu_costs.slices import slice_spec
+from training.config import reads_demo_data
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: train.py and the packages
 FORWARD_AFTER_S = 2.0
@@ -87,7 +88,8 @@ def run_costs(runs: list[StudyRun]) -> dict[str, float]:
     spec, sizes, costs = slice_spec("v4-8"), {}, {}
     for run in runs:
         config = run.config()
-        ensure_demo_data(config.data.path)
+        if reads_demo_data(config):
+            ensure_demo_data(config.data.path)
         path = config.data.path
         if path not in sizes:
             try:

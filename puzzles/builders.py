@@ -308,14 +308,10 @@ def build_demo(out: str, train_puzzles: int = 300, num_aug: int = 15, test_puzzl
     write_identifiers(out, ["<blank>"])
 
 
-DEMO_DATA_PATH = "data/demo"
-"""Where the demo preset reads its dataset (relative to the working directory)."""
-
-
 def ensure_demo_data(data_path: str) -> None:
-    """Build the demo dataset at DEMO_DATA_PATH when a run reads it there and it is not there yet:
-    `python train.py demo` works on a fresh checkout."""
-    if data_path == DEMO_DATA_PATH and not os.path.exists(data_path):
+    """Build the demo dataset at `data_path` (a local path) unless it is there: `python train.py
+    demo` works on a fresh checkout."""
+    if not os.path.exists(data_path):
         print(f"building the demo dataset at {data_path}", flush=True)
         build_demo(data_path, seed=0)
 

@@ -24,7 +24,6 @@ import tyro
 from model import TRMConfig
 from modeling.field_ranges import range_problems, ranged
 from modeling.schemes import SCHEMES, arch_defaults
-from puzzles.builders import DEMO_DATA_PATH
 from rundir import storage
 from testtime import batches as testtime_batches
 from testtime import settings as testtime_settings
@@ -224,7 +223,7 @@ PRESETS: dict[str, tuple[str, Config]] = {
     # The demo keeps the presets' bfloat16 activations, so the first command users run takes the
     # numerics of the real runs (its accuracy and cost against float32: docs/measurements.md).
     "demo": ("4x4 Sudoku built locally, a tiny TRM on the CPU mesh in minutes",
-             _preset(data=dict(path=DEMO_DATA_PATH),
+             _preset(data=dict(path="data/demo"),
                      model=dict(seq_len=16, vocab_size=6, hidden_size=64, num_heads=4, expansion=2.0,
                                 H_cycles=2, L_cycles=2, puzzle_emb_ndim=64, puzzle_emb_len=1,
                                 halt_max_steps=4, forward_dtype="bfloat16"),
@@ -435,6 +434,12 @@ def config_from_dict(saved: dict) -> Config:
                   optim=OptimConfig(**saved["optim"]), eval=EvalConfig(**saved["eval"]), run=RunConfig(**saved["run"]),
                   report=ReportConfig(**{k: tuple(v) if isinstance(v, list) else v
                                          for k, v in saved.get("report", {}).items()}))
+
+
+def reads_demo_data(config: Config) -> bool:
+    """Whether a run reads the demo preset's dataset where the demo builds it (train.py and a
+    study build it there first, if it is missing)."""
+    return config.data.path == PRESETS["demo"][1].data.path
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
