@@ -27,7 +27,7 @@ Columns (the JSON file has these and more, with units in the names; see `bench_p
                  (an evaluation batch runs halt_max_steps = 16 of them)
   dev@peak ms    device time of a training step of the global batch (768) at the slice's bf16 peak
   host ms        wall time of the host's work for one step in the training loop's thread:
-                 waiting for the step's batch (batches.PrefetchedBatches reads and uploads it on
+                 waiting for the step's batch (data.PrefetchedBatches reads and uploads it on
                  a background thread during the step before), Trainer.step (replaying the
                  captured step, or re-tracing it with --no-capture-step) and torch_xla.sync(),
                  which only dispatches; every step starts on an idle device (*)

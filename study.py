@@ -160,7 +160,7 @@ def plan(args) -> int:
         try:
             rows.append((run, projected_hours(run, host, mfu, sizes[path], device["host"].get(run.name)),
                          projected_hours(run, spec, whole_mfu, sizes[path], device["whole"].get(run.name))))
-        except ValueError as e:  # testtime_batches.host_puzzles: the run itself would refuse it
+        except ValueError as e:  # testtime.batches.host_puzzles: the run itself would refuse it
             unlaid[run.name] = str(e)
             rows.append((run, None, None))
     how = ("each step's device time from its program compiled for one fleet VM and for the whole slice (the TPU "

@@ -439,7 +439,7 @@ def resolved_config(run: StudyRun, sizes: PaperDataset) -> Config:
 def projected_hours(run: StudyRun, spec: SliceSpec, mfu: float, sizes: PaperDataset,
                     device_time: dict | None = None) -> dict:
     """The run's training steps and wall hours on `spec` (each step's device time from its
-    compiled TPU program, `device_time` (compiled_costs.device_time_fields), else the model FLOPs at
+    compiled TPU program, `device_time` (run_costs.device_time_fields), else the model FLOPs at
     `mfu` of the bf16 peak; training and evaluation steps, checkpoints not counted) and
     device-hours."""
     config = resolved_config(run, sizes)

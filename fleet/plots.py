@@ -249,7 +249,7 @@ def write_timeline(study, path: str) -> tuple[str, dict]:
 
 
 def write_test_time(points: list[dict], results, path: str) -> str | None:
-    """Exact accuracy against test-time compute (study_testtime.plot_points): on the left against K x D
+    """Exact accuracy against test-time compute (testtime_grid.plot_points): on the left against K x D
     ACT steps per puzzle (log scale), a colour per (configuration, noise, latent), best-Q solid,
     mode@K dashed, pass@K (an oracle) dotted, noise 0 (one trajectory) squares; on the right the
     same best-Q points against the configuration's training compute (FLOPs, log scale), a marker per

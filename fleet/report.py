@@ -43,7 +43,7 @@ T95 = [12.706204736, 4.302652730, 3.182446305, 2.776445105, 2.570581836, 2.44691
 """Student t quantiles t(0.975, df) for df = 1..30 (beyond: the normal's, corrected by 1/df)."""
 METRICS = ("exact_accuracy", "accuracy", "steps")
 TABLE1 = ("effective_depth", "forward_passes")
-"""The columns the TRM paper's Table 1 reads beside the accuracy (projection.recursion_counts):
+"""The columns the TRM paper's Table 1 reads beside the accuracy (model_flops.recursion_counts):
 effective depth per supervision step, T(n + 1)·n_layers (block applications of one ACT step), and
 forward passes of the recursion per example and training step (NFP: 2 where the Q-continue target
 takes a second pass)."""
@@ -125,7 +125,7 @@ def parameter_count(model_config) -> int:
 
 def trained_flops(config, metadata, steps: int) -> float | None:
     """Model FLOPs of a run's first `steps` training steps over the global batch, each at the
-    cycles it recursed with (a recursion curriculum's stages: projection.train_stages, placed in
+    cycles it recursed with (a recursion curriculum's stages: run_costs.train_stages, placed in
     steps by the train split's `metadata`); None for a curriculum whose dataset cannot be read
     (its stages cannot be placed)."""
     from tpu_costs.run_costs import train_flops_of, train_stages
@@ -192,7 +192,7 @@ def collect(out: str) -> list[RunResult]:
 
 
 def study_papers(out: str) -> dict[str, float]:
-    """The published accuracies (study_plan.declared_papers) of the study file as run (OUT/study.txt)."""
+    """The published accuracies (plan.declared_papers) of the study file as run (OUT/study.txt)."""
     url = storage.join_url(out, "study.txt")
     return declared_papers(storage.read_bytes(url).decode()) if storage.exists(url) else {}
 

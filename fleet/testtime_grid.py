@@ -1,4 +1,4 @@
-"""Test-time compute as a study axis: a study file's `@test-time` lines (study_plan.ScalingGrid)
+"""Test-time compute as a study axis: a study file's `@test-time` lines (plan.ScalingGrid)
 name settings (K trajectories per puzzle, noise sigma, D ACT steps, the latent the noise enters)
 at which `study.py run` evaluates every finished run, claimed under the same leases as training;
 the report's columns and plot of each setting; and the grid's price for `study.py plan`.

@@ -352,7 +352,7 @@ class Baseline(RecursionScheme):
 # The training's halting exploration probability annealed over the run (the seeds'
 # contrib02_adaptive). The evaluation's halting-step distribution is training/halt_steps.py's.
 #
-# The rule is each arch's own (recursion.RecursionScheme.halt_score, read through
+# The rule is each arch's own (schemes.RecursionScheme.halt_score, read through
 # TRMConfig.halt_score): a row says halt where its score is > 0 (q_halt alone with no_ACT_continue,
 # sigmoid(q_halt) > 0.5; else q_halt - q_continue, the rule of hrm and transformers_baseline), and
 # the higher the score, the more the row wants to halt. Training halts by it (model.py), the

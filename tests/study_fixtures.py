@@ -33,7 +33,7 @@ def wait_for(proc, pattern, lines, timeout=300):
 
 
 def metrics_records(run_dir) -> list[dict]:
-    """A run's metrics records (report.MetricsFile's parts), in order."""
+    """A run's metrics records (run_log.MetricsFile's parts), in order."""
     return [json.loads(line) for part in sorted((run_dir / "metrics").glob("part-*.jsonl"))
             for line in part.read_text().splitlines() if line.strip()]
 

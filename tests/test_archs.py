@@ -322,7 +322,7 @@ def test_each_arch_trains_through_the_captured_step_on_the_mesh(demo_path, tmp_p
                                         ("transformers_baseline", {}), ("trm", dict(separate_H_L=True)),
                                         ("trm", dict(one_step_grad=True, no_ACT_continue=False))])
 def test_flop_count_of_each_arch_equals_its_matmuls(arch, flags):
-    """projection.model_flops (the step line's MFU, tpu_compile's model count, a plan's
+    """model_flops.model_flops (the step line's MFU, tpu_compile's model count, a plan's
     device-hours) against the matmuls torch counts in one training and one evaluation step."""
     from tests.test_bench import counted_flops
     from training.model_flops import model_flops

@@ -81,7 +81,7 @@ def test_flop_formula_equals_the_models_matmuls(preset, no_act_continue):
 
 def test_sudoku_mlp_costs_what_its_shapes_say():
     flops = model_flops(PRESETS["sudoku-mlp"][1].model)
-    # about 43 GFLOP per example (projection.model_flops: 21 of the 42 block applications
+    # about 43 GFLOP per example (model_flops.model_flops: 21 of the 42 block applications
     # forward, 14 of them backward at twice the cost, the heads, and the recursion's forward again)
     assert 42e9 < flops["train"] < 44e9
     ms = projected_ms(flops["train"], 768, slice_spec("v4-64"))
@@ -163,7 +163,7 @@ def test_a_curriculum_counts_each_stage_at_its_own_cycles():
 
 
 def test_a_curriculum_run_compiles_each_stages_training_step():
-    """compiled_costs.run_programs: a curriculum run compiles its evaluation step and the training
+    """run_costs.run_programs: a curriculum run compiles its evaluation step and the training
     step of each stage (the model at the stage's cycles, the curriculum off: the program
     Trainer.recursing runs); device_time_fields names each stage's estimate by its cycles."""
     from tpu_costs import run_costs

@@ -1,7 +1,7 @@
 """tpu_compile.py: every preset's real training step and evaluation ACT step, in its own
 architecture and dtype at a narrow width, traced on a CPU mesh and compiled by libtpu's
 compile-only client for a 4-device v4 host and a 4-device v5e slice; what the compiled programs
-say (HBM, FLOPs against projection.model_flops, collectives); and what a user sees when the compiler
+say (HBM, FLOPs against model_flops.model_flops, collectives); and what a user sees when the compiler
 refuses a program or it does not fit in HBM.
 
 The compiles run in one subprocess (a runtime of 4 CPU devices, as the slices have; this
@@ -126,7 +126,7 @@ def test_tpu_compile_every_preset_and_architecture_compiles_for_v4_and_v5e(compi
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_tpu_compile_flops_agree_with_the_model_count(compiled, variant):
-    """The compiler's FLOPs per device equal projection.model_flops (the matmuls, and the blockwise
+    """The compiler's FLOPs per device equal model_flops.model_flops (the matmuls, and the blockwise
     attention's extra row sums and recomputed scores) times the examples per device, within 15%
     at this narrow width: the rest is elementwise work (norms, softmax, stablemax, the
     optimizers) the formula leaves out, under 4% at the presets' real width (docs/speed.md)."""

@@ -204,7 +204,7 @@ def flop_record(preset: str, config: Config, spec: SliceSpec) -> dict:
 # What a run's compiled TPU programs say it costs: the programs a run compiles (its evaluation
 # step, and the training step of each recursion curriculum stage it trains in: each stage recurses
 # with its own cycles, a program of its own), and the device-time fields a projection reads from
-# their compiled results (projection.project_paper_run). study.py plan and bench.py compile with
+# their compiled results (run_costs.project_paper_run). study.py plan and bench.py compile with
 # tpu_compile.py and price with these.
 
 
@@ -221,7 +221,7 @@ def run_programs(config: Config, metadata) -> list[tuple[Config, tuple[str, ...]
     """(config, programs) of every program a run compiles: its evaluation step (always at the
     model's cycles), and the training step of each recursion curriculum stage its steps train in
     (`stage_config`; one, the model's, without a curriculum). `metadata`: the train split's sizes
-    (data.Metadata or projection.PaperDataset), which place the stages in steps."""
+    (data.Metadata or run_costs.PaperDataset), which place the stages in steps."""
     last = run_schedule(metadata, config.optim, config.eval.every_epochs)[0]
     final = (config.model.H_cycles, config.model.L_cycles)
     stages = [cycles for cycles, _ in train_stages(config, metadata, last)] or [final]
@@ -231,7 +231,7 @@ def run_programs(config: Config, metadata) -> list[tuple[Config, tuple[str, ...]
 
 def device_time_fields(results: list[dict], cycles: tuple[int, int] | None = None) -> dict:
     """A projection record's device time of each step from a run's compiled results
-    (projection.project_paper_run reads these keys): compiled_ms_per_eval_step,
+    (run_costs.project_paper_run reads these keys): compiled_ms_per_eval_step,
     compiled_ms_per_train_step (at the run's model `cycles`; None: the first training step's),
     compiled_ms_per_train_stage ({"H,L": ms} of each recursion curriculum stage's training step),
     compiled_source, and `refused` (the programs the compiler refused, each left out)."""

@@ -445,8 +445,8 @@ class Checkpoints:
     read so far and stops the run, without saving, if one was not finite. A failed background
     save stops the loop at the next step; `close` (in the loop's `finally`) lets a save under
     way commit, or reports it, however the loop ends. `config` is config.Config, `trainer` a
-    trainer.Trainer (its checkpoint_shards), `log` the run's report.RunLog (drained before a
-    save: all hosts stop together on a non-finite window), `launch` the launches.Launch that
+    trainer.Trainer (its checkpoint_shards), `log` the run's run_log.RunLog (drained before a
+    save: all hosts stop together on a non-finite window), `launch` the launch_records.Launch that
     counts the loop's pauses to save."""
 
     def __init__(self, config, trainer, log, identifiers: str | None, total_steps: int, saved_step: int | None,

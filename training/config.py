@@ -252,7 +252,7 @@ def arch_in(argv: list[str]) -> str | None:
 def with_arch(config: Config, arch: str | None) -> Config:
     """`config` with the model of arch `arch`: its reference yaml's values where they differ from
     trm.yaml's (the presets were built on it: HRM's cycles and layers, the baseline's 8 layers of 12
-    heads) and what its reference file fixes (recursion.RecursionScheme.forced); every other field, e.g. a
+    heads) and what its reference file fixes (schemes.RecursionScheme.forced); every other field, e.g. a
     preset's mlp_t or seq_len, stays. None or the config's own arch: the config as it is."""
     if arch is None or arch == config.model.arch:
         return config

@@ -44,7 +44,7 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     `each_act_step(batch index, host batch, preds, q_halt)` is called after every ACT step with
     its device outputs (predict reads them all; a training run's evaluation does not).
     With `trainer.trajectories` (testtime/noisy_trajectories.py), `batches` holds each puzzle's K rows in a row
-    (testtime_batches.TrajectoryBatches) and the metrics and votes count each puzzle's best-Q
+    (testtime.batches.TrajectoryBatches) and the metrics and votes count each puzzle's best-Q
     answer once; mode_exact_accuracy and pass_exact_accuracy are mode@K's and pass@K's. Without,
     all three selections are the one answer: best_q_, mode_ and pass_exact_accuracy are
     exact_accuracy.
@@ -146,7 +146,7 @@ class Evaluations:
     subset of eval.max_examples except the final evaluation; writes {run.dir}/eval/step_N/
     (metrics.json last, as the mark of a finished evaluation) and the ARC submission. A SIGTERM
     on any host stops an evaluation between two batches (Preempted), unwritten. `launch` (a
-    launches.Launch) counts each evaluation's time."""
+    launch_records.Launch) counts each evaluation's time."""
 
     def __init__(self, config: Config, trainer: Trainer, test_set: data.Dataset, log: RunLog, eval_steps: list[int],
                  preemption: Preemption, watchdog: Watchdog, launch=None):

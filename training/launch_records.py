@@ -15,7 +15,7 @@ file per launch (process 0 writes it; a local path or gs://, through rundir/stor
     ended              null while it runs (or if it was killed), else finished, SIGTERM,
                        exit 75 or "failed: REASON"
 
-The record is rewritten (best effort, on a thread: `report.Uploads`) after each logging window
+The record is rewritten (best effort, on a thread: `run_log.Uploads`) after each logging window
 and at the end, so a killed launch leaves what it had; what it could not write (the steps past
 its last checkpoint) the next launch derives from the metrics records it drops (`previous_reached`).
 The loop calls `after_step` every step; the record decides itself when to write.

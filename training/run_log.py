@@ -3,7 +3,7 @@ directory, and the history that train.main returns.
 
 A step line (every run.log_every steps) reports a window of steps: loss, exact accuracy, lr,
 the mean global norm of the dense gradients, wall ms per step, steps/s, examples/s, model
-TFLOP/s per device and, on a TPU whose peak is known (projection.PEAK_TFLOPS_PER_CHIP), MFU; device
+TFLOP/s per device and, on a TPU whose peak is known (slices.PEAK_TFLOPS_PER_CHIP), MFU; device
 memory in use and peak as a share of the limit when the runtime reports it. The same values go
 to TensorBoard as train/... scalars.
 
@@ -91,7 +91,7 @@ def window_metrics(names, values: np.ndarray, steps: int, global_batch_size: int
 def speed(steps: int, seconds: float, global_batch_size: int, flops_per_example: float, devices: int,
           peak_tflops: float | None) -> dict[str, float]:
     """Rates of a window of `steps` steps that took `seconds` of wall time: step_ms,
-    steps_per_s, examples_per_s, tflops_per_device (model FLOPs, `projection.model_flops`, per
+    steps_per_s, examples_per_s, tflops_per_device (model FLOPs, `model_flops.model_flops`, per
     second and device) and, when the device's peak is known (`peak_tflops`, TFLOP/s per
     device), mfu = achieved / peak. Without a peak (CPU, an unknown TPU) there is no mfu key."""
     step_s = max(seconds, 1e-9) / steps
@@ -406,7 +406,7 @@ class RunLog:
         curriculum: the run's recursion
         curriculum (schedule.Curriculum), whose stages recurse with fewer cycles: each window's
         FLOPs are counted from the cycles its steps trained with (None: the model's). first_launch:
-        when the run was first launched (a callable; train.py's launches.first_launch_start), which
+        when the run was first launched (a callable; train.py's launch_records.first_launch_start), which
         names its W&B run (training/wandb_mirror.py; None: now)."""
         self.config, self.total_steps, self.main_host, self.sharding = config, total_steps, main_host, sharding
         self.curriculum = curriculum
@@ -537,7 +537,7 @@ class RunLog:
 
     def window_flops_per_example(self, first: int, last: int) -> float:
         """Model FLOPs per example of a training step, averaged over the steps first..last: each
-        step's at the cycles it recursed with (a curriculum's stage, projection.stage_flops)."""
+        step's at the cycles it recursed with (a curriculum's stage, model_flops.stage_flops)."""
         if self.curriculum is None or not self.config.optim.curriculum_epochs or last < first:
             return self.flops_per_example
         total = 0

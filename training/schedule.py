@@ -71,7 +71,7 @@ class Curriculum:
     progress = the epochs trained before the step / curriculum_epochs (capped at 1) in exact
     integers: a pure function of the step, so a resumed run lands in its stage. Each stage is a
     program of its own (trainer.Trainer.step). Evaluation always recurses with the model's cycles.
-    `full_steps`: the steps that train optim.epochs (batches.total_train_steps)."""
+    `full_steps`: the steps that train optim.epochs (data.total_train_steps)."""
 
     def __init__(self, config, full_steps: int):
         self.optim, self.model, self.full_steps = config.optim, config.model, max(1, full_steps)
@@ -102,7 +102,7 @@ class Curriculum:
     def stage_steps(self, first: int, last: int) -> list[tuple[tuple[int, int], int]]:
         """((H_cycles, L_cycles), how many of the steps first..last train in it) of each stage
         those steps train in, in order (none for an empty range): what the steps' compute is
-        counted from (a stage's model FLOPs are those of its cycles, projection.stage_flops)."""
+        counted from (a stage's model FLOPs are those of its cycles, model_flops.stage_flops)."""
         if last < first:
             return []
         stages = self.stages(last)

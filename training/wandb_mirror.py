@@ -6,7 +6,7 @@ copies it, and never stops or slows training.
     WANDB_MODE=offline python train.py demo --report.wandb-project trm   # no account: `wandb sync` later
     python study.py report runs/tiny-study --wandb-project trm      # the report's table and plots
 
-What it sends (process 0 only; report.RunLog hands it what it writes to TensorBoard, under the
+What it sends (process 0 only; run_log.RunLog hands it what it writes to TensorBoard, under the
 same names): the step line's scalars (train/..., xla/compiles), the evaluations' (eval/...,
 ARC's pass@k included), the puzzle pictures (puzzles/N), the resolved configuration as the W&B
 run's config, and the run directory's URL (config run_dir_url, and the run's notes).
@@ -18,7 +18,7 @@ TensorBoard files, metrics records and the run are the same as without a mirror.
 `close()` waits at most CLOSE_TIMEOUT_S, and W&B's own finish is bounded by that too.
 
 Resume: the W&B run id names the run, not its directory: "trm-" and a hash of the run
-directory's URL and its first launch's start (launches.first_launch_start: the oldest launch
+directory's URL and its first launch's start (launch_records.first_launch_start: the oldest launch
 record in {run.dir}/launches/), kept in {run.dir}/wandb.json (written when the mirror starts)
 with the last step the mirror sent. A relaunch continues the same W&B run (resume="allow"); a new
 run in the same directory (after it was deleted) has another first launch, so another W&B run,
@@ -56,7 +56,7 @@ def run_url(run_dir: str) -> str:
 
 def run_id(run_dir: str, first_launch: float) -> str:
     """The W&B run id of the run in `run_dir` first launched at `first_launch`
-    (launches.first_launch_start): the same for every launch of the run, another for another run
+    (launch_records.first_launch_start): the same for every launch of the run, another for another run
     in the same directory."""
     identity = json.dumps([run_url(run_dir), first_launch])
     return "trm-" + hashlib.sha256(identity.encode()).hexdigest()[:20]
@@ -98,13 +98,13 @@ def credentials_problem(wandb) -> str | None:
 
 
 class Mirror:
-    """The mirror of one run (process 0): `log(step, values)` in step order (report.RunLog calls it
+    """The mirror of one run (process 0): `log(step, values)` in step order (run_log.RunLog calls it
     from its reader thread, in the order TensorBoard gets them), `close()` at the end."""
 
     def __init__(self, config, config_dict: dict, first_launch: Callable[[], float]):
         """config: config.Config (read: report.wandb_*, run.dir); config_dict: the resolved
         configuration as a dict (the W&B run's config); first_launch: when the run was first
-        launched (train.py gives launches.first_launch_start of the run directory), asked on the
+        launched (train.py gives launch_records.first_launch_start of the run directory), asked on the
         mirror's thread when wandb.json holds no id yet."""
         self.report, self.url = config.report, run_url(config.run.dir)
         self.first_launch_of = first_launch
