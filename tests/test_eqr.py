@@ -294,3 +294,30 @@ def test_an_eqr_checkpoint_is_recognised_and_loads(tmp_path):
     fresh = TRM(config)
     reference_weights.load_reference_state_dict(fresh, state)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), ours.state_dict().values()))
+
+
+def test_eqr_trains_on_the_demo_on_the_mesh_and_resumes_exactly(demo_path, tmp_path):
+    """`--model.arch eqr` through train.main on the 8-device CPU mesh, in the demo's bfloat16: finite,
+    falling losses with no aten:: CPU fallbacks (the hash, erfinv and the damped updates all lower
+    to XLA); stopped after 2 steps and relaunched, the same losses and final evaluation bit for bit
+    (the draws are keyed by the carry's restored rng_counter; the evaluation's by the rows' steps)."""
+    import train
+    from tests.test_train import tiny_args
+    from training.config import parse_config
+
+    def args(name, steps):
+        return tiny_args(demo_path, tmp_path / name, "--model.arch", "eqr", "--model.puzzle-emb-ndim", "0",
+                         "--model.num-heads", "4", "--optim.max-steps", str(steps), "--run.log-every", "1",
+                         "--eval.every-epochs", "1000", "--optim.lr-warmup-steps", "1")
+
+    straight = train.main(parse_config(args("straight", 6)))
+    losses = [h["loss"] for h in straight["history"]]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses))), losses
+    assert sum(losses[-2:]) < sum(losses[:2]), losses
+    assert not straight["xla"]["fallbacks"], straight["xla"]
+    assert straight["final"]["count"] == 40
+    first = train.main(parse_config(args("resumed", 2)))
+    resumed = train.main(parse_config(args("resumed", 6)))
+    assert resumed["start_step"] == 2
+    assert [h["loss"] for h in first["history"] + resumed["history"]] == losses
+    assert resumed["final"] == straight["final"]
