@@ -26,7 +26,7 @@ from torch import nn
 
 from modeling import schemes
 from modeling.attention import ATTENTIONS, attend
-from modeling.counter_hash import hashed_uniform  # noqa: F401 (model.hashed_uniform: the exploration's draws)
+from modeling.counter_hash import hashed_keys, hashed_uniform  # noqa: F401 (model.hashed_uniform: the exploration's draws)
 from modeling.device_grads import weight_matmul
 from modeling.field_ranges import range_problems, ranged
 from modeling.schemes import SCHEMES, exploration_prob
@@ -34,6 +34,9 @@ from modeling.schemes import SCHEMES, exploration_prob
 IGNORE_LABEL_ID = -100
 """The label of a position without a target: the loss and the metrics skip it (torch's
 cross-entropy ignore_index). data.py writes the same value into its batches' labels."""
+
+DRAWS_STREAM = 2
+"""hashed_keys' stream of a drawing scheme's per-row keys (the halting exploration's are 0 and 1)."""
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -70,8 +73,8 @@ class TRMConfig:
     """trm only: gradient through the last L and H update only (the paper's "1-step gradient", HRM's)."""
     mlp_t: bool = False
     """Replace attention by a SwiGLU across the sequence (TRM-MLP)."""
-    pos_encodings: Literal["rope", "learned", "none"] = "rope"
-    """Position encoding: rope, learned, or none."""
+    pos_encodings: Literal["rope", "rope2d", "learned", "none"] = "rope"
+    """Position encoding: rope, rope2d (EqR's: the rows and columns of a square board), learned, or none."""
     puzzle_emb_ndim: int = ranged(512, ge=0, note="0 disables the puzzle embedding")
     """Width of a puzzle-embedding row (0 disables the puzzle embedding)."""
     puzzle_emb_len: int = ranged(16, ge=0, note="0 sizes it from puzzle_emb_ndim")
@@ -91,6 +94,10 @@ class TRMConfig:
     """Halt on the Q head in training (transformers_baseline's field; False: always halt_max_steps)."""
     act_inference: bool = False
     """transformers_baseline's field: halt on the Q head in evaluation too (not supported: False)."""
+    eqr_damping: float = ranged(0.95, gt=0, le=1, note="EqR's lambda_; other archs keep 0.95")
+    """eqr only: λ in (0, 1] of every update z <- (1-λ)·z + λ·f(z + injection) + σ·ε (EqR's lambda_)."""
+    eqr_noise: float = ranged(0.01, ge=0, note="EqR's noise_scale; other archs keep 0.01")
+    """eqr only: σ >= 0 of the noise σ·ε of every update, ε standard normal, in evaluation too (EqR's noise_scale)."""
     forward_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     """Activation dtype (weights stay float32)."""
     rms_norm_eps: float = ranged(1e-5, gt=0)
@@ -111,8 +118,8 @@ class TRMConfig:
         them; config.check_config reports them (as flags) before a run starts."""
         out = [f"{name}={value!r} must be {rule}" + (f" ({note})" if note else "")
                for name, value, rule, note in range_problems(self)] if ranges else []
-        if self.pos_encodings not in ("rope", "learned", "none"):
-            out.append(f"pos_encodings must be rope, learned or none, got {self.pos_encodings!r}")
+        if self.pos_encodings not in ("rope", "rope2d", "learned", "none"):
+            out.append(f"pos_encodings must be rope, rope2d, learned or none, got {self.pos_encodings!r}")
         if self.forward_dtype not in DTYPES:
             out.append(f"forward_dtype must be one of {sorted(DTYPES)}, got {self.forward_dtype!r}")
         if self.attention not in ATTENTIONS:
@@ -130,6 +137,12 @@ class TRMConfig:
         if not self.mlp_t and (head_dim == 0 or (self.pos_encodings == "rope" and head_dim % 2)):
             out.append(f"num_heads={self.num_heads} gives heads of width hidden_size // num_heads = {head_dim}"
                        + (", odd: RoPE rotates pairs" if head_dim else "") + "; use fewer heads")
+        if self.pos_encodings == "rope2d":
+            side = math.isqrt(self.seq_len)
+            if (not self.mlp_t and head_dim % 4) or side * side != self.seq_len or self.prefix_len:
+                out.append(f"pos_encodings='rope2d' rotates each head's halves by a square board's row and column: "
+                           f"it needs heads of a width divisible by 4 (got {head_dim}), seq_len a square (got "
+                           f"{self.seq_len}) and no puzzle prefix (got {self.prefix_len} positions)")
         if self.puzzle_emb_ndim > self.prefix_len * self.hidden_size:
             out.append(f"puzzle_emb_ndim={self.puzzle_emb_ndim} does not fit in puzzle_emb_len="
                        f"{self.puzzle_emb_len} positions of width {self.hidden_size}; raise "
@@ -240,6 +253,24 @@ def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor,
     return angles.cos(), angles.sin()
 
 
+def rope2d_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [seq_len, head_dim] of EqR's 2D RoPE on a square board (position t at row
+    t // side, column t % side): the first half of a head is rope of width head_dim / 2 at the row,
+    the second half at the column (apply_rope2d)."""
+    side = math.isqrt(seq_len)
+    cos, sin = rope_tables(head_dim // 2, side, theta)
+    rows, cols = torch.arange(seq_len) // side, torch.arange(seq_len) % side
+    return torch.cat([cos[rows], cos[cols]], dim=-1), torch.cat([sin[rows], sin[cols]], dim=-1)
+
+
+def apply_rope2d(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """EqR's 2D RoPE of x [batch, seq, heads, head_dim] with rope2d_tables: each half of a head
+    rotated as apply_rope does (pairs i, i + head_dim / 4 within the half), by its half of the tables."""
+    half = x.shape[-1] // 2
+    return torch.cat([apply_rope(x[..., :half], cos[:, :half], sin[:, :half]),
+                      apply_rope(x[..., half:], cos[:, half:], sin[:, half:])], dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [batch, seq, heads, head_dim] in float32, return it in its own dtype."""
     half = x.shape[-1] // 2
@@ -254,9 +285,11 @@ class Attention(nn.Module):
     """Bidirectional multi-head self-attention, no bias; heads of width hidden_size // num_heads
     (their total may be narrower than hidden_size, as the reference allows: 12 heads of 42 on 512)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, kind: str = "blockwise", block: int = 512):
+    def __init__(self, hidden_size: int, num_heads: int, kind: str = "blockwise", block: int = 512,
+                 rope2d: bool = False):
         super().__init__()
         self.num_heads, self.kind, self.block = num_heads, kind, block
+        self.rotate = apply_rope2d if rope2d else apply_rope
         self.head_dim = hidden_size // num_heads
         self.qkv = Linear(hidden_size, 3 * num_heads * self.head_dim)
         self.out = Linear(num_heads * self.head_dim, hidden_size)
@@ -268,7 +301,7 @@ class Attention(nn.Module):
         heads = (batch, length, self.num_heads, self.head_dim)
         q, k, v = (t.view(heads) for t in weight_matmul(self.qkv, x, parts=3))
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = self.rotate(q, *rope), self.rotate(k, *rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         y = attend(q, k, v, self.kind, self.block)
         return self.out(y.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
@@ -283,7 +316,8 @@ class Block(nn.Module):
         if config.mlp_t:
             self.seq_mlp = SwiGLU(config.total_len, config.expansion)
         else:
-            self.attn = Attention(config.hidden_size, config.num_heads, config.attention, config.attention_block)
+            self.attn = Attention(config.hidden_size, config.num_heads, config.attention, config.attention_block,
+                                  rope2d=config.pos_encodings == "rope2d")
         self.mlp = SwiGLU(config.hidden_size, config.expansion)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -361,8 +395,9 @@ class TRM(nn.Module):
         if config.pos_encodings == "learned":
             self.position_embedding = nn.Parameter(
                 truncated_normal_(torch.empty(config.total_len, config.hidden_size), std=1 / self.embed_scale))
-        if config.pos_encodings == "rope":
-            cos, sin = rope_tables(config.hidden_size // config.num_heads, config.total_len, config.rope_theta)
+        if config.pos_encodings in ("rope", "rope2d"):
+            tables = rope_tables if config.pos_encodings == "rope" else rope2d_tables
+            cos, sin = tables(config.hidden_size // config.num_heads, config.total_len, config.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         if config.puzzle_emb_ndim > 0:
@@ -399,15 +434,16 @@ class TRM(nn.Module):
 
     def net(self, z: torch.Tensor, injection: torch.Tensor | None, level: str = "L") -> torch.Tensor:
         """A network (L: `blocks`, the shared one; H: `H_blocks`): z + injection through its blocks."""
-        rope = (self.rope_cos, self.rope_sin) if self.config.pos_encodings == "rope" else None
+        rope = (self.rope_cos, self.rope_sin) if self.config.pos_encodings in ("rope", "rope2d") else None
         z = z if injection is None else z + injection
         for block in self.blocks if level == "L" else self.H_blocks:
             z = block(z, rope)
         return z
 
-    def recurse(self, z_H, z_L, x):
-        """One ACT step of the arch's recursion (modeling/schemes.py), then the heads."""
-        z_H, z_L, out = self.config.scheme.recurse(self, z_H, z_L, x)
+    def recurse(self, z_H, z_L, x, keys: torch.Tensor | None = None):
+        """One ACT step of the arch's recursion (modeling/schemes.py), then the heads. `keys`: the
+        step's per-row draw keys (int32 [B]) of a scheme that draws (RecursionScheme.draws)."""
+        z_H, z_L, out = self.config.scheme.recurse(self, z_H, z_L, x, keys)
         logits = self.lm_head(out)[:, self.config.prefix_len:]
         q = self.q_head(out[:, 0]).float()
         return z_H, z_L, logits, q[..., 0], q[..., 1]
@@ -436,16 +472,26 @@ class TRM(nn.Module):
         # Rows that halted at the previous step start over on the new batch's example.
         reset = carry.halted
         per_row = lambda t: reset.view((-1,) + (1,) * (t.ndim - 1))
-        h_init, l_init = config.scheme.initial_states(self)
+        steps = torch.where(reset, 0, carry.steps)
+        scheme, keys = config.scheme, None
+        if scheme.draws:
+            # A scheme that draws random numbers (EqR) gets per-row keys of (seed, the carry's
+            # rng_counter, row) in training; in evaluation (row, the row's earlier ACT steps), so
+            # that an evaluation's draws do not depend on the evaluations before it.
+            rows = torch.arange(steps.shape[0], device=steps.device)
+            counter = carry.rng_counter if self.training else steps
+            keys = hashed_keys(self.exploration_seed, counter, rows, DRAWS_STREAM)
+            h_init, l_init = scheme.initial_states(self, keys, carry)
+        else:
+            h_init, l_init = scheme.initial_states(self)
         z_H = torch.where(per_row(carry.z_H), h_init, carry.z_H)
         z_L = torch.where(per_row(carry.z_L), l_init, carry.z_L)
-        steps = torch.where(reset, 0, carry.steps)
         data = {k: torch.where(per_row(v), batch[k], v) for k, v in carry.current_data.items()}
         if perturb is not None:
             z_H, z_L = perturb(z_H, z_L, data, steps)
 
         x = self.embed(data["inputs"], data["puzzle_identifiers"])
-        z_H, z_L, logits, q_halt, q_continue = self.recurse(z_H, z_L, x)
+        z_H, z_L, logits, q_halt, q_continue = self.recurse(z_H, z_L, x, keys)
         outputs = {"logits": logits, "q_halt_logits": q_halt, "q_continue_logits": q_continue}
 
         with torch.no_grad():

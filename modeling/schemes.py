@@ -20,13 +20,18 @@ its own config checks (`problems`).
     trm_hier6      six z_L slots: slot i <- L(sum of slots, z_H + x), z_H <- L(z_H, sum of slots)
     hrm            trm's updates with separate H and L networks, gradient through the last two only
     transformers_baseline   z <- H(z, x) once per ACT step (H_layers blocks, no cycles)
+    eqr            trm's updates damped and noisy, z <- (1-λ)z + λ L(z, injection) + σε; fresh
+                   random initial states per reset row (EqR, github.com/locuslab/EqR)
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
 import torch
+
+from modeling import counter_hash
 
 HIER_SLOTS = 6
 PLACEHOLDER = (1, 1)  # the shape (per row) of a state a scheme does not carry
@@ -78,6 +83,14 @@ class RecursionScheme:
     puzzle positions, its Q-continue halting); another value is a config error."""
     ablations: tuple[str, ...] = ()
     """Boolean TRMConfig fields that vary this scheme (trm's separate_H_L); other archs refuse them."""
+    own_fields: tuple[str, ...] = ()
+    """TRMConfig fields only this scheme reads (EqR's damping and noise); other archs refuse a
+    value other than the field's default."""
+    draws: bool = False
+    """Whether the scheme draws random numbers every ACT step: then its `initial_states(model, keys,
+    carry)` and `updates(model, x, keys)` take the step's per-row int32 keys (model.TRM.forward
+    makes them from the seed, the carry's rng_counter and the row; counter_hash turns a key into
+    draws), so that every host draws the same and a resumed run continues exactly."""
     bootstraps_q_continue: bool = True
     """Whether, when the config learns a Q-continue (no_ACT_continue False), the ACT step computes
     its bootstrapped target (one more forward from the new state), as the reference's ACT wrapper."""
@@ -133,9 +146,10 @@ class RecursionScheme:
         """The state the heads read."""
         return z_H
 
-    def recurse(self, model, z_H: torch.Tensor, z_L: torch.Tensor, x: torch.Tensor):
-        """(z_H, z_L, the state the heads read) after one ACT step's updates."""
-        updates = self.updates(model, x)
+    def recurse(self, model, z_H: torch.Tensor, z_L: torch.Tensor, x: torch.Tensor, keys: torch.Tensor | None = None):
+        """(z_H, z_L, the state the heads read) after one ACT step's updates; `keys`: the step's
+        per-row draw keys of a scheme that `draws`."""
+        updates = self.updates(model, x, keys) if self.draws else self.updates(model, x)
         first_with_grad = len(updates) - min(self.grad_updates(model.config), len(updates))
         with torch.no_grad():
             for update in updates[:first_with_grad]:
@@ -179,6 +193,12 @@ class RecursionScheme:
         another value, another arch's ablation, a network of no blocks, then `problems`."""
         out = [f"{name}={getattr(config, name)!r}: the reference's {self.name} fixes it at {value!r}"
                for name, value in self.forced.items() if getattr(config, name) != value]
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        for name in dict.fromkeys(f for scheme in SCHEMES.values() for f in scheme.own_fields):
+            if name not in self.own_fields and getattr(config, name) != defaults[name]:
+                owners = ", ".join(s.name for s in SCHEMES.values() if name in s.own_fields)
+                out.append(f"{name}={getattr(config, name)!r}: a field of arch {owners}, not of arch "
+                           f"{self.name} (leave it at {defaults[name]!r})")
         for flag in dict.fromkeys(f for scheme in SCHEMES.values() for f in scheme.ablations):
             if getattr(config, flag) and flag not in self.ablations:
                 owners = ", ".join(s.name for s in SCHEMES.values() if flag in s.ablations)
@@ -270,8 +290,8 @@ class Hier6(RecursionScheme):
             slot = slot + 1 if kind == "L" else 0
         return out
 
-    def recurse(self, model, z_H, z_L, x):
-        z_H, slots, out = super().recurse(model, z_H, tuple(z_L.unbind(1)), x)
+    def recurse(self, model, z_H, z_L, x, keys=None):
+        z_H, slots, out = super().recurse(model, z_H, tuple(z_L.unbind(1)), x, keys)
         return z_H, torch.stack(slots, dim=1), out
 
     def problems(self, config):
@@ -343,6 +363,71 @@ class Baseline(RecursionScheme):
         if config.pos_encodings == "none":
             return ["pos_encodings='none': the reference's transformers_baseline has rope or learned "
                     "positions only (it raises otherwise); pass --model.pos-encodings rope"]
+        return []
+
+
+@register
+class EqR(RecursionScheme):
+    """EqR's models/eqr.py (Equilibrium Reasoners, github.com/locuslab/EqR @ 4d45856, arXiv
+    2605.21488): trm's updates and gradient, each update damped and noisy,
+    z <- (1-λ)·z + λ·L(z, injection) + σ·ε with λ = eqr_damping, σ = eqr_noise and ε standard
+    normal per element, drawn at every update (no-gradient cycles and evaluation too); a reset
+    row's z_H and z_L drawn fresh per row and position (JAX-style truncated normal of std 1, its
+    H_init_std and L_init_std) instead of broadcast buffers; no puzzle embedding (no prefix); halts
+    on q_halt alone. The draws are counter_hash's: per-row keys from model.TRM.forward, then one
+    draw per (key, draw index, position, channel): index 0 z_H's initial state, 1 z_L's, 2 + u the
+    noise of the step's u-th update; EqR draws torch's generator (its reset's z_H first, then z_L,
+    then the updates in order), the same distributions."""
+
+    name = "eqr"
+    reference_class = "eqr@EqRModel"
+    reference_fields = ("H_cycles", "L_cycles", "H_layers", "L_layers", "hidden_size", "expansion", "num_heads",
+                        "pos_encodings", "rms_norm_eps", "rope_theta", "halt_max_steps", "halt_exploration_prob",
+                        "forward_dtype", "mlp_t")
+    inits = ()
+    own_fields = ("eqr_damping", "eqr_noise")
+    draws = True
+    forced = dict(puzzle_emb_ndim=0, puzzle_emb_len=0, no_ACT_continue=True)
+    INIT_STD = 1.0
+    """The initial states' std (EqR's H_init_std and L_init_std, 1.0 in its yaml)."""
+
+    @staticmethod
+    def draw_keys(keys: torch.Tensor, index: int) -> torch.Tensor:
+        """int32 [B]: the keys of draw `index` of a step (0, 1: z_H's and z_L's initial states; 2 + u:
+        the noise of update u)."""
+        return keys + counter_hash.int32((index + 1) * 0x1B873593)
+
+    def initial_states(self, model, keys=None, carry=None):
+        """Fresh z_H and z_L [B, T, D] for every row (model.forward keeps them where a row resets),
+        drawn in float32 and rounded to the states' dtype (EqR draws in the states' dtype)."""
+        shape = tuple(carry.z_H.shape[1:])
+        return tuple(counter_hash.hashed_truncated_normal(self.draw_keys(keys, index), shape, self.INIT_STD)
+                     .to(state.dtype) for index, state in enumerate((carry.z_H, carry.z_L)))
+
+    def noise(self, keys: torch.Tensor, update: int, z: torch.Tensor) -> torch.Tensor:
+        """ε of update `update`: standard normal [B, T, D] in z's dtype (EqR's torch.randn_like(z))."""
+        return counter_hash.hashed_normal(self.draw_keys(keys, 2 + update), tuple(z.shape[1:])).to(z.dtype)
+
+    def updates(self, model, x, keys=None):
+        """trm's updates as EqR's NoisyReasoningModule computes them, in the states' dtype:
+        (1 - λ)·z + λ·f(z + injection) + ε·σ (no draw when σ = 0: EqR adds 0·ε)."""
+        damping, sigma = model.config.eqr_damping, model.config.eqr_noise
+
+        def damped(z, injection, update):
+            new = model.net(z, injection, "L")
+            out = (1 - damping) * z + damping * new
+            return out + self.noise(keys, update, z) * sigma if sigma else out
+
+        def make(kind, update):
+            if kind == "L":
+                return lambda z_H, z_L: (z_H, damped(z_L, z_H + x, update))
+            return lambda z_H, z_L: (damped(z_H, z_L, update), z_L)
+        return [make(kind, update) for update, kind in enumerate(self.schedule(model.config))]
+
+    def problems(self, config):
+        if config.pos_encodings == "learned":
+            return ["pos_encodings='learned': EqR has rope, rope2d or none (it raises on learned); "
+                    "pass --model.pos-encodings rope"]
         return []
 
 

@@ -320,7 +320,8 @@ def test_each_arch_trains_through_the_captured_step_on_the_mesh(demo_path, tmp_p
 
 @pytest.mark.parametrize("arch,flags", [("trm_singlez", {}), ("trm_hier6", {}), ("hrm", {}),
                                         ("transformers_baseline", {}), ("trm", dict(separate_H_L=True)),
-                                        ("trm", dict(one_step_grad=True, no_ACT_continue=False))])
+                                        ("trm", dict(one_step_grad=True, no_ACT_continue=False)),
+                                        ("eqr", {}), ("eqr", dict(pos_encodings="rope2d", seq_len=9))])
 def test_flop_count_of_each_arch_equals_its_matmuls(arch, flags):
     """model_flops.model_flops (the step line's MFU, tpu_compile's model count, a plan's
     device-hours) against the matmuls torch counts in one training and one evaluation step."""

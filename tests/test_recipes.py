@@ -45,7 +45,11 @@ RECIPES = {
     "maze": (16, 0.05),
     "arc1": (16, 0.05),
     "arc2": (16, 0.05),
+    "eqr-sudoku": (128, 0.015),
+    "eqr-maze": (16, 0.05),
 }
+# EqR's presets have no puzzle embedding (their arch fixes puzzle_emb_ndim at 0): not narrowed.
+UNNARROWED = {"eqr-sudoku": ("--model.puzzle-emb-ndim",), "eqr-maze": ("--model.puzzle-emb-ndim",)}
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +74,16 @@ def recipe_data(tmp_path_factory):
         prefix = arc_rule_files(str(directory), seed, training, evaluation)
         build_data.main(["build-arc", "--out", out, "--input-prefix", prefix, "--subsets", "training", "evaluation",
                    "--num-aug", "7", "--seed", str(seed)])
-    return {"sudoku-mlp": sudoku, "sudoku-att": sudoku, "maze": maze, "arc1": arc1, "arc2": arc2}
+    # eqr-maze trains on EqR's Maze-Unique (perfect mazes, no builder here): Maze-Hard's format and shapes
+    return {"sudoku-mlp": sudoku, "sudoku-att": sudoku, "maze": maze, "arc1": arc1, "arc2": arc2,
+            "eqr-sudoku": sudoku, "eqr-maze": maze}
 
 
 def recipe_args(preset, path, run_dir, steps):
+    left_out = UNNARROWED.get(preset, ())
+    narrow = [arg for flag, value in zip(NARROW[::2], NARROW[1::2]) if flag not in left_out for arg in (flag, value)]
     return [preset, "--data.path", path, "--data.cache-dir", str(run_dir / "cache"), "--run.dir", str(run_dir / "run"),
-            *NARROW, *WARMUP, "--optim.max-steps", str(steps), "--run.log-every", "1"]
+            *narrow, *WARMUP, "--optim.max-steps", str(steps), "--run.log-every", "1"]
 
 
 @pytest.mark.parametrize("preset", list(RECIPES))

@@ -31,11 +31,13 @@ SLICES = ("v4-8", "v5e-4")  # 4 devices each: v4:2x2x1 (megacore) and v5e:2x2
 # What the fixture compiles, by name: (preset, --model.arch or None, slices). Every preset on a v4
 # host, in its own architecture and dtype; v5e for one MLP and one long-sequence attention preset;
 # each other architecture of the reference (config/arch/*.yaml) on sudoku-att, the task the paper
-# ran it on. arc2's narrow programs are arc1's (the presets differ in their data only).
+# ran it on; EqR's Sudoku preset (its noise and initial draws: counter hash, erfinv) on a v4 host.
+# arc2's narrow programs are arc1's (the presets differ in their data only).
 VARIANTS = {"sudoku-mlp": ("sudoku-mlp", None, SLICES), "sudoku-att": ("sudoku-att", None, ("v4-8",)),
             "maze": ("maze", None, ("v4-8",)), "arc1": ("arc1", None, SLICES),
             **{arch: ("sudoku-att", arch, ("v4-8",))
-               for arch in ("hrm", "trm_singlez", "trm_hier6", "transformers_baseline")}}
+               for arch in ("hrm", "trm_singlez", "trm_hier6", "transformers_baseline")},
+            "eqr-sudoku": ("eqr-sudoku", None, ("v4-8",))}
 PRESETS = ("sudoku-mlp", "sudoku-att", "maze", "arc1")
 NARROW_BATCH, NARROW_TABLE_ROWS = 16, 64  # 4 examples per device; a table split 16 rows per device
 

@@ -210,6 +210,21 @@ _arc = _preset(
 )
 
 
+# EqR's recipes (github.com/locuslab/EqR @ 4d45856, config/train/eqr_*.yaml with config/arch/eqr.yaml;
+# arXiv 2605.21488): global batch 768, AdamATan2 lr 1e-4 (2000 warmup steps, then constant), betas
+# (0.9, 0.95), weight decay 1.0, EMA 0.999, bf16, seed 0; no puzzle embedding. Its pretrain.py counts
+# floor(1000 examples / 768) = 1 step per epoch, so its 50,000 (Maze: 100,000) epochs are 50,000
+# (100,000) steps, evaluated every 5,000 steps; we count an epoch as the TRM reference does (1000/768
+# steps), so the same steps are 50,000 * 768 / 1000 = 38,400 epochs (76,800), evaluated every 3,840.
+_EQR_STEP_EPOCHS = 768 / 1000  # our epochs per EqR step on its 1000-example training sets
+_eqr = dict(optim=dict(epochs=round(50000 * _EQR_STEP_EPOCHS)), eval=dict(every_epochs=round(5000 * _EQR_STEP_EPOCHS)))
+_eqr_sudoku = _preset(model=dict(arch_defaults("eqr"), mlp_t=True, pos_encodings="none"), **_eqr)
+_eqr_maze = _preset(data=dict(path="data/maze-30x30-unique-1k"),
+                    model=dict(arch_defaults("eqr"), seq_len=900, vocab_size=6, hidden_size=128, num_heads=8,
+                               L_layers=1, L_cycles=4, mlp_t=False, pos_encodings="rope"),
+                    optim=dict(epochs=round(100000 * _EQR_STEP_EPOCHS)), eval=_eqr["eval"])
+
+
 PRESETS: dict[str, tuple[str, Config]] = {
     "sudoku-mlp": ("Sudoku-Extreme, TRM-MLP (paper: 87.4% exact)", Config()),
     "sudoku-att": ("Sudoku-Extreme, attention TRM (paper: 74.7%)",
@@ -220,6 +235,14 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "arc1": ("ARC-AGI-1, attention TRM (paper: 44.6% pass@2)", _arc),
     "arc2": ("ARC-AGI-2, attention TRM (paper: 7.8% pass@2)",
              _preset(_arc, data=dict(path="data/arc2concept-aug-1000"))),
+    # EqR (see _eqr above). Sudoku: eqr_sudoku.yaml's mlp_t, H 3, L 6, 2 layers, width 512, 16 ACT
+    # steps (its pos_encodings rope is unused by mlp_t blocks: none here, the same model).
+    "eqr-sudoku": ("Sudoku-Extreme, EqR with mlp_t (EqR's config/train/eqr_sudoku.yaml; its paper: 99.56% exact "
+                   "at depth 64 x breadth 128)", _eqr_sudoku),
+    # Maze: eqr_maze_unique.yaml's 1 layer, L 4, width 128, 8 heads, 1-D rope, 100,000 EqR epochs, on its
+    # Maze-Unique (dataset/build_maze_unique_dataset.py: perfect 30x30 mazes generated locally; no builder here).
+    "eqr-maze": ("Maze-Unique 30x30, EqR with attention (EqR's config/train/eqr_maze_unique.yaml; its README "
+                 "gives no number, the paper was not read here)", _eqr_maze),
     # The demo keeps the presets' bfloat16 activations, so the first command users run takes the
     # numerics of the real runs (its accuracy and cost against float32: docs/measurements.md).
     "demo": ("4x4 Sudoku built locally, a tiny TRM on the CPU mesh in minutes",

@@ -1,0 +1,3 @@
+"""Utility package for EqR training, evaluation, and checkpoint helpers."""
+
+__all__ = []
