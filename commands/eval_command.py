@@ -5,7 +5,9 @@ its flags name (testtime/settings.py: K trajectories, noise, depth D, noise late
     {run.dir}/test-time/K{K}-noise{noise}-D{D}[-{latent}]/   metrics.json (last), ARC votes and submission
     {run.dir}/test-time/trajectories.json, trajectories.png   every setting done so far (testtime/curve.py)
 
-run.dir is the weights' own run directory unless --run.dir says otherwise. Nothing is written
+Every example of the test split is read unless --eval.max-examples is given on this command line
+(a run's training-time subset is not kept); each line and metrics.json (num_puzzles) say how many
+puzzles were read. run.dir is the weights' own run directory unless --run.dir says otherwise. Nothing is written
 into the run's own eval/: a test-time evaluation never replaces a training evaluation. A setting
 whose metrics.json holds this step (and data, max_examples, ARC aggregation) is done and skipped,
 so a stopped command resumes where it was; delete a setting's metrics.json to evaluate it again.
@@ -78,10 +80,11 @@ def evaluate_command(argv: list[str]) -> dict:
         saved = curve.write_curve(root, done, f"{source} (step {step}) on {config.data.path}")
         say(f"curve saved to {saved[0]} and {saved[1]}", flush=True)
     result = rows[-1]
+    read = f"on {result['num_puzzles']} puzzles"
     shown = ("exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy", "accuracy")
     scores = "  ".join(f"{k} {result[k]:.4f}" for k in shown if k in result)
     scores += "".join(f"  {k} {v:.4f}" for k, v in result.items() if k.startswith(("pass@", "aggregated_pass@")))
-    say(f"eval of {source}: {scores}  ({time.time() - started:.0f}s); saved under {root}", flush=True)
+    say(f"eval of {source} {read}: {scores}  ({time.time() - started:.0f}s); saved under {root}", flush=True)
     return result
 
 
@@ -105,7 +108,8 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
                   "arc_aggregate": aggregate}
         done = curve.read_metrics(out)
         if done is not None and all(done.get(k) == v for k, v in inputs.items()):
-            say(f"  {point.name}: done at step {step} ({out}/metrics.json; delete it to evaluate again), skipped")
+            say(f"  {point.name}: {done.get('num_puzzles')} puzzles, done at step {step} ({out}/metrics.json; "
+                "delete it to evaluate again), skipped")
             rows.append(done)
             continue
         noisy_trajectories.set_evaluation(trainer, point)
@@ -147,7 +151,7 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
                 write_submission(out, submission)
             storage.write_bytes(storage.join_url(out, curve.METRICS), json.dumps(row, indent=2).encode())
         rows.append(row)
-        say(f"  {point.name}: best-Q exact {row['exact_accuracy']:.4f}  mode@{point.k} "
+        say(f"  {point.name}: {row['num_puzzles']} puzzles, best-Q exact {row['exact_accuracy']:.4f}  mode@{point.k} "
             f"{row['mode_exact_accuracy']:.4f}  pass@{point.k} {row['pass_exact_accuracy']:.4f}  "
             f"accuracy {row['accuracy']:.4f}  {row['seconds_per_puzzle']:.5f} s/puzzle")
     noisy_trajectories.set_evaluation(trainer, testtime_settings.Setting(1, 0.0, config.model.halt_max_steps))

@@ -200,21 +200,23 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     directory (train.py export --format reference: the run's config), an exported
     model.safetensors (its model config) or a reference checkpoint (the sizes its tensors show,
     the settings of an all_config.yaml beside it, the rest from the preset `base`); `overrides`
-    (command-line flags) apply on top."""
+    (command-line flags) apply on top. eval.max_examples is None (every test example, as a
+    run's final evaluation reads) unless `overrides` set it: never the run's or the preset's
+    training-time subset."""
     from reference.weights import reference_config
 
     base = with_arch(base, arch_in(overrides))
     def with_overrides(config: Config) -> Config:
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, max_examples=None))
         return tyro.cli(Config, default=config, args=overrides)
 
     from reference.model_dir import beside, config_from_all_config, read_model_dir
 
     exported = read_model_dir(source)
-    if exported:  # evaluated as the run's final evaluation: every test example
+    if exported:
         weights, saved, step, trained_on = exported
         config = config_from_dict(saved)
-        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, max_examples=None),
-                                     run=dataclasses.replace(config.run, dir=base.run.dir, init_from=None))
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=base.run.dir, init_from=None))
         return with_overrides(config), {f"model/{k}": v for k, v in weights.items()}, step, trained_on
     if source.endswith(".safetensors"):
         weights, model_config, trained_on = checkpoint.read_exported(source)

@@ -58,6 +58,32 @@ def test_standalone_eval_matches_the_runs_final_evaluation(demo_path, tmp_path, 
     assert result["accuracy"] == pytest.approx(trained["final"]["accuracy"])
 
 
+def test_eval_of_a_run_trained_on_a_subset_reads_every_test_puzzle_unless_told(demo_path, tmp_path, capsys):
+    """A run trained with --eval.max-examples 8 (its training-time evaluations' subset):
+    `train.py eval --init-from RUN` reads all 40 of the demo's test puzzles, as the run's own final
+    evaluation does, and says so on its lines and in metrics.json; --eval.max-examples on the eval
+    command line is the subset it reads."""
+    run_dir = tmp_path / "run"
+    trained = train.main(parse_config(["demo", "--data.path", demo_path, "--eval.max-examples", "8",
+                                       *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2")]))
+    assert trained["final"]["count"] == 40
+    capsys.readouterr()
+    cache = ["--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache")]
+    assert train.command_line(["eval", "--init-from", str(run_dir), *cache]) == 0
+    out = capsys.readouterr().out
+    assert f"evaluating {run_dir} (step 2) on 40 examples" in out
+    assert "K1-noise0-D4: 40 puzzles" in out and "on 40 puzzles" in out.splitlines()[-1]
+    saved = json.loads((run_dir / "test-time" / "K1-noise0-D4" / "metrics.json").read_text())
+    assert (saved["num_puzzles"], saved["count"], saved["max_examples"]) == (40, 40, None)
+    assert saved["exact_accuracy"] == pytest.approx(trained["final"]["exact_accuracy"])
+    # A subset given on the command line is read, and evaluated anew (not the 40's result).
+    assert train.command_line(["eval", "--init-from", str(run_dir), *cache, "--eval.max-examples", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped" not in out and "K1-noise0-D4: 8 puzzles" in out
+    saved = json.loads((run_dir / "test-time" / "K1-noise0-D4" / "metrics.json").read_text())
+    assert (saved["num_puzzles"], saved["count"], saved["max_examples"]) == (8, 8, 8)
+
+
 def test_eval_refuses_a_dataset_the_checkpoint_does_not_fit(demo_path, tmp_path):
     run_dir = tmp_path / "run"
     train.main(parse_config(["demo", "--data.path", demo_path,
