@@ -7,8 +7,12 @@ its flags name (testtime/settings.py: K trajectories, noise, depth D, noise late
 
 Every example of the test split is read unless --eval.max-examples is given on this command line
 (a run's training-time subset is not kept); each line and metrics.json (num_puzzles) say how many
-puzzles were read. run.dir is the weights' own run directory unless --run.dir says otherwise. Nothing is written
-into the run's own eval/: a test-time evaluation never replaces a training evaluation.
+puzzles were read. Without --run.dir, a run directory's results go into that directory, as it was
+given (local or gs://: a copy of a run is evaluated into the copy, never into the run.dir of its
+saved config); a checkpoint directory's into its run; a model file or directory's (model.safetensors,
+train.py export --format reference, a reference checkpoint) into MODEL.eval/ beside it, never a
+preset's shared runs/ directory. The first and last lines say where. Nothing is written into the
+run's own eval/: a test-time evaluation never replaces a training evaluation.
 
 A setting's metrics.json records what was read (testtime/identity.py): the weights' fingerprint
 (sha256 over their tensors), the test split's fingerprint (its contents, not its path), the
@@ -75,14 +79,14 @@ def evaluate_command(argv: list[str]) -> dict:
                                           config.eval.max_examples, config.run.seed)
     trainer.init_carries(sharding.host_batch_to_global(first.batch(0), mesh))
     sharding.sync()
+    root = storage.join_url(config.run.dir, testtime_settings.DIR)
     say(f"evaluating {source} (step {step}) on {first.num_examples} examples of {config.data.path} "
         f"on {device_kind} ({len(first)} batches at K=1), at {len(settings)} test-time setting(s): "
-        + ", ".join(p.name for p in settings), flush=True)
+        + ", ".join(p.name for p in settings) + f"; results into {root}", flush=True)
     started = time.time()
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
     rows = evaluate_settings(trainer, test_set, config, settings, step, source, identity, data_index, data_count,
                              arc, lambda *a, **k: say(*a, flush=True))
-    root = storage.join_url(config.run.dir, testtime_settings.DIR)
     if sharding.is_main_process():
         done = [r for r in curve.saved_settings(config.run.dir) if all(r.get(k) == v for k, v in identity.items())]
         say(f"accuracy against test-time compute ({device_kind}; every setting of {root} with these weights and "

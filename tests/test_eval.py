@@ -115,10 +115,52 @@ def test_two_models_exported_at_one_step_each_report_their_own_numbers(demo_path
             assert "skipped" not in capsys.readouterr().out, (flags, i)
             assert (result["weights"], result["accuracy"], result["exact_accuracy"]) == \
                 (alone[i]["weights"], alone[i]["accuracy"], alone[i]["exact_accuracy"]), (flags, i)
+        if not flags:  # each beside its file, never the preset's runs/demo under the working directory
+            assert not (tmp_path / "runs").exists()
+            for m in models:
+                assert json.loads(open(f"{m}.eval/test-time/K1-noise0-D4/metrics.json").read())["weights"] == \
+                    alone[models.index(m)]["weights"]
     # The same weights again, into the directory that holds their result: done, skipped.
     assert evaluate_command(["demo", "--init-from", models[0], *cache, "--run.dir", str(tmp_path / "alone0")]) \
         == alone[0]
     assert "done with these weights" in capsys.readouterr().out
+
+
+def files_of(directory) -> dict:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_copied_run_is_evaluated_into_the_copy_and_the_original_is_unchanged(where, demo_path, tmp_path, capsys,
+                                                                                 request):
+    """A run copied to a second directory (local, or gs:// through the emulator) and evaluated
+    without --run.dir: the results are in the copy (the directory given, not the run.dir of its
+    saved config), the output says so, and the original is byte for byte unchanged. A checkpoint
+    directory of the copy is evaluated into the copy too."""
+    run_dir = tmp_path / "run"
+    train.main(parse_config(["demo", "--data.path", demo_path, *small(run_dir, tmp_path / "cache",
+                                                                      "--optim.max-steps", "2")]))
+    original = files_of(run_dir)
+    if where == "local":
+        copy = str(tmp_path / "copy")
+        shutil.copytree(run_dir, copy)
+    else:
+        copy = request.getfixturevalue("gcs_url") + "/runs/copy"
+        from rundir import storage
+        storage.upload_dir(str(run_dir), copy)
+    capsys.readouterr()
+    cache = ["--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache")]
+    result = evaluate_command(["--init-from", copy, *cache])
+    out = capsys.readouterr().out
+    assert f"results into {copy}/test-time" in out and f"saved under {copy}/test-time" in out.splitlines()[-1]
+    from testtime import curve
+    assert curve.read_metrics(f"{copy}/test-time/K1-noise0-D4") == result
+    assert files_of(run_dir) == original
+    if where == "local":
+        step_dir = next((tmp_path / "copy" / "checkpoints").iterdir())
+        assert evaluate_command(["--init-from", str(step_dir), *cache]) == result  # done in the copy
+        assert "skipped" in capsys.readouterr().out
+        assert files_of(run_dir) == original
 
 
 def test_an_evaluations_identity_is_the_contents_it_read_not_their_names(demo_path, tmp_path):
