@@ -40,14 +40,15 @@ from tpu_costs.slices import SliceSpec, slice_spec
 from training.schedule import run_schedule
 
 
-def read_study(url: str) -> tuple[list, str]:
-    """(the runs, the text) of a study file (local or gs://); exits with every problem."""
+def read_study(url: str, extra_flags: tuple[str, ...] | list[str] = ()) -> tuple[list, str]:
+    """(the runs, the text) of a study file (local or gs://), with `extra_flags` (the flags after
+    -- of `run`) checked against its evaluations' settings; exits with every problem."""
     try:
         text = storage.read_bytes(url).decode()
     except (storage.StorageError, OSError) as e:
         raise SystemExit(f"error: cannot read the study file {url}: {e}")
     try:
-        return parse_study(text, url), text
+        return parse_study(text, url, extra_flags), text
     except StudyError as e:
         raise SystemExit("error: " + str(e).replace("\n", "\nerror: "))
 
@@ -238,7 +239,7 @@ def plan_on_cpu(args, runs: list, sizes: dict, configs: dict) -> int:
 def run(args) -> int:
     from fleet.runner import StudyRunner
 
-    runs, text = read_study(args.study)
+    runs, text = read_study(args.study, args.train_flags)
     if args.lease_s <= 0:
         raise SystemExit(f"error: --lease-s {args.lease_s:g} must be above 0 (seconds; default 120)")
     if args.worker < 0 or (args.worker and not args.whole_slice):

@@ -194,27 +194,50 @@ def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers:
     return {f"model/{k}": v for k, v in model.state_dict().items()}
 
 
+RESULTS_SUFFIX = ".eval"
+"""The results directory of a model file or directory evaluated without --run.dir: MODEL.eval/
+beside it (models/a.safetensors -> models/a.safetensors.eval/)."""
+
+
+def results_dir(source: str, checkpoint_url: str | None = None) -> str:
+    """Where the evaluation of `source` writes without --run.dir: a run directory's own (the
+    directory it was read from, local or gs://, never the run.dir of its saved config); a
+    checkpoint directory's run (RUN of RUN/checkpoints/step_N); a model file or directory,
+    SOURCE.eval beside it (never the preset's shared runs/ directory). `checkpoint_url`: the
+    checkpoint read, when `source` is a run or checkpoint directory."""
+    source = source.rstrip("/")
+    if checkpoint_url is not None and checkpoint_url.rstrip("/") == source:
+        parent, _, _ = source.rpartition("/")
+        if parent.rsplit("/", 1)[-1] == "checkpoints":
+            return parent.rpartition("/")[0]
+        return source + RESULTS_SUFFIX
+    return source if checkpoint_url is not None else source + RESULTS_SUFFIX
+
+
 def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     """(config, `model/*` weights, step, fingerprint of the identifiers the weights were trained
     on or None) from a run directory or checkpoint (EMA weights and the run's config), a model
     directory (train.py export --format reference: the run's config), an exported
     model.safetensors (its model config) or a reference checkpoint (the sizes its tensors show,
     the settings of an all_config.yaml beside it, the rest from the preset `base`); `overrides`
-    (command-line flags) apply on top."""
+    (command-line flags) apply on top. eval.max_examples is None (every test example, as a
+    run's final evaluation reads) unless `overrides` set it: never the run's or the preset's
+    training-time subset. run.dir is `results_dir` unless `overrides` set it."""
     from reference.weights import reference_config
 
     base = with_arch(base, arch_in(overrides))
-    def with_overrides(config: Config) -> Config:
+    def with_overrides(config: Config, checkpoint_url: str | None = None) -> Config:
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, max_examples=None),
+                                     run=dataclasses.replace(config.run, dir=results_dir(source, checkpoint_url)))
         return tyro.cli(Config, default=config, args=overrides)
 
     from reference.model_dir import config_from_all_config, files_beside_checkpoint, read_model_dir
 
     exported = read_model_dir(source)
-    if exported:  # evaluated as the run's final evaluation: every test example
+    if exported:
         weights, saved, step, trained_on = exported
         config = config_from_dict(saved)
-        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, max_examples=None),
-                                     run=dataclasses.replace(config.run, dir=base.run.dir, init_from=None))
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, init_from=None))
         return with_overrides(config), {f"model/{k}": v for k, v in weights.items()}, step, trained_on
     if source.endswith(".safetensors"):
         weights, model_config, trained_on = checkpoint.read_exported(source)
@@ -228,7 +251,7 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
         ema, state, url = found
         print(f"evaluating the EMA weights of {url} (step {state['step']})", flush=True)
         weights = {f"model/{k}": v for k, v in ema.items()}
-        config = with_overrides(config_from_dict(state["config"]))
+        config = with_overrides(config_from_dict(state["config"]), url)
         return config, weights, state["step"], state.get("dataset_identifiers")
     # A reference checkpoint: its table must fit the dataset as it is (no resizing for evaluation).
     from reference.weights import load_reference_state_dict

@@ -313,8 +313,9 @@ def scaling_settings(text: str, runs: list[StudyRun]) -> dict[str, dict[testtime
 DIRECTIVES = ("@dataset", "@paper", "@test-time")
 
 
-def parse_study(text: str, source: str = "study") -> list[StudyRun]:
-    """Every run of a study file, checked: StudyError lists each problem as SOURCE:LINE: ..."""
+def parse_study(text: str, source: str = "study", extra_flags: tuple[str, ...] | list[str] = ()) -> list[StudyRun]:
+    """Every run of a study file, checked: StudyError lists each problem as SOURCE:LINE: ...
+    `extra_flags`: the flags after -- of `study.py run`, which go to every train.py (flag_conflicts)."""
     runs, problems, papers, grids = [], [], [], []
     for number, line in _lines(text):
         directive = line.split()[0] if line.lstrip().startswith("@") else None
@@ -345,6 +346,7 @@ def parse_study(text: str, source: str = "study") -> list[StudyRun]:
                             f"{seen[run.name]}); names must be unique")
         seen.setdefault(run.name, run.line)
         problems += [f"{source}:line {run.line}: {run.name}: {p}" for p in run_problems(run)]
+    problems += [f"{source}:{p}" for p in flag_conflicts(grids, runs, extra_flags)]
     if not problems:
         problems += [f"{source}:{p}" for p in scaling_problems(grids, runs)]
     if not runs and not problems:
@@ -408,6 +410,44 @@ def scaling_problems(grids: list[ScalingGrid], runs: list[StudyRun]) -> list[str
                 except ConfigError as e:
                     problems += [f"line {grid.line}: @test-time: {run.configuration} at {setting.name}: {p}"
                                  for p in str(e).split("\nerror: ")]
+    return problems
+
+
+def given_flags(flags: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """{flag name, dashes for underscores: the flag as given, with its value} of a train.py command line."""
+    found = {}
+    for i, word in enumerate(flags):
+        if not word.startswith("--"):
+            continue
+        name, equals, _ = word.partition("=")
+        value = "" if equals or i + 1 == len(flags) or flags[i + 1].startswith("--") else " " + flags[i + 1]
+        found[name.replace("_", "-")] = word + value
+    return found
+
+
+def flag_conflicts(grids: list[ScalingGrid], runs: list[StudyRun], extra_flags: tuple[str, ...] | list[str]
+                   ) -> list[str]:
+    """'line N: @test-time: FLAG after -- conflicts with FLAG VALUES ...' for each flag after -- of
+    `study.py run` that sets what an evaluation of a `@test-time` line (applying to a run) sets:
+    it would come after the evaluation's own flag and win, so its metrics would land in another
+    setting's directory and the setting would never be done. --optim.global-batch-size conflicts
+    only with a line's batch= (without it the evaluations read the run's batch, which the flag set)."""
+    given = given_flags(extra_flags)
+    problems = []
+    for grid in grids:
+        if not any(grid.applies_to(run) for run in runs):
+            continue
+        sets = {"--eval.trajectories": ",".join(str(k) for k in grid.ks),
+                "--eval.noise": ",".join(f"{n:g}" for n in grid.noises),
+                "--eval.act-steps": ",".join(str(d) for d in grid.depths) if grid.depths else
+                "(each run's halt_max_steps)",
+                "--eval.noise-latent": ",".join(grid.latents)}
+        if grid.batch is not None:
+            sets["--optim.global-batch-size"] = str(grid.batch)
+        problems += [f"line {grid.line}: @test-time: {given[flag]} after -- conflicts with {flag} {values}, which "
+                     "this line's evaluations set (the flag after -- would win: the metrics would land in another "
+                     "setting's directory and the setting would never be done); drop it from the flags after -- "
+                     "or change the line" for flag, values in sets.items() if flag in given]
     return problems
 
 

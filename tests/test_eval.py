@@ -58,6 +58,139 @@ def test_standalone_eval_matches_the_runs_final_evaluation(demo_path, tmp_path, 
     assert result["accuracy"] == pytest.approx(trained["final"]["accuracy"])
 
 
+def test_eval_of_a_run_trained_on_a_subset_reads_every_test_puzzle_unless_told(demo_path, tmp_path, capsys):
+    """A run trained with --eval.max-examples 8 (its training-time evaluations' subset):
+    `train.py eval --init-from RUN` reads all 40 of the demo's test puzzles, as the run's own final
+    evaluation does, and says so on its lines and in metrics.json; --eval.max-examples on the eval
+    command line is the subset it reads."""
+    run_dir = tmp_path / "run"
+    trained = train.main(parse_config(["demo", "--data.path", demo_path, "--eval.max-examples", "8",
+                                       *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2")]))
+    assert trained["final"]["count"] == 40
+    capsys.readouterr()
+    cache = ["--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache")]
+    assert train.command_line(["eval", "--init-from", str(run_dir), *cache]) == 0
+    out = capsys.readouterr().out
+    assert f"evaluating {run_dir} (step 2) on 40 examples" in out
+    assert "K1-noise0-D4: 40 puzzles" in out and "on 40 puzzles" in out.splitlines()[-1]
+    saved = json.loads((run_dir / "test-time" / "K1-noise0-D4" / "metrics.json").read_text())
+    assert (saved["num_puzzles"], saved["count"], saved["max_examples"]) == (40, 40, None)
+    assert saved["exact_accuracy"] == pytest.approx(trained["final"]["exact_accuracy"])
+    # A subset given on the command line is read, and evaluated anew (not the 40's result).
+    assert train.command_line(["eval", "--init-from", str(run_dir), *cache, "--eval.max-examples", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped" not in out and "K1-noise0-D4: 8 puzzles" in out
+    saved = json.loads((run_dir / "test-time" / "K1-noise0-D4" / "metrics.json").read_text())
+    assert (saved["num_puzzles"], saved["count"], saved["max_examples"]) == (8, 8, 8)
+
+
+def two_exported_models(demo_path, tmp_path):
+    """Two demo runs of seeds 0 and 1, each trained 2 steps and exported (`train.py export`) at that
+    one step: their model.safetensors files."""
+    exported = []
+    for seed in (0, 1):
+        run_dir = tmp_path / f"seed{seed}"
+        train.main(parse_config(["demo", "--data.path", demo_path, "--run.seed", str(seed),
+                                 *small(run_dir, tmp_path / "cache", "--optim.max-steps", "2")]))
+        exported.append(str(tmp_path / f"seed{seed}.safetensors"))
+        assert train.command_line(["export", str(run_dir), "--out", exported[-1]]) == 0
+    return exported
+
+
+def test_two_models_exported_at_one_step_each_report_their_own_numbers(demo_path, tmp_path, monkeypatch, capsys):
+    """Two models exported at step 2, evaluated one after the other from one directory, without
+    --run.dir and then into one --run.dir: each reports its own numbers (those it gives evaluated
+    alone), never the other's metrics found "done" there; metrics.json names the weights read."""
+    models = two_exported_models(demo_path, tmp_path)
+    cache = ["--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache")]
+    alone = [evaluate_command(["demo", "--init-from", m, *cache, "--run.dir", str(tmp_path / f"alone{i}")])
+             for i, m in enumerate(models)]
+    assert alone[0]["weights"] != alone[1]["weights"] and alone[0]["data"] == alone[1]["data"]
+    assert alone[0]["accuracy"] != alone[1]["accuracy"]
+    monkeypatch.chdir(tmp_path)
+    for flags, order in (([], (0, 1)), (["--run.dir", str(tmp_path / "shared")], (0, 1, 0))):
+        for i in order:
+            capsys.readouterr()
+            result = evaluate_command(["demo", "--init-from", models[i], *cache, *flags])
+            assert "skipped" not in capsys.readouterr().out, (flags, i)
+            assert (result["weights"], result["accuracy"], result["exact_accuracy"]) == \
+                (alone[i]["weights"], alone[i]["accuracy"], alone[i]["exact_accuracy"]), (flags, i)
+        if not flags:  # each beside its file, never the preset's runs/demo under the working directory
+            assert not (tmp_path / "runs").exists()
+            for m in models:
+                assert json.loads(open(f"{m}.eval/test-time/K1-noise0-D4/metrics.json").read())["weights"] == \
+                    alone[models.index(m)]["weights"]
+    # The same weights again, into the directory that holds their result: done, skipped.
+    assert evaluate_command(["demo", "--init-from", models[0], *cache, "--run.dir", str(tmp_path / "alone0")]) \
+        == alone[0]
+    assert "done with these weights" in capsys.readouterr().out
+
+
+def files_of(directory) -> dict:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_a_copied_run_is_evaluated_into_the_copy_and_the_original_is_unchanged(where, demo_path, tmp_path, capsys,
+                                                                                 request):
+    """A run copied to a second directory (local, or gs:// through the emulator) and evaluated
+    without --run.dir: the results are in the copy (the directory given, not the run.dir of its
+    saved config), the output says so, and the original is byte for byte unchanged. A checkpoint
+    directory of the copy is evaluated into the copy too."""
+    run_dir = tmp_path / "run"
+    train.main(parse_config(["demo", "--data.path", demo_path, *small(run_dir, tmp_path / "cache",
+                                                                      "--optim.max-steps", "2")]))
+    original = files_of(run_dir)
+    if where == "local":
+        copy = str(tmp_path / "copy")
+        shutil.copytree(run_dir, copy)
+    else:
+        copy = request.getfixturevalue("gcs_url") + "/runs/copy"
+        from rundir import storage
+        storage.upload_dir(str(run_dir), copy)
+    capsys.readouterr()
+    cache = ["--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache")]
+    result = evaluate_command(["--init-from", copy, *cache])
+    out = capsys.readouterr().out
+    assert f"results into {copy}/test-time" in out and f"saved under {copy}/test-time" in out.splitlines()[-1]
+    from testtime import curve
+    assert curve.read_metrics(f"{copy}/test-time/K1-noise0-D4") == result
+    assert files_of(run_dir) == original
+    if where == "local":
+        step_dir = next((tmp_path / "copy" / "checkpoints").iterdir())
+        assert evaluate_command(["--init-from", str(step_dir), *cache]) == result  # done in the copy
+        assert "skipped" in capsys.readouterr().out
+        assert files_of(run_dir) == original
+
+
+def test_an_evaluations_identity_is_the_contents_it_read_not_their_names(demo_path, tmp_path):
+    """The weights' fingerprint is their tensors' bytes (with or without the `model/` prefix); the
+    test split's is its contents: a copy at another path is the same data, one label changed is not."""
+    from testtime import identity
+
+    test_set = data.open_dataset(demo_path, "test")
+    fingerprint = identity.data_fingerprint(test_set, data.identifiers_fingerprint(demo_path))
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_path, copy)
+    assert identity.data_fingerprint(data.open_dataset(str(copy), "test"),
+                                     data.identifiers_fingerprint(str(copy))) == fingerprint
+    labels_file = next((copy / "test").glob("*__labels.npy"))
+    labels = np.load(labels_file)
+    labels[0, 0] = labels[0, 1] if labels[0, 0] != labels[0, 1] else labels[0, 0] + 1
+    np.save(labels_file, labels)
+    assert identity.data_fingerprint(data.open_dataset(str(copy), "test"),
+                                     data.identifiers_fingerprint(str(copy))) != fingerprint
+    weights = model.TRM(model.TRMConfig(seq_len=16, vocab_size=6, hidden_size=32, puzzle_emb_ndim=32,
+                                        num_heads=2)).state_dict()
+    ours = identity.weights_fingerprint(weights)
+    assert identity.weights_fingerprint({f"model/{k}": v for k, v in weights.items()}) == ours
+    changed = dict(weights)
+    name = next(iter(changed))
+    changed[name] = changed[name].clone()
+    changed[name].view(-1)[0] += 1
+    assert identity.weights_fingerprint(changed) != ours
+
+
 def test_eval_refuses_a_dataset_the_checkpoint_does_not_fit(demo_path, tmp_path):
     run_dir = tmp_path / "run"
     train.main(parse_config(["demo", "--data.path", demo_path,

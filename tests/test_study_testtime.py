@@ -53,6 +53,42 @@ def test_grid_lines_expand_per_configuration_and_bad_values_are_refused():
             parse_study(f"w demo\n{line}\n")
 
 
+def test_a_flag_after_dashes_that_sets_an_evaluations_setting_is_refused_when_the_study_plans(tmp_path,
+                                                                                              monkeypatch):
+    """`study.py run STUDY -- --eval.trajectories 4`: the flags after -- go after each evaluation's own
+    --eval.trajectories / --eval.noise / --eval.act-steps / --eval.noise-latent / --optim.global-batch-size
+    and would win, its metrics landing in another setting's directory, never done. Refused before
+    anything runs, naming both flags and the @test-time line; flags no evaluation sets pass."""
+    import study as study_cli
+    from fleet import runner as fleet_runner
+
+    text = "w demo --model.puzzle-emb-ndim 32\n\n@test-time K=1,16 noise=0,0.3 D=2,4 batch=256\n"
+    path = tmp_path / "study.txt"
+    path.write_text(text)
+    started = []
+    monkeypatch.setattr(fleet_runner, "StudyRunner", lambda *a, **k: started.append(a) or pytest.fail("it ran"))
+    with pytest.raises(SystemExit) as refused:
+        study_cli.main(["run", str(path), "--out", str(tmp_path / "out"), "--", "--run.device", "cpu",
+                        "--eval.trajectories", "4"])
+    assert not started and not (tmp_path / "out").exists()
+    assert f"{path}:line 3: @test-time: --eval.trajectories 4 after -- conflicts with --eval.trajectories 1,16" \
+        in str(refused.value)
+    conflicts = {
+        ("--eval.noise=0.5",): "--eval.noise=0.5 after -- conflicts with --eval.noise 0,0.3",
+        ("--eval.act-steps", "8"): "--eval.act-steps 8 after -- conflicts with --eval.act-steps 2,4",
+        ("--eval.noise_latent", "z_H"): "--eval.noise_latent z_H after -- conflicts with --eval.noise-latent z_L",
+        ("--optim.global-batch-size", "64"): "--optim.global-batch-size 64 after -- conflicts with "
+                                             "--optim.global-batch-size 256",
+    }
+    for flags, message in conflicts.items():
+        with pytest.raises(StudyError, match=re.escape(f"study:line 3: @test-time: {message}")):
+            parse_study(text, extra_flags=flags)
+    parse_study(text, extra_flags=("--run.device", "cpu", "--eval.arc", "False"))
+    # the run's own batch (no batch=): --optim.global-batch-size after -- sets the run's, which its
+    # evaluations read, so it is no conflict
+    parse_study("w demo\n@test-time K=4 noise=1\n", extra_flags=("--optim.global-batch-size", "64"))
+
+
 def test_each_evaluation_is_a_train_py_eval_of_its_run_claimed_after_training_most_act_steps_first(demo_path):
     text = (f"w demo --data.path {demo_path} --model.hidden-size {{32,64}} --model.puzzle-emb-ndim 32\n"
             "@test-time K=1,8 noise=0.3 D=2,4 latent=z_L,both\n@test-time w-64 K=8 noise=0.3 D=4 batch=256\n")

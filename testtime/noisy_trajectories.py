@@ -21,8 +21,10 @@ Selection, after every ACT step (the answer scored is the one chosen at the last
 - best-Q: the trajectory that the arch's halting rule most wants to halt (TRMConfig.halt_score:
   q_halt, or q_halt - q_continue for archs that halt on q_halt > q_continue); ties: the lowest
   trajectory index. Its answer gives the evaluation's usual metrics (exact_accuracy, accuracy...).
-- mode@K: the most frequent whole answer (the predicted token sequence, every position) among the
-  K; ties between answers broken by the best score among their trajectories, then the index.
+- mode@K: the most frequent answer among the K, an answer being the predicted tokens on the
+  labelled cells (labels != IGNORE_LABEL_ID; every cell for Sudoku and Maze, the grid and its
+  end-of-grid border for ARC, whose padding predictions do not split the votes); ties between
+  answers broken by the best score among their trajectories, then the index.
 - pass@K: solved when any trajectory's answer is exact (an oracle: it reads the labels).
 K=1 without noise at the model's depth is not routed here at all: it is the reference's
 evaluation, bit for bit.
@@ -147,10 +149,14 @@ class Trajectories:
         """Bool [puzzles, K]: each puzzle's best-Q trajectory, the first with the highest score."""
         return _first_of(self.groups(scores), lambda q: q == q.max(1, keepdim=True).values)
 
-    def mode(self, predictions: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """Bool [puzzles, K]: a trajectory of each puzzle's most frequent whole answer; ties between
-        answers go to the one with the best score, then to the lowest index."""
-        answers = self.groups(predictions).flatten(2)
+    def mode(self, predictions: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Bool [puzzles, K]: a trajectory of each puzzle's most frequent answer; ties between
+        answers go to the one with the best score, then to the lowest index. An answer is the
+        predicted tokens on the labelled cells (`valid`, bool like predictions: labels !=
+        IGNORE_LABEL_ID): answers that differ only where no label is read (ARC's padding outside
+        the grid) are one answer, as ARC's voter, which crops to the grid, counts them. Static
+        shapes: the unlabelled cells are zeroed, not dropped."""
+        answers = self.groups(torch.where(valid, predictions, torch.zeros_like(predictions))).flatten(2)
         same = (answers.unsqueeze(2) == answers.unsqueeze(1)).all(-1)  # [puzzles, K, K]
         votes = same.sum(-1)
         tied = votes == votes.max(1, keepdim=True).values
@@ -179,7 +185,7 @@ class Trajectories:
         valid = labels != IGNORE_LABEL_ID
         solved = self.groups((valid & (predictions == labels)).sum(-1) == valid.sum(-1))
         counted = self.groups(carry.halted & (valid.sum(-1) > 0))[:, 0]
-        by_mode = (solved & self.mode(predictions, scores)).any(1)
+        by_mode = (solved & self.mode(predictions, scores, valid)).any(1)
         extra = [(counted & by_mode).sum().float(), (counted & solved.any(1)).sum().float()]
         selected = {name: spread(outputs[name], chosen) for name in ("logits", "q_halt_logits", "q_continue_logits")
                     if name in outputs}
