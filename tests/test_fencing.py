@@ -249,8 +249,9 @@ def test_holders_of_one_name_do_not_take_each_others_runs(tmp_path):
     assert first.write("r", 0, "running")
     generation, record = second.current("r")
     assert not second.mine(record) and not second.gone(record) and first.mine(record)
-    ended = subprocess.run([sys.executable, "-c", "import claims, sys; claims.Claims(sys.argv[1], 'vm', 60.0)"
-                            ".write('q', 0, 'running')", out], cwd=PROJECT_DIR, check=True)
+    ended = subprocess.run([sys.executable, "-c", "from fleet import claims; import sys; "
+                            "claims.Claims(sys.argv[1], 'vm', 60.0).write('q', 0, 'running')", out],
+                           cwd=PROJECT_DIR, check=True)
     assert ended.returncode == 0
     assert second.gone(second.current("q")[1])  # its process ended: taken at once
 
@@ -290,8 +291,9 @@ def test_a_fenced_process_stops_when_its_holder_goes_and_never_writes_past_its_d
     """fleet/fencing.py alone: the trainer's side ends its process (exit 76) at the pipe's end of file,
     and its check refuses a change to the run directory past the deadline (other paths pass)."""
     lease = fencing.Lease(time.monotonic() + 60.0, str(tmp_path / "run"))
-    child = subprocess.Popen([sys.executable, "-c", "import time, fencing; fencing.start_from_environment(); "
-                              "print('fenced', flush=True); time.sleep(60)"], cwd=PROJECT_DIR, text=True,
+    child = subprocess.Popen([sys.executable, "-c", "import time; from fleet import fencing; "
+                              "fencing.start_from_environment(); print('fenced', flush=True); time.sleep(60)"],
+                             cwd=PROJECT_DIR, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(lease.read_fd,),
                              env={**os.environ, **lease.child_env()})
     lease.started()
