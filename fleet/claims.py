@@ -188,7 +188,7 @@ class Claims:
             # newest two) while this process still saw `after`: a later one exists, so the claim
             # moved on without us. Our file is below the newest and never read as the claim.
             won = False
-        del self.pending[name]  # answered: a later write is a new one
+        self.pending.pop(name, None)  # answered: a later write is a new one
         if won:
             self.seen[name] = (after + 1, _clock())
             self.started[name] = first

@@ -324,3 +324,174 @@ def test_a_fenced_process_stops_when_its_holder_goes_and_never_writes_past_its_d
     assert sorted(os.listdir(tmp_path / "run")) == ["a"]
     os.close(read_end)
     os.close(write_end)
+
+
+# -- one owner of a claim's state at a time: a renewal stalled in storage past its run's end ----------
+
+class StalledCreates:
+    """Claim writes (fleet/claims.py's create_exclusive) that stall, for the threads a test names,
+    until it releases them: a storage request hanging mid-write."""
+
+    def __init__(self, monkeypatch):
+        self.gates: dict[str, tuple[threading.Event, threading.Event]] = {}
+        real = claims.create_exclusive
+
+        def create(url, payload, **retry):
+            gate = self.gates.pop(threading.current_thread().name, None)
+            if gate:
+                gate[0].set()
+                gate[1].wait(300)
+            return real(url, payload, **retry)
+        monkeypatch.setattr(claims, "create_exclusive", create)
+
+    def arm(self, thread: str) -> tuple[threading.Event, threading.Event]:
+        """(set when the thread's next claim write stalls, set it to let the write go on)"""
+        self.gates[thread] = (threading.Event(), threading.Event())
+        return self.gates[thread]
+
+
+class WatchedLock:
+    """A lock that says which threads had to wait for it."""
+
+    def __init__(self):
+        self.lock, self.waited = threading.Lock(), {}
+
+    def waiting(self, thread: str) -> threading.Event:
+        return self.waited.setdefault(thread, threading.Event())
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.waiting(threading.current_thread().name).set()
+            self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def until(condition, timeout=120.0, what="the condition"):
+    """Poll `condition` (a state, not a time) every 20 ms, up to a generous `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout:g} s"
+        time.sleep(0.02)
+
+
+def in_thread(name, fn):
+    """fn() in a thread named `name`; (the thread, its result: {"value": ...} or {"error": ...})."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            result["error"] = e
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread, result
+
+
+@pytest.fixture
+def stalled_runner(tmp_path, monkeypatch):
+    """A StudyRunner (runs a and b, an 8 s lease) whose trainers are shell scripts that sleep until
+    SIGTERMed, then exit 76 (a trainer that saw its own deadline pass), and a run a whose renewal
+    stalls inside its claim write, begun after its trainer exited and before the study noticed (the
+    study's main thread held there until the renewal is in its write, as a loaded machine can
+    hold it): (runner, the stalls, the watched claim lock, the renewal's release, the renewal
+    thread, the trainers)."""
+    from fleet.plan import StudyRun
+    from fleet.runner import StudyRunner
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\ntrap 'kill $!; exit 76' TERM\nsleep 300 &\ntouch \"$TRM_TEST_READY/$$\"\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TRM_TEST_READY", str(tmp_path))  # each trainer's pid, once it handles SIGTERM
+    a, b = StudyRun("a", "demo", (), 1), StudyRun("b", "demo", (), 2)
+    runner = StudyRunner([a, b], str(tmp_path / "out"), "", holder="h", lease_s=8.0, python=str(fake))
+    runner.claim_lock = lock = WatchedLock()
+    stalls = StalledCreates(monkeypatch)
+    trainers, gate = [], {}
+    launch = runner.launch
+
+    def launched(run):
+        status, last = launch(run)
+        if run is a:  # the renewal's next write starts now, and stalls
+            gate["entered"], gate["release"] = stalls.arm("trm-renew")
+            assert gate["entered"].wait(120), "a's renewal never wrote"
+        return status, last
+    monkeypatch.setattr(runner, "launch", launched)
+    try:
+        assert runner.claim_next([a]) == (a, 1)
+        first, result = in_thread("runner-a", lambda: runner.run_one(a))
+        until(lambda: runner.child is not None and runner.lease is not None, what="a's trainer starting")
+        trainers.append(runner.child)
+        until(lambda: (tmp_path / str(trainers[0].pid)).exists(), what="a's trainer ready")
+        [renewal] = [t for t in threading.enumerate() if t.name == "trm-renew" and t.is_alive()]
+        trainers[0].send_signal(signal.SIGTERM)
+        first.join(120)
+        assert not first.is_alive() and result == {"value": None} and trainers[0].returncode == fencing.EXIT_FENCED
+        assert renewal.is_alive() and not gate["release"].is_set()  # still inside its write
+        yield runner, stalls, lock, gate["release"], renewal, trainers
+    finally:
+        for stall in stalls.gates.values():
+            stall[1].set()
+        if gate:
+            gate["release"].set()
+        for trainer in trainers + [runner.child]:
+            if trainer and trainer.poll() is None:
+                trainer.kill()
+
+
+def test_a_renewal_stalled_past_its_runs_end_leaves_the_next_claim_of_that_run_alone(stalled_runner):
+    """The study claims its own run again while the old renewal is still inside its claim write
+    (the issue's KeyError: both writes shared Claims.pending unlocked, and the study exited 1): the
+    claim waits for the renewal, and the study process claims the run with its state whole."""
+    runner, stalls, lock, release, renewal, _ = stalled_runner
+    a = runner.runs[0]
+    claimed, stall = stalls.arm("claimer")
+    claimer, result = in_thread("claimer", lambda: runner._patiently("claiming a run", lambda: runner.claim_next([a])))
+    until(lambda: claimed.is_set() or lock.waiting("claimer").is_set(), what="the claim's write")
+    release.set()  # the stalled renewal's record lands
+    renewal.join(120)
+    stall.set()
+    claimer.join(120)
+    assert not claimer.is_alive() and "error" not in result, result
+    if result["value"][0] is None:  # its claim lost to the renewal's record: its own, taken at its next look
+        result["value"] = runner.claim_next([a])
+    assert result["value"][0] is a
+    generation, record = runner.claims.current("a")
+    assert result["value"][1] == generation == runner.generation and runner.claims.mine(record)
+
+
+def test_a_renewal_that_loses_after_its_runs_end_does_not_touch_the_next_run(stalled_runner):
+    """Another holder takes run a while a's renewal is stalled; the study claims run b and trains
+    it; the stalled renewal then returns, lost: b's trainer lives and b's lease is renewed (before,
+    the old thread's _lose marked the lease lost, b's renewals stopped, or b's trainer was killed)."""
+    runner, stalls, lock, release, renewal, trainers = stalled_runner
+    a, b = runner.runs
+    other = claims.Claims(runner.out, "other", 8.0)
+    generation = other.current("a")[0]
+    assert other.write("a", generation, "running", took_from="h")  # the stalled renewal's generation
+    claimer, result = in_thread("claimer", lambda: runner.claim_next([b]))
+    until(lambda: not claimer.is_alive() or lock.waiting("claimer").is_set(), what="the claim of b")
+    second = None
+    if not claimer.is_alive():  # (the old code: the claim did not wait for the renewal)
+        second, _ = in_thread("runner-b", lambda: runner.run_one(b))
+        until(lambda: lock.waiting("runner-b").is_set() or runner.child not in (None, trainers[0]),
+              what="b's launch")
+    release.set()
+    renewal.join(120)
+    claimer.join(120)
+    assert result == {"value": (b, 1)}, result
+    if second is None:
+        second, _ = in_thread("runner-b", lambda: runner.run_one(b))
+    until(lambda: runner.child not in (None, trainers[0]) and runner.lease is not None, what="b's trainer")
+    trainers.append(runner.child)
+    until(lambda: os.path.exists(os.path.join(os.environ["TRM_TEST_READY"], str(trainers[1].pid))),
+          what="b's trainer ready")
+    until(lambda: runner.claims.current("b")[0] >= 2 or runner.lost.is_set() or trainers[1].poll() is not None,
+          what="b's first renewal")
+    assert trainers[1].poll() is None and not runner.lost.is_set()
+    assert runner.claims.current("b")[0] >= 2 and runner.claims.current("a")[1]["holder"] == "other"
+    trainers[1].send_signal(signal.SIGTERM)  # b's trainer ends (76: as if fenced)
+    second.join(120)
+    assert not second.is_alive()
