@@ -164,13 +164,35 @@ class Claims:
         seen = self.seen.get(name)
         return seen is not None and seen[0] == generation and _clock() - seen[1] >= self.lease_s
 
-    def write(self, name: str, after: int, state: str, **fields) -> bool:
-        """Write generation after+1 of `name`'s claim as this holder, in `state`: True if it was
-        created (the claim was at generation `after`), False if another process wrote it first:
-        created once, even when an earlier call of the same write failed (StorageError) after its
-        record landed: that call's record is sent again, and found as this process's own.
+    def own(self, name: str, generation: int) -> bool:
+        """Whether generation `generation` of `name`'s claim is there and was written by this
+        process (its instance): one read; False if it cannot be read."""
+        try:
+            record = json.loads(storage.read_bytes(self._url(name, generation), attempts=2,
+                                                   budget_s=self.retry["budget_s"]))
+        except (storage.StorageError, OSError, ValueError):
+            return False
+        return isinstance(record, dict) and self.mine(record)
+
+    def write(self, name: str, after: int, state: str, **fields) -> int | None:
+        """Write generation after+1 of `name`'s claim as this holder, in `state`: the generation
+        written if it was created (the claim was at generation `after`), None if another process
+        wrote it first. Created once, even when an earlier call of the same write failed
+        (StorageError) after its record landed: that call's record is sent again, and found as
+        this process's own. An earlier call of another write whose record landed (a renewal
+        retried after a relaunch names a new trainer; a release follows a renewal whose answer was
+        lost) is found too, by its instance: the claim is this process's at after+1, and this
+        write goes after it (the generation returned is then after+2, or later).
         `time` is for people reading the claims; no rule compares it across VMs."""
         assert state in STATES, state
+        for _ in range(4):  # at most a few earlier writes of ours can have landed unanswered
+            won = self._write_once(name, after, state, fields)
+            if won or not self.own(name, after + 1):
+                return after + 1 if won else None
+            after += 1
+        return None
+
+    def _write_once(self, name: str, after: int, state: str, fields: dict) -> bool:
         what = (after, state, json.dumps(fields, sort_keys=True))
         if name in self.pending and self.pending[name][0] == what:
             _, payload, first = self.pending[name]  # the same write again: the same token

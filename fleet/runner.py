@@ -250,7 +250,7 @@ class StudyRunner:
                     why = ("this process's own, its trainer stopped" if mine else
                            "was held by a process of this machine that ended" if gone else "went stale")
                     self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, {why})")
-                return run, generation + 1
+                return run, self.generation
             held += 1
         return None, held
 
@@ -258,11 +258,12 @@ class StudyRunner:
         """Write generation+1 of `run`'s claim (a claim or a takeover): under the claim lock, so
         that it never overlaps a renewal still under way of the run before; if it won, a new term."""
         with self.claim_lock:
-            if not self.claims.write(run.name, generation, "running", took_from=holder, since=generation + 1):
+            written = self.claims.write(run.name, generation, "running", took_from=holder, since=generation + 1)
+            if not written:
                 return False
             with self.state_lock:
                 self.term += 1
-                self.generation = self.since = generation + 1
+                self.generation = self.since = written
                 self.deadline = self._deadline_after_claim(run)
             return True
 
@@ -292,7 +293,7 @@ class StudyRunner:
                         if done.is_set() or self.lost.is_set() or self.term != term:
                             return  # the run ended meanwhile: the claim's next writer reads what landed
                         if won:
-                            self.generation += 1
+                            self.generation = won
                         else:
                             self._lose(run, "another holder took it over", term)
                             return

@@ -495,3 +495,33 @@ def test_a_renewal_that_loses_after_its_runs_end_does_not_touch_the_next_run(sta
     trainers[1].send_signal(signal.SIGTERM)  # b's trainer ends (76: as if fenced)
     second.join(120)
     assert not second.is_alive()
+
+
+def test_a_renewal_or_release_retried_after_a_relaunch_finds_its_own_record(tmp_path, monkeypatch):
+    """A renewal whose record landed but whose call failed (the listing after it failed), then the
+    run relaunched after exit 75: the next renewal names the new trainer, another record than the
+    one that landed. It finds the landed one as this process's own (its instance) and writes after
+    it, instead of reading it as another holder's (the holder killed its new trainer). A release
+    after such a renewal does the same (it returned False and left the claim running)."""
+    monkeypatch.setattr(storage, "_sleep", lambda s: None)
+    faults = tmp_path / "faults.jsonl"
+    monkeypatch.setenv("TRM_STORAGE_FAULTS", str(faults))
+    out = str(tmp_path / "study")
+    holder, observer = claims.Claims(out, "vm", 60.0), claims.Claims(out, "other", 60.0)
+    assert holder.write("r", 0, "running", since=1) == 1
+
+    def unanswered(after, **fields):  # the record lands; the listing after it fails: the call raises
+        faults.write_text(json.dumps({"what": "listing", "match": "/claims/", "mode": "fail"}) + "\n")
+        with pytest.raises(storage.StorageError, match="injected"):
+            holder.write("r", after, "running", since=1, **fields)
+        faults.write_text("")
+
+    unanswered(1, trainer="100:1")
+    assert holder.write("r", 1, "running", since=1, trainer="200:2") == 3  # the relaunched trainer's renewal
+    generation, record = observer.current("r")
+    assert generation == 3 and record["trainer"] == "200:2" and holder.mine(record)
+    unanswered(3, trainer="200:2")
+    assert holder.write("r", 3, "released") == 5  # the release after it
+    assert observer.current("r")[1]["state"] == "released"
+    assert observer.write("r", 5, "running", took_from="vm") == 6  # anyone may take it at once
+    assert holder.write("r", 5, "running") is None  # another's record is no one's own but its writer's
