@@ -40,6 +40,10 @@ from rundir import storage
 
 _clock = time.monotonic  # this machine's monotonic clock (tests replace it)
 
+CRASHED = {"state": "running", "holder": None, "crashed": True}
+"""What current() reads an empty or unreadable newest generation as: a running claim of an unknown
+holder, whose lease an observer waits out before it takes the run over."""
+
 STATES = ("running", "released", "done", "failed")
 """A claim's states: held under a lease; handed back (stopped, or a relaunch may help: anyone may
 take it at once); finished; failed (tried again by a process started after the failure)."""
@@ -106,6 +110,7 @@ class Claims:
         self.boot, self.process = boot_id(), process_identity(os.getpid())
         self.retry = {"budget_s": max(0.5, lease_s / 8), "attempts": 10}
         """Every claim operation's retries: at most an eighth of the lease (at least half a second)."""
+        self.reported: set[tuple[str, int]] = set()  # (run, generation) of unreadable claims said
         self.pending: dict[str, tuple[tuple, bytes, float]] = {}  # run -> (what, payload, first try) of a failed write
         self.started: dict[str, float] = {}
         """run -> when (time.monotonic) the last write that won was first tried: its lease counts from there."""
@@ -143,16 +148,33 @@ class Claims:
         return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
 
     def current(self, name: str) -> tuple[int, dict] | None:
-        """(generation, record) of run `name`'s newest claim, or None if it was never claimed."""
+        """(generation, record) of run `name`'s newest claim, or None if it was never claimed. A
+        newest generation that stays empty or unreadable (a local write that crashed between its
+        exclusive create and its write) is a running claim of an unknown holder (CRASHED): taken
+        over once its lease goes stale, like any holder's, and reported once."""
+        unreadable = 0
         for _ in range(5):
             generations = self.generations(name)
             if not generations:
                 return None
+            url = self._url(name, generations[-1])
             try:
-                record = json.loads(storage.read_bytes(self._url(name, generations[-1]), attempts=2,
-                                                       budget_s=self.retry["budget_s"]))
-            except (storage.StorageError, OSError, ValueError):
-                continue  # deleted, or a local file still being written: list again
+                record = json.loads(storage.read_bytes(url, attempts=2, budget_s=self.retry["budget_s"]))
+                if not isinstance(record, dict) or "state" not in record:
+                    raise ValueError(f"not a claim's record: {record!r:.80}")
+            except ValueError as e:  # empty, cut short, or not a record: a write still under way, or crashed
+                unreadable += 1
+                if unreadable < 3:
+                    time.sleep(0.05)
+                    continue
+                if (name, generations[-1]) not in self.reported:
+                    self.reported.add((name, generations[-1]))
+                    print(f"claims: {url} is empty or unreadable ({e or type(e).__name__}): a claim write that "
+                          "crashed midway; read as a running claim of an unknown holder, taken over once its "
+                          f"lease ({self.lease_s:g} s) goes stale", flush=True)
+                record = dict(CRASHED, generation=generations[-1])
+            except (storage.StorageError, OSError):
+                continue  # deleted since the listing: list again
             self.seen.setdefault(name, (generations[-1], _clock()))
             if self.seen[name][0] != generations[-1]:
                 self.seen[name] = (generations[-1], _clock())

@@ -249,7 +249,8 @@ class StudyRunner:
                 if state == "running":
                     why = ("this process's own, its trainer stopped" if mine else
                            "was held by a process of this machine that ended" if gone else "went stale")
-                    self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, {why})")
+                    who = holder or "an unknown holder (its claim file empty or unreadable: a write that crashed)"
+                    self.say(f"{run.name}: taking over from {who} (its lease, generation {generation}, {why})")
                 return run, self.generation
             held += 1
         return None, held

@@ -525,3 +525,32 @@ def test_a_renewal_or_release_retried_after_a_relaunch_finds_its_own_record(tmp_
     assert observer.current("r")[1]["state"] == "released"
     assert observer.write("r", 5, "running", took_from="vm") == 6  # anyone may take it at once
     assert holder.write("r", 5, "running") is None  # another's record is no one's own but its writer's
+
+
+def test_an_empty_claim_file_is_a_crashed_write_taken_over_after_a_lease(tmp_path, monkeypatch, capsys):
+    """A crash between a local claim's exclusive create and its write leaves its newest generation
+    empty (before: current() failed five times, the study exited 75, on every relaunch). It reads
+    as a running claim of an unknown holder, said once with the file's name, and the study takes
+    the run over once it has seen that generation for a lease, not before."""
+    from fleet.plan import StudyRun
+    from fleet.runner import StudyRunner
+
+    now = [1000.0]
+    monkeypatch.setattr(claims, "_clock", lambda: now[0])
+    out = tmp_path / "out"
+    empty = out / "study" / "claims" / "a" / "00000001.json"
+    empty.parent.mkdir(parents=True)
+    empty.write_bytes(b"")
+    a = StudyRun("a", "demo", (), 1)
+    runner = StudyRunner([a], str(out), "", holder="h", lease_s=60.0)
+    assert runner.claim_next([a]) == (None, 1)  # held: its lease has not gone stale
+    now[0] += 59.0
+    assert runner.claim_next([a]) == (None, 1)
+    said = capsys.readouterr().out
+    assert said.count(f"claims: {empty} is empty or unreadable") == 1, said
+    now[0] += 1.0
+    assert runner.claim_next([a]) == (a, 2)
+    generation, record = runner.claims.current("a")
+    assert generation == 2 and record["state"] == "running" and runner.claims.mine(record)
+    assert "a: taking over from an unknown holder (its claim file empty or unreadable: a write that crashed) (its " \
+        "lease, generation 1, went stale)" in capsys.readouterr().out
