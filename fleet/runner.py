@@ -77,6 +77,15 @@ def read_status(out: str, name: str) -> dict | None:
     return json.loads(storage.read_bytes(url)) if storage.exists(url) else None
 
 
+def absolute(url: str, base: str | None = None) -> str:
+    """A local path made absolute against `base` (default: this process's directory); a URL as it is.
+    A study resolves its directory once, where it starts: its trainers run in the checkout
+    (PROJECT_DIR), and a relative path would name another directory there."""
+    if "://" in url:
+        return url
+    return os.path.abspath(url if base is None else os.path.join(base, url))
+
+
 def finished(out: str, name: str) -> bool:
     """The run trained all its steps and evaluated (train.py wrote its final.json)."""
     return storage.exists(storage.join_url(out, name, FINAL))
@@ -90,8 +99,8 @@ def run_costs(runs: list[StudyRun]) -> dict[str, float]:
     for run in runs:
         config = run.config()
         if reads_demo_data(config):
-            ensure_demo_data(config.data.path)
-        path = config.data.path
+            ensure_demo_data(absolute(config.data.path, PROJECT_DIR))
+        path = absolute(config.data.path, PROJECT_DIR)  # where its trainer (cwd PROJECT_DIR) reads it
         if path not in sizes:
             try:
                 sizes[path] = dataset_sizes(path)
@@ -114,11 +123,11 @@ class StudyRunner:
     def __init__(self, runs: list[StudyRun], out: str, study_text: str, holder: str | None = None,
                  lease_s: float = 120.0, extra_flags: tuple[str, ...] = (), retries: int = 2,
                  whole_slice: bool = False, worker: int = 0, python: str = sys.executable):
-        self.runs, self.out, self.text = runs, out, study_text
+        self.runs, self.out, self.text = runs, absolute(out), study_text  # trainers run elsewhere: made absolute
         self.holder = holder or default_holder()
         self.lease_s, self.extra, self.retries = lease_s, tuple(extra_flags), retries
         self.whole_slice, self.worker, self.python = whole_slice, worker, python
-        self.claims = Claims(out, self.holder, lease_s)
+        self.claims = Claims(self.out, self.holder, lease_s)
         self.started = time.time()
         self.first_seen: dict[str, int] = {}  # run -> the generation of its claim this process saw first
         self.stopping: str | None = None  # the signal that asked the study to stop
