@@ -89,6 +89,15 @@ def boot_id() -> str:
         return socket.gethostname()
 
 
+def pid_namespace() -> int | None:
+    """This process's PID namespace (the inode of /proc/self/ns/pid), None where it cannot be read:
+    two containers on one machine share its boot id, and each numbers its processes its own way."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def process_identity(pid: int) -> str | None:
     """'PID:START' for a running process of this machine (START: its start in clock ticks since
     boot, so that a reused process id reads as another process), None if none runs as `pid`."""
@@ -107,7 +116,7 @@ class Claims:
         self.out, self.holder, self.lease_s = out, holder, lease_s
         self.seen: dict[str, tuple[int, float]] = {}  # run -> (generation, when this process first saw it)
         self.instance = uuid.uuid4().hex  # this process, whatever its holder name
-        self.boot, self.process = boot_id(), process_identity(os.getpid())
+        self.boot, self.process, self.pidns = boot_id(), process_identity(os.getpid()), pid_namespace()
         self.retry = {"budget_s": max(0.5, lease_s / 8), "attempts": 10}
         """Every claim operation's retries: at most an eighth of the lease (at least half a second)."""
         self.reported: set[tuple[str, int]] = set()  # (run, generation) of unreadable claims said
@@ -120,9 +129,13 @@ class Claims:
         return record.get("instance") == self.instance
 
     def gone(self, record: dict) -> bool:
-        """Whether a claim's record was written by a process of this machine that no longer runs,
-        nor does the trainer it named: its lease can be taken at once."""
+        """Whether a claim's record was written by a process of this machine and of this PID
+        namespace that no longer runs, nor does the trainer it named: its lease can be taken at
+        once. A process of another namespace (another container on this machine: the same boot
+        id, its own process ids) or of an unknown one is never judged by /proc: its lease is waited."""
         if record.get("boot") != self.boot or not record.get("process"):
+            return False
+        if self.pidns is None or record.get("pidns") != self.pidns:
             return False
         for identity in (record.get("process"), record.get("trainer")):
             if identity and process_identity(int(identity.split(":")[0])) == identity:
@@ -222,7 +235,7 @@ class Claims:
             first = _clock()
             record = {"holder": self.holder, "state": state, "time": time.time(), "generation": after + 1,
                       "token": uuid.uuid4().hex, "lease_s": self.lease_s, "instance": self.instance,
-                      "boot": self.boot, "process": self.process, **fields}
+                      "boot": self.boot, "pidns": self.pidns, "process": self.process, **fields}
             payload = json.dumps(record, indent=1).encode()
         self.pending[name] = (what, payload, first)  # until this call returns
         won = create_exclusive(self._url(name, after + 1), payload, **self.retry)

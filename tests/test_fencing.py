@@ -554,3 +554,39 @@ def test_an_empty_claim_file_is_a_crashed_write_taken_over_after_a_lease(tmp_pat
     assert generation == 2 and record["state"] == "running" and runner.claims.mine(record)
     assert "a: taking over from an unknown holder (its claim file empty or unreadable: a write that crashed) (its " \
         "lease, generation 1, went stale)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("pid", ["alive", "dead"])
+def test_holders_in_two_pid_namespaces_of_one_machine_wait_each_others_lease(pid, tmp_path, monkeypatch):
+    """Two study processes in two containers of one machine: one boot id, process ids numbered per
+    PID namespace, so the other's PID read in this namespace's /proc names some process, alive or
+    not, unrelated to it (before: a dead one read as "held by a process of this machine that
+    ended", taken at once; two trainers of a run within 20 s). The namespace is in the identity:
+    neither takes the other's live run before a lease; in one namespace a process that ended is
+    still taken at once."""
+    from fleet.plan import StudyRun
+    from fleet.runner import StudyRunner
+
+    now = [1000.0]
+    monkeypatch.setattr(claims, "_clock", lambda: now[0])
+    out, a = str(tmp_path / "out"), StudyRun("a", "demo", (), 1)
+    other = claims.Claims(out, "pod-1", 60.0)
+    other.pidns = 4026531836 + 17  # injected: another container's namespace (an inode of /proc/self/ns/pid)
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its process id runs nothing here now
+    other.process = claims.process_identity(os.getpid()) if pid == "alive" else f"{ended.pid}:1"
+    assert other.write("a", 0, "running", since=1) == 1
+    runner = StudyRunner([a], out, "", holder="pod-2", lease_s=60.0)
+    record = runner.claims.current("a")[1]
+    assert record["boot"] == runner.claims.boot and not runner.claims.gone(record)
+    assert runner.claim_next([a]) == (None, 1)
+    now[0] += 59.0
+    assert runner.claim_next([a]) == (None, 1)  # not before its lease
+    now[0] += 1.0
+    assert runner.claim_next([a]) == (a, 2)
+    assert record["pidns"] == other.pidns != runner.claims.pidns  # the namespace in the identity
+    if pid == "dead":  # the same namespace: a process that ended is taken at once, as before
+        same = claims.Claims(out, "pod-1", 60.0)
+        same.process = other.process
+        assert same.write("b", 0, "running", since=1) == 1
+        assert runner.claims.gone(runner.claims.current("b")[1])
