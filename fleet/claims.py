@@ -40,6 +40,10 @@ from rundir import storage
 
 _clock = time.monotonic  # this machine's monotonic clock (tests replace it)
 
+CRASHED = {"state": "running", "holder": None, "crashed": True}
+"""What current() reads an empty or unreadable newest generation as: a running claim of an unknown
+holder, whose lease an observer waits out before it takes the run over."""
+
 STATES = ("running", "released", "done", "failed")
 """A claim's states: held under a lease; handed back (stopped, or a relaunch may help: anyone may
 take it at once); finished; failed (tried again by a process started after the failure)."""
@@ -85,6 +89,15 @@ def boot_id() -> str:
         return socket.gethostname()
 
 
+def pid_namespace() -> int | None:
+    """This process's PID namespace (the inode of /proc/self/ns/pid), None where it cannot be read:
+    two containers on one machine share its boot id, and each numbers its processes its own way."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def process_identity(pid: int) -> str | None:
     """'PID:START' for a running process of this machine (START: its start in clock ticks since
     boot, so that a reused process id reads as another process), None if none runs as `pid`."""
@@ -103,9 +116,10 @@ class Claims:
         self.out, self.holder, self.lease_s = out, holder, lease_s
         self.seen: dict[str, tuple[int, float]] = {}  # run -> (generation, when this process first saw it)
         self.instance = uuid.uuid4().hex  # this process, whatever its holder name
-        self.boot, self.process = boot_id(), process_identity(os.getpid())
+        self.boot, self.process, self.pidns = boot_id(), process_identity(os.getpid()), pid_namespace()
         self.retry = {"budget_s": max(0.5, lease_s / 8), "attempts": 10}
         """Every claim operation's retries: at most an eighth of the lease (at least half a second)."""
+        self.reported: set[tuple[str, int]] = set()  # (run, generation) of unreadable claims said
         self.pending: dict[str, tuple[tuple, bytes, float]] = {}  # run -> (what, payload, first try) of a failed write
         self.started: dict[str, float] = {}
         """run -> when (time.monotonic) the last write that won was first tried: its lease counts from there."""
@@ -115,9 +129,13 @@ class Claims:
         return record.get("instance") == self.instance
 
     def gone(self, record: dict) -> bool:
-        """Whether a claim's record was written by a process of this machine that no longer runs,
-        nor does the trainer it named: its lease can be taken at once."""
+        """Whether a claim's record was written by a process of this machine and of this PID
+        namespace that no longer runs, nor does the trainer it named: its lease can be taken at
+        once. A process of another namespace (another container on this machine: the same boot
+        id, its own process ids) or of an unknown one is never judged by /proc: its lease is waited."""
         if record.get("boot") != self.boot or not record.get("process"):
+            return False
+        if self.pidns is None or record.get("pidns") != self.pidns:
             return False
         for identity in (record.get("process"), record.get("trainer")):
             if identity and process_identity(int(identity.split(":")[0])) == identity:
@@ -143,16 +161,33 @@ class Claims:
         return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
 
     def current(self, name: str) -> tuple[int, dict] | None:
-        """(generation, record) of run `name`'s newest claim, or None if it was never claimed."""
+        """(generation, record) of run `name`'s newest claim, or None if it was never claimed. A
+        newest generation that stays empty or unreadable (a local write that crashed between its
+        exclusive create and its write) is a running claim of an unknown holder (CRASHED): taken
+        over once its lease goes stale, like any holder's, and reported once."""
+        unreadable = 0
         for _ in range(5):
             generations = self.generations(name)
             if not generations:
                 return None
+            url = self._url(name, generations[-1])
             try:
-                record = json.loads(storage.read_bytes(self._url(name, generations[-1]), attempts=2,
-                                                       budget_s=self.retry["budget_s"]))
-            except (storage.StorageError, OSError, ValueError):
-                continue  # deleted, or a local file still being written: list again
+                record = json.loads(storage.read_bytes(url, attempts=2, budget_s=self.retry["budget_s"]))
+                if not isinstance(record, dict) or "state" not in record:
+                    raise ValueError(f"not a claim's record: {record!r:.80}")
+            except ValueError as e:  # empty, cut short, or not a record: a write still under way, or crashed
+                unreadable += 1
+                if unreadable < 3:
+                    time.sleep(0.05)
+                    continue
+                if (name, generations[-1]) not in self.reported:
+                    self.reported.add((name, generations[-1]))
+                    print(f"claims: {url} is empty or unreadable ({e or type(e).__name__}): a claim write that "
+                          "crashed midway; read as a running claim of an unknown holder, taken over once its "
+                          f"lease ({self.lease_s:g} s) goes stale", flush=True)
+                record = dict(CRASHED, generation=generations[-1])
+            except (storage.StorageError, OSError):
+                continue  # deleted since the listing: list again
             self.seen.setdefault(name, (generations[-1], _clock()))
             if self.seen[name][0] != generations[-1]:
                 self.seen[name] = (generations[-1], _clock())
@@ -164,13 +199,35 @@ class Claims:
         seen = self.seen.get(name)
         return seen is not None and seen[0] == generation and _clock() - seen[1] >= self.lease_s
 
-    def write(self, name: str, after: int, state: str, **fields) -> bool:
-        """Write generation after+1 of `name`'s claim as this holder, in `state`: True if it was
-        created (the claim was at generation `after`), False if another process wrote it first:
-        created once, even when an earlier call of the same write failed (StorageError) after its
-        record landed: that call's record is sent again, and found as this process's own.
+    def own(self, name: str, generation: int) -> bool:
+        """Whether generation `generation` of `name`'s claim is there and was written by this
+        process (its instance): one read; False if it cannot be read."""
+        try:
+            record = json.loads(storage.read_bytes(self._url(name, generation), attempts=2,
+                                                   budget_s=self.retry["budget_s"]))
+        except (storage.StorageError, OSError, ValueError):
+            return False
+        return isinstance(record, dict) and self.mine(record)
+
+    def write(self, name: str, after: int, state: str, **fields) -> int | None:
+        """Write generation after+1 of `name`'s claim as this holder, in `state`: the generation
+        written if it was created (the claim was at generation `after`), None if another process
+        wrote it first. Created once, even when an earlier call of the same write failed
+        (StorageError) after its record landed: that call's record is sent again, and found as
+        this process's own. An earlier call of another write whose record landed (a renewal
+        retried after a relaunch names a new trainer; a release follows a renewal whose answer was
+        lost) is found too, by its instance: the claim is this process's at after+1, and this
+        write goes after it (the generation returned is then after+2, or later).
         `time` is for people reading the claims; no rule compares it across VMs."""
         assert state in STATES, state
+        for _ in range(4):  # at most a few earlier writes of ours can have landed unanswered
+            won = self._write_once(name, after, state, fields)
+            if won or not self.own(name, after + 1):
+                return after + 1 if won else None
+            after += 1
+        return None
+
+    def _write_once(self, name: str, after: int, state: str, fields: dict) -> bool:
         what = (after, state, json.dumps(fields, sort_keys=True))
         if name in self.pending and self.pending[name][0] == what:
             _, payload, first = self.pending[name]  # the same write again: the same token
@@ -178,7 +235,7 @@ class Claims:
             first = _clock()
             record = {"holder": self.holder, "state": state, "time": time.time(), "generation": after + 1,
                       "token": uuid.uuid4().hex, "lease_s": self.lease_s, "instance": self.instance,
-                      "boot": self.boot, "process": self.process, **fields}
+                      "boot": self.boot, "pidns": self.pidns, "process": self.process, **fields}
             payload = json.dumps(record, indent=1).encode()
         self.pending[name] = (what, payload, first)  # until this call returns
         won = create_exclusive(self._url(name, after + 1), payload, **self.retry)
@@ -188,7 +245,7 @@ class Claims:
             # newest two) while this process still saw `after`: a later one exists, so the claim
             # moved on without us. Our file is below the newest and never read as the claim.
             won = False
-        del self.pending[name]  # answered: a later write is a new one
+        self.pending.pop(name, None)  # answered: a later write is a new one
         if won:
             self.seen[name] = (after + 1, _clock())
             self.started[name] = first

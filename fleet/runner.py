@@ -47,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 from fleet import fencing
 from fleet.claims import Claims, process_identity
@@ -76,6 +77,15 @@ def read_status(out: str, name: str) -> dict | None:
     return json.loads(storage.read_bytes(url)) if storage.exists(url) else None
 
 
+def absolute(url: str, base: str | None = None) -> str:
+    """A local path made absolute against `base` (default: this process's directory); a URL as it is.
+    A study resolves its directory once, where it starts: its trainers run in the checkout
+    (PROJECT_DIR), and a relative path would name another directory there."""
+    if "://" in url:
+        return url
+    return os.path.abspath(url if base is None else os.path.join(base, url))
+
+
 def finished(out: str, name: str) -> bool:
     """The run trained all its steps and evaluated (train.py wrote its final.json)."""
     return storage.exists(storage.join_url(out, name, FINAL))
@@ -89,8 +99,8 @@ def run_costs(runs: list[StudyRun]) -> dict[str, float]:
     for run in runs:
         config = run.config()
         if reads_demo_data(config):
-            ensure_demo_data(config.data.path)
-        path = config.data.path
+            ensure_demo_data(absolute(config.data.path, PROJECT_DIR))
+        path = absolute(config.data.path, PROJECT_DIR)  # where its trainer (cwd PROJECT_DIR) reads it
         if path not in sizes:
             try:
                 sizes[path] = dataset_sizes(path)
@@ -113,11 +123,11 @@ class StudyRunner:
     def __init__(self, runs: list[StudyRun], out: str, study_text: str, holder: str | None = None,
                  lease_s: float = 120.0, extra_flags: tuple[str, ...] = (), retries: int = 2,
                  whole_slice: bool = False, worker: int = 0, python: str = sys.executable):
-        self.runs, self.out, self.text = runs, out, study_text
+        self.runs, self.out, self.text = runs, absolute(out), study_text  # trainers run elsewhere: made absolute
         self.holder = holder or default_holder()
         self.lease_s, self.extra, self.retries = lease_s, tuple(extra_flags), retries
         self.whole_slice, self.worker, self.python = whole_slice, worker, python
-        self.claims = Claims(out, self.holder, lease_s)
+        self.claims = Claims(self.out, self.holder, lease_s)
         self.started = time.time()
         self.first_seen: dict[str, int] = {}  # run -> the generation of its claim this process saw first
         self.stopping: str | None = None  # the signal that asked the study to stop
@@ -128,7 +138,14 @@ class StudyRunner:
         self.deadline = 0.0  # time.monotonic() until which the run under way's trainer may write
         self.lease: fencing.Lease | None = None  # the trainer's end of the lease, while one runs
         self.renewal_failures = 0  # renewals in a row that raised
-        self.claim_lock = threading.Lock()  # the lease's renewals and the claim's last write, one at a time
+        self.claim_lock = threading.Lock()
+        """Every write of a claim by this process (claim_next's, the renewals, the last), one at a time."""
+        self.term = 0
+        """This process's claims, counted: each renewal and deadline thread acts only while the term it was
+        started for is the current one (a stalled renewal of a run that ended never touches the next)."""
+        self.state_lock = threading.Lock()
+        """The term, the trainer and its lease: held for no storage request, so that the deadline's watcher
+        never waits for a stalled write."""
         self.ended = threading.Event()  # the run under way ended: no more renewals
         self.tried: set[str] = set()  # failed runs this process tried again
         self.since = 0  # the generation of the claim under way's first write by this process
@@ -193,15 +210,21 @@ class StudyRunner:
 
     def _patiently(self, what: str, fn):
         """fn() (a claim operation, whose own retries fit in an eighth of the lease), tried again
-        every lease/8 while it raises StorageError, for up to storage.RETRY_BUDGET_S in all."""
+        every lease/8 while it raises, for up to storage.RETRY_BUDGET_S in all. Any exception is
+        retried (an unexpected one is printed with its traceback): past the budget it is raised as
+        a StorageError, so that the study exits 75 and is relaunched, never 1."""
         started = time.monotonic()
         while True:
             try:
                 return fn()
-            except storage.StorageError as e:
+            except Exception as e:  # noqa: BLE001 - the study process outlives any one failure
+                if not isinstance(e, storage.StorageError):
+                    self.say(f"{what} raised an unexpected {type(e).__name__}:\n{traceback.format_exc().rstrip()}")
                 if time.monotonic() - started > storage.RETRY_BUDGET_S:
-                    raise
-                self.say(f"{what} failed ({e}); trying again")
+                    if isinstance(e, storage.StorageError):
+                        raise
+                    raise storage.StorageError(f"{what} failed: {type(e).__name__}: {e}") from e
+                self.say(f"{what} failed ({type(e).__name__}: {e}); trying again")
                 time.sleep(max(0.5, self.lease_s * fencing.RENEW_FRACTION))
 
     def claim_next(self, order: list[StudyRun]) -> tuple[StudyRun | None, int]:
@@ -229,42 +252,61 @@ class StudyRunner:
             mine = state == "running" and self.claims.mine(record)  # its trainer was stopped: the lease lapsed
             gone = state == "running" and (mine or self.claims.gone(record))
             take = state in ("free", "released", "failed") or gone or self.claims.stale(run.name, generation)
-            if take and self.claims.write(run.name, generation, "running", took_from=holder, since=generation + 1):
+            if take and self._claim(run, generation, holder):
                 if state == "failed":
                     self.tried.add(run.name)
                 if state == "running":
                     why = ("this process's own, its trainer stopped" if mine else
                            "was held by a process of this machine that ended" if gone else "went stale")
-                    self.say(f"{run.name}: taking over from {holder} (its lease, generation {generation}, {why})")
-                self.generation = self.since = generation + 1
-                self.deadline = self._deadline_after_claim(run)
-                return run, generation + 1
+                    who = holder or "an unknown holder (its claim file empty or unreadable: a write that crashed)"
+                    self.say(f"{run.name}: taking over from {who} (its lease, generation {generation}, {why})")
+                return run, self.generation
             held += 1
         return None, held
+
+    def _claim(self, run: StudyRun, generation: int, holder: str | None) -> bool:
+        """Write generation+1 of `run`'s claim (a claim or a takeover): under the claim lock, so
+        that it never overlaps a renewal still under way of the run before; if it won, a new term."""
+        with self.claim_lock:
+            written = self.claims.write(run.name, generation, "running", took_from=holder, since=generation + 1)
+            if not written:
+                return False
+            with self.state_lock:
+                self.term += 1
+                self.generation = self.since = written
+                self.deadline = self._deadline_after_claim(run)
+            return True
 
     def _deadline_after_claim(self, run: StudyRun) -> float:
         """The trainer's deadline after a good claim write: half a lease (fencing.LEASE_FRACTION)
         after the write's first try (an earlier write's retry may be what wrote it)."""
         return self.claims.started[run.name] + fencing.LEASE_FRACTION * self.lease_s
 
-    def _renew(self, run: StudyRun, done: threading.Event) -> None:
+    def _renew(self, run: StudyRun, done: threading.Event, term: int) -> None:
         """Renew the lease on `run` every lease/8 until `done`; each good renewal moves the
         trainer's deadline to half a lease after the renewal's start. A renewal that finds a
         generation it did not write has lost the run: its trainer is killed at once, unsaved
         (its new holder resumes the run from the last checkpoint). Any other failure is counted
         and tried again at the next renewal: this thread ends only with the run or the lease,
-        and the deadline's watcher (`_watch_deadline`) stops the trainer if renewals keep failing."""
+        and the deadline's watcher (`_watch_deadline`) stops the trainer if renewals keep failing.
+        It acts only for its own `term`: a renewal that returns after its run ended (a stalled
+        write) changes nothing of the next run's, and kills no trainer."""
         try:
             while not done.wait(self.lease_s * fencing.RENEW_FRACTION):
                 try:
                     with self.claim_lock:
-                        if done.is_set() or self.lost.is_set():
+                        if done.is_set() or self.lost.is_set() or self.term != term:
                             return
                         trainer = process_identity(self.child.pid) if self.child else None
                         won = self.claims.write(run.name, self.generation, "running", since=self.since,
                                                 trainer=trainer)
+                        if done.is_set() or self.lost.is_set() or self.term != term:
+                            return  # the run ended meanwhile: the claim's next writer reads what landed
                         if won:
-                            self.generation += 1
+                            self.generation = won
+                        else:
+                            self._lose(run, "another holder took it over", term)
+                            return
                 except Exception as e:  # noqa: BLE001 - storage, gcsfs, asyncio: all the same here
                     self.renewal_failures += 1
                     if self.renewal_failures in (1, 3) or self.renewal_failures % 20 == 0:
@@ -272,36 +314,41 @@ class StudyRunner:
                         self.say(f"{run.name}: renewing its lease failed ({self.renewal_failures} in a row; "
                                  f"{type(e).__name__}: {e}); its trainer may write for {max(0.0, left):.1f} s more")
                     continue
-                if won:
+                with self.state_lock:
+                    if self.term != term or done.is_set():
+                        return
                     self.renewal_failures = 0
                     self.deadline = max(self.deadline, self._deadline_after_claim(run))
                     if self.lease:
                         self.lease.extend(self.deadline)
-                    continue
-                self._lose(run, "another holder took it over")
-                return
         except BaseException as e:  # never silently: the watcher stops the trainer at the deadline
             self.say(f"{run.name}: the lease's renewals stopped ({type(e).__name__}: {e}); its trainer stops at "
                      "its deadline")
             raise
 
-    def _watch_deadline(self, run: StudyRun, done: threading.Event) -> None:
+    def _watch_deadline(self, run: StudyRun, done: threading.Event, term: int) -> None:
         """Kill the trainer once its deadline has passed (renewals failing or stuck): on this
-        machine's monotonic clock, whatever the renewing thread does."""
+        machine's monotonic clock, whatever the renewing thread does (it takes no lock a claim
+        write holds)."""
         while not done.wait(min(1.0, self.lease_s / 20)):
             if time.monotonic() >= self.deadline and not self.lost.is_set():
                 self._lose(run, f"no renewal succeeded in {fencing.LEASE_FRACTION * self.lease_s:g} s "
-                                f"({self.renewal_failures} failed)")
+                                f"({self.renewal_failures} failed)", term)
                 return
 
-    def _lose(self, run: StudyRun, why: str) -> None:
-        self.lost.set()
-        if self.lease:
-            self.lease.lost()
+    def _lose(self, run: StudyRun, why: str, term: int) -> None:
+        """The lease of `term` is lost: its trainer stops at once. Nothing happens once another
+        term began (the run ended and this process claimed again)."""
+        with self.state_lock:
+            if self.term != term or self.lost.is_set():
+                return
+            self.lost.set()
+            if self.lease:
+                self.lease.lost()
+            child = self.child
+            if child and child.poll() is None:
+                child.kill()
         self.say(f"{run.name}: lease lost ({why}): stopping its train.py at once, without saving")
-        child = self.child
-        if child and child.poll() is None:
-            child.kill()
 
     def release(self, run: StudyRun, state: str) -> None:
         """The claim's last write by this holder: done, failed or released (anyone may take it)."""
@@ -338,7 +385,7 @@ class StudyRunner:
         lease = fencing.Lease(float("inf") if follower else self.deadline, run_dir)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **lease.child_env(),
                    **{LAUNCH_STARTED_ENV: repr(time.time()), STUDY_HOST_ENV: self.holder})  # for its launch record
-        with self.claim_lock:  # a renewal now sends to this child's pipe
+        with self.claim_lock, self.state_lock:  # a renewal now sends to this child's pipe
             try:
                 self.child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                               env=env, cwd=PROJECT_DIR, pass_fds=(lease.read_fd,),
@@ -357,7 +404,7 @@ class StudyRunner:
             if line.startswith(("SIGTERM: stopping", "SIGINT: stopping")):
                 self.child_signalled.set()
         status = self.child.wait()
-        with self.claim_lock:
+        with self.state_lock:
             self.lease = None
         lease.close()
         return status, last
@@ -414,12 +461,14 @@ class StudyRunner:
     def run_one(self, run: StudyRun) -> int | None:
         """Train the run this process holds to its end, renewing its lease; an exit status when the
         study must stop with it, else None."""
-        self.lost.clear()
-        self.ended = threading.Event()
-        self.renewal_failures = 0
+        with self.state_lock:
+            self.lost.clear()
+            self.ended = threading.Event()
+            self.renewal_failures = 0
+            term = self.term
         if not (self.whole_slice and self.worker > 0):
-            threading.Thread(target=self._renew, args=(run, self.ended), daemon=True, name="trm-renew").start()
-            threading.Thread(target=self._watch_deadline, args=(run, self.ended), daemon=True,
+            threading.Thread(target=self._renew, args=(run, self.ended, term), daemon=True, name="trm-renew").start()
+            threading.Thread(target=self._watch_deadline, args=(run, self.ended, term), daemon=True,
                              name="trm-lease-deadline").start()
         try:
             return self._train(run)

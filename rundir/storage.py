@@ -90,6 +90,9 @@ _sleep, _clock = time.sleep, time.monotonic
 MUTATING = ("writing", "creating", "removing", "deleting", "moving")
 """with_retries' operations that change storage: each attempt first asks the fence."""
 _fence: Callable[[str], None] | None = None
+REMOVALS = ("removing", "deleting")
+"""with_retries' removals: "not found" on a retry (an earlier attempt's answer lost) is done, not
+an error; on the first attempt it stays one."""
 
 
 def set_fence(check: Callable[[str], None] | None) -> None:
@@ -293,8 +296,9 @@ def with_retries(what: str, url: str, fn: Callable, attempts: int = 10, first_de
     to RETRY_MAX_DELAY_S), at most `attempts` times and starting no attempt later than
     `budget_s` (default RETRY_BUDGET_S) after the first. A permanent error, or the last attempt,
     raises StorageError naming the URL and the cause, and for credential, permission and
-    connection failures what to do. An attempt under way is bounded by the request timeouts
-    (REQUEST_TIMEOUT_S and gcsfs's own retries), not by the budget."""
+    connection failures what to do. A removal (REMOVALS) that finds nothing on a retry has
+    succeeded: an earlier attempt removed it and its answer was lost. An attempt under way is
+    bounded by the request timeouts (REQUEST_TIMEOUT_S and gcsfs's own retries), not by the budget."""
     budget = RETRY_BUDGET_S if budget_s is None else budget_s
     started, delay = _clock(), first_delay
     for attempt in range(1, attempts + 1):
@@ -302,6 +306,10 @@ def with_retries(what: str, url: str, fn: Callable, attempts: int = 10, first_de
             if what in MUTATING:
                 _check_fence(url, what)
             return _inject(what, url, fn)()
+        except FileNotFoundError as e:
+            if what in REMOVALS and attempt > 1:
+                return None  # an earlier attempt removed it, its answer lost: done
+            raise StorageError(_failure(f"{what} {url} failed", e)) from e
         except _PERMANENT as e:
             raise StorageError(_failure(f"{what} {url} failed", e)) from e
         except Exception as e:  # network, 5xx, 429: worth another try

@@ -249,8 +249,9 @@ def test_holders_of_one_name_do_not_take_each_others_runs(tmp_path):
     assert first.write("r", 0, "running")
     generation, record = second.current("r")
     assert not second.mine(record) and not second.gone(record) and first.mine(record)
-    ended = subprocess.run([sys.executable, "-c", "import claims, sys; claims.Claims(sys.argv[1], 'vm', 60.0)"
-                            ".write('q', 0, 'running')", out], cwd=PROJECT_DIR, check=True)
+    ended = subprocess.run([sys.executable, "-c", "from fleet import claims; import sys; "
+                            "claims.Claims(sys.argv[1], 'vm', 60.0).write('q', 0, 'running')", out],
+                           cwd=PROJECT_DIR, check=True)
     assert ended.returncode == 0
     assert second.gone(second.current("q")[1])  # its process ended: taken at once
 
@@ -290,8 +291,9 @@ def test_a_fenced_process_stops_when_its_holder_goes_and_never_writes_past_its_d
     """fleet/fencing.py alone: the trainer's side ends its process (exit 76) at the pipe's end of file,
     and its check refuses a change to the run directory past the deadline (other paths pass)."""
     lease = fencing.Lease(time.monotonic() + 60.0, str(tmp_path / "run"))
-    child = subprocess.Popen([sys.executable, "-c", "import time, fencing; fencing.start_from_environment(); "
-                              "print('fenced', flush=True); time.sleep(60)"], cwd=PROJECT_DIR, text=True,
+    child = subprocess.Popen([sys.executable, "-c", "import time; from fleet import fencing; "
+                              "fencing.start_from_environment(); print('fenced', flush=True); time.sleep(60)"],
+                             cwd=PROJECT_DIR, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(lease.read_fd,),
                              env={**os.environ, **lease.child_env()})
     lease.started()
@@ -322,3 +324,269 @@ def test_a_fenced_process_stops_when_its_holder_goes_and_never_writes_past_its_d
     assert sorted(os.listdir(tmp_path / "run")) == ["a"]
     os.close(read_end)
     os.close(write_end)
+
+
+# -- one owner of a claim's state at a time: a renewal stalled in storage past its run's end ----------
+
+class StalledCreates:
+    """Claim writes (fleet/claims.py's create_exclusive) that stall, for the threads a test names,
+    until it releases them: a storage request hanging mid-write."""
+
+    def __init__(self, monkeypatch):
+        self.gates: dict[str, tuple[threading.Event, threading.Event]] = {}
+        real = claims.create_exclusive
+
+        def create(url, payload, **retry):
+            gate = self.gates.pop(threading.current_thread().name, None)
+            if gate:
+                gate[0].set()
+                gate[1].wait(300)
+            return real(url, payload, **retry)
+        monkeypatch.setattr(claims, "create_exclusive", create)
+
+    def arm(self, thread: str) -> tuple[threading.Event, threading.Event]:
+        """(set when the thread's next claim write stalls, set it to let the write go on)"""
+        self.gates[thread] = (threading.Event(), threading.Event())
+        return self.gates[thread]
+
+
+class WatchedLock:
+    """A lock that says which threads had to wait for it."""
+
+    def __init__(self):
+        self.lock, self.waited = threading.Lock(), {}
+
+    def waiting(self, thread: str) -> threading.Event:
+        return self.waited.setdefault(thread, threading.Event())
+
+    def __enter__(self):
+        if not self.lock.acquire(blocking=False):
+            self.waiting(threading.current_thread().name).set()
+            self.lock.acquire()
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+
+def until(condition, timeout=120.0, what="the condition"):
+    """Poll `condition` (a state, not a time) every 20 ms, up to a generous `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout:g} s"
+        time.sleep(0.02)
+
+
+def in_thread(name, fn):
+    """fn() in a thread named `name`; (the thread, its result: {"value": ...} or {"error": ...})."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            result["error"] = e
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread, result
+
+
+@pytest.fixture
+def stalled_runner(tmp_path, monkeypatch):
+    """A StudyRunner (runs a and b, an 8 s lease) whose trainers are shell scripts that sleep until
+    SIGTERMed, then exit 76 (a trainer that saw its own deadline pass), and a run a whose renewal
+    stalls inside its claim write, begun after its trainer exited and before the study noticed (the
+    study's main thread held there until the renewal is in its write, as a loaded machine can
+    hold it): (runner, the stalls, the watched claim lock, the renewal's release, the renewal
+    thread, the trainers)."""
+    from fleet.plan import StudyRun
+    from fleet.runner import StudyRunner
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\ntrap 'kill $!; exit 76' TERM\nsleep 300 &\ntouch \"$TRM_TEST_READY/$$\"\nwait\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TRM_TEST_READY", str(tmp_path))  # each trainer's pid, once it handles SIGTERM
+    a, b = StudyRun("a", "demo", (), 1), StudyRun("b", "demo", (), 2)
+    runner = StudyRunner([a, b], str(tmp_path / "out"), "", holder="h", lease_s=8.0, python=str(fake))
+    runner.claim_lock = lock = WatchedLock()
+    stalls = StalledCreates(monkeypatch)
+    trainers, gate = [], {}
+    launch = runner.launch
+
+    def launched(run):
+        status, last = launch(run)
+        if run is a:  # the renewal's next write starts now, and stalls
+            gate["entered"], gate["release"] = stalls.arm("trm-renew")
+            assert gate["entered"].wait(120), "a's renewal never wrote"
+        return status, last
+    monkeypatch.setattr(runner, "launch", launched)
+    try:
+        assert runner.claim_next([a]) == (a, 1)
+        first, result = in_thread("runner-a", lambda: runner.run_one(a))
+        until(lambda: runner.child is not None and runner.lease is not None, what="a's trainer starting")
+        trainers.append(runner.child)
+        until(lambda: (tmp_path / str(trainers[0].pid)).exists(), what="a's trainer ready")
+        [renewal] = [t for t in threading.enumerate() if t.name == "trm-renew" and t.is_alive()]
+        trainers[0].send_signal(signal.SIGTERM)
+        first.join(120)
+        assert not first.is_alive() and result == {"value": None} and trainers[0].returncode == fencing.EXIT_FENCED
+        assert renewal.is_alive() and not gate["release"].is_set()  # still inside its write
+        yield runner, stalls, lock, gate["release"], renewal, trainers
+    finally:
+        for stall in stalls.gates.values():
+            stall[1].set()
+        if gate:
+            gate["release"].set()
+        for trainer in trainers + [runner.child]:
+            if trainer and trainer.poll() is None:
+                trainer.kill()
+
+
+def test_a_renewal_stalled_past_its_runs_end_leaves_the_next_claim_of_that_run_alone(stalled_runner):
+    """The study claims its own run again while the old renewal is still inside its claim write
+    (the issue's KeyError: both writes shared Claims.pending unlocked, and the study exited 1): the
+    claim waits for the renewal, and the study process claims the run with its state whole."""
+    runner, stalls, lock, release, renewal, _ = stalled_runner
+    a = runner.runs[0]
+    claimed, stall = stalls.arm("claimer")
+    claimer, result = in_thread("claimer", lambda: runner._patiently("claiming a run", lambda: runner.claim_next([a])))
+    until(lambda: claimed.is_set() or lock.waiting("claimer").is_set(), what="the claim's write")
+    release.set()  # the stalled renewal's record lands
+    renewal.join(120)
+    stall.set()
+    claimer.join(120)
+    assert not claimer.is_alive() and "error" not in result, result
+    if result["value"][0] is None:  # its claim lost to the renewal's record: its own, taken at its next look
+        result["value"] = runner.claim_next([a])
+    assert result["value"][0] is a
+    generation, record = runner.claims.current("a")
+    assert result["value"][1] == generation == runner.generation and runner.claims.mine(record)
+
+
+def test_a_renewal_that_loses_after_its_runs_end_does_not_touch_the_next_run(stalled_runner):
+    """Another holder takes run a while a's renewal is stalled; the study claims run b and trains
+    it; the stalled renewal then returns, lost: b's trainer lives and b's lease is renewed (before,
+    the old thread's _lose marked the lease lost, b's renewals stopped, or b's trainer was killed)."""
+    runner, stalls, lock, release, renewal, trainers = stalled_runner
+    a, b = runner.runs
+    other = claims.Claims(runner.out, "other", 8.0)
+    generation = other.current("a")[0]
+    assert other.write("a", generation, "running", took_from="h")  # the stalled renewal's generation
+    claimer, result = in_thread("claimer", lambda: runner.claim_next([b]))
+    until(lambda: not claimer.is_alive() or lock.waiting("claimer").is_set(), what="the claim of b")
+    second = None
+    if not claimer.is_alive():  # (the old code: the claim did not wait for the renewal)
+        second, _ = in_thread("runner-b", lambda: runner.run_one(b))
+        until(lambda: lock.waiting("runner-b").is_set() or runner.child not in (None, trainers[0]),
+              what="b's launch")
+    release.set()
+    renewal.join(120)
+    claimer.join(120)
+    assert result == {"value": (b, 1)}, result
+    if second is None:
+        second, _ = in_thread("runner-b", lambda: runner.run_one(b))
+    until(lambda: runner.child not in (None, trainers[0]) and runner.lease is not None, what="b's trainer")
+    trainers.append(runner.child)
+    until(lambda: os.path.exists(os.path.join(os.environ["TRM_TEST_READY"], str(trainers[1].pid))),
+          what="b's trainer ready")
+    until(lambda: runner.claims.current("b")[0] >= 2 or runner.lost.is_set() or trainers[1].poll() is not None,
+          what="b's first renewal")
+    assert trainers[1].poll() is None and not runner.lost.is_set()
+    assert runner.claims.current("b")[0] >= 2 and runner.claims.current("a")[1]["holder"] == "other"
+    trainers[1].send_signal(signal.SIGTERM)  # b's trainer ends (76: as if fenced)
+    second.join(120)
+    assert not second.is_alive()
+
+
+def test_a_renewal_or_release_retried_after_a_relaunch_finds_its_own_record(tmp_path, monkeypatch):
+    """A renewal whose record landed but whose call failed (the listing after it failed), then the
+    run relaunched after exit 75: the next renewal names the new trainer, another record than the
+    one that landed. It finds the landed one as this process's own (its instance) and writes after
+    it, instead of reading it as another holder's (the holder killed its new trainer). A release
+    after such a renewal does the same (it returned False and left the claim running)."""
+    monkeypatch.setattr(storage, "_sleep", lambda s: None)
+    faults = tmp_path / "faults.jsonl"
+    monkeypatch.setenv("TRM_STORAGE_FAULTS", str(faults))
+    out = str(tmp_path / "study")
+    holder, observer = claims.Claims(out, "vm", 60.0), claims.Claims(out, "other", 60.0)
+    assert holder.write("r", 0, "running", since=1) == 1
+
+    def unanswered(after, **fields):  # the record lands; the listing after it fails: the call raises
+        faults.write_text(json.dumps({"what": "listing", "match": "/claims/", "mode": "fail"}) + "\n")
+        with pytest.raises(storage.StorageError, match="injected"):
+            holder.write("r", after, "running", since=1, **fields)
+        faults.write_text("")
+
+    unanswered(1, trainer="100:1")
+    assert holder.write("r", 1, "running", since=1, trainer="200:2") == 3  # the relaunched trainer's renewal
+    generation, record = observer.current("r")
+    assert generation == 3 and record["trainer"] == "200:2" and holder.mine(record)
+    unanswered(3, trainer="200:2")
+    assert holder.write("r", 3, "released") == 5  # the release after it
+    assert observer.current("r")[1]["state"] == "released"
+    assert observer.write("r", 5, "running", took_from="vm") == 6  # anyone may take it at once
+    assert holder.write("r", 5, "running") is None  # another's record is no one's own but its writer's
+
+
+def test_an_empty_claim_file_is_a_crashed_write_taken_over_after_a_lease(tmp_path, monkeypatch, capsys):
+    """A crash between a local claim's exclusive create and its write leaves its newest generation
+    empty (before: current() failed five times, the study exited 75, on every relaunch). It reads
+    as a running claim of an unknown holder, said once with the file's name, and the study takes
+    the run over once it has seen that generation for a lease, not before."""
+    from fleet.plan import StudyRun
+    from fleet.runner import StudyRunner
+
+    now = [1000.0]
+    monkeypatch.setattr(claims, "_clock", lambda: now[0])
+    out = tmp_path / "out"
+    empty = out / "study" / "claims" / "a" / "00000001.json"
+    empty.parent.mkdir(parents=True)
+    empty.write_bytes(b"")
+    a = StudyRun("a", "demo", (), 1)
+    runner = StudyRunner([a], str(out), "", holder="h", lease_s=60.0)
+    assert runner.claim_next([a]) == (None, 1)  # held: its lease has not gone stale
+    now[0] += 59.0
+    assert runner.claim_next([a]) == (None, 1)
+    said = capsys.readouterr().out
+    assert said.count(f"claims: {empty} is empty or unreadable") == 1, said
+    now[0] += 1.0
+    assert runner.claim_next([a]) == (a, 2)
+    generation, record = runner.claims.current("a")
+    assert generation == 2 and record["state"] == "running" and runner.claims.mine(record)
+    assert "a: taking over from an unknown holder (its claim file empty or unreadable: a write that crashed) (its " \
+        "lease, generation 1, went stale)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("pid", ["alive", "dead"])
+def test_holders_in_two_pid_namespaces_of_one_machine_wait_each_others_lease(pid, tmp_path, monkeypatch):
+    """Two study processes in two containers of one machine: one boot id, process ids numbered per
+    PID namespace, so the other's PID read in this namespace's /proc names some process, alive or
+    not, unrelated to it (before: a dead one read as "held by a process of this machine that
+    ended", taken at once; two trainers of a run within 20 s). The namespace is in the identity:
+    neither takes the other's live run before a lease; in one namespace a process that ended is
+    still taken at once."""
+    from fleet.plan import StudyRun
+    from fleet.runner import StudyRunner
+
+    now = [1000.0]
+    monkeypatch.setattr(claims, "_clock", lambda: now[0])
+    out, a = str(tmp_path / "out"), StudyRun("a", "demo", (), 1)
+    other = claims.Claims(out, "pod-1", 60.0)
+    other.pidns = 4026531836 + 17  # injected: another container's namespace (an inode of /proc/self/ns/pid)
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # its process id runs nothing here now
+    other.process = claims.process_identity(os.getpid()) if pid == "alive" else f"{ended.pid}:1"
+    assert other.write("a", 0, "running", since=1) == 1
+    runner = StudyRunner([a], out, "", holder="pod-2", lease_s=60.0)
+    record = runner.claims.current("a")[1]
+    assert record["boot"] == runner.claims.boot and not runner.claims.gone(record)
+    assert runner.claim_next([a]) == (None, 1)
+    now[0] += 59.0
+    assert runner.claim_next([a]) == (None, 1)  # not before its lease
+    now[0] += 1.0
+    assert runner.claim_next([a]) == (a, 2)
+    assert record["pidns"] == other.pidns != runner.claims.pidns  # the namespace in the identity
+    if pid == "dead":  # the same namespace: a process that ended is taken at once, as before
+        same = claims.Claims(out, "pod-1", 60.0)
+        same.process = other.process
+        assert same.write("b", 0, "running", since=1) == 1
+        assert runner.claims.gone(runner.claims.current("b")[1])

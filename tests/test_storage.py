@@ -119,3 +119,21 @@ def test_check_url_names_what_cannot_be_opened():
             storage.check_url(url, "data.path")
     with pytest.raises(storage.StorageError, match="must be a local directory"):
         storage.check_url("gs://b/cache", "data.cache_dir", local_only=True)
+
+
+def test_a_removal_whose_answer_was_lost_is_done_when_its_retry_finds_nothing(tmp_path, monkeypatch):
+    """The first attempt removes the file and its answer is lost (TRM_STORAGE_FAULTS, mode "lose"):
+    the retry finds nothing there, which is the removal done, not a permanent error (a checkpoint's
+    save and MetricsFile.continue_from exited 75 on it). Removing what was never there still fails."""
+    monkeypatch.setattr(storage, "_sleep", lambda s: None)
+    faults = tmp_path / "faults.jsonl"
+    faults.write_text('{"what": "*", "match": "/doomed", "mode": "lose", "count": 2}\n')
+    monkeypatch.setenv("TRM_STORAGE_FAULTS", str(faults))
+    for what in ("removing", "deleting"):
+        doomed = tmp_path / "doomed"
+        doomed.write_bytes(b"x")
+        fs, path = storage.filesystem(str(doomed))
+        storage.with_retries(what, str(doomed), lambda fs=fs, path=path: fs.rm(path))
+        assert not doomed.exists()
+    with pytest.raises(storage.StorageError, match="FileNotFoundError"):
+        storage.with_retries("removing", str(tmp_path / "never"), lambda: fs.rm(str(tmp_path / "never")))

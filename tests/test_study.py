@@ -442,3 +442,21 @@ def test_sigterm_stops_the_study_after_its_run_saved_whether_or_not_the_run_got_
         status = json.loads((out / "study" / "status" / "long.json").read_text())
         assert status["state"] == "stopped" and status["attempts"] == launch
         assert (launch == 1) or re.search(r"resuming from \S*long/checkpoints/step_\d+", said)
+
+
+def test_a_study_started_with_a_relative_out_from_another_directory_finishes(demo_path, tmp_path):
+    """--out is resolved where the study starts: its trainers run in the checkout, and a relative
+    --out there named another directory (the run trained to its end, then the study found no
+    final.json, said "stopped (the run was stopped): 0 done", and did the same on every relaunch)."""
+    path, elsewhere = tmp_path / "rel.txt", tmp_path / "elsewhere"
+    path.write_text(f"r demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
+                    "--optim.global-batch-size 32 --optim.max-steps 2 --eval.every-epochs 1000\n")
+    elsewhere.mkdir()
+    done = subprocess.run([sys.executable, os.path.join(PROJECT_DIR, "study.py"), "run", str(path), "--out", "out"],
+                          cwd=elsewhere, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PYTHONUNBUFFERED": "1"})
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    assert "1 done, 0 failed, 0 skipped" in said, said
+    assert (elsewhere / "out" / "r" / "final.json").exists() and not os.path.exists(os.path.join(PROJECT_DIR, "out"))
+    assert f"runs in {elsewhere / 'out'}" in said  # said absolute
