@@ -35,7 +35,9 @@ A study file's `@test-time` grid adds an evaluation of each finished run at each
 and recorded as a run is, under the name RUN+SETTING, after every training run (fleet/testtime_grid.py).
 
 On a multi-host slice every host runs the study (`whole_slice`): worker 0 claims, and the other
-workers train the run their slice's holder (the same name on every host) holds.
+workers train the run their slice's holder (the same name on every host) holds. A run's end is
+worker 0's record (its final.json, then its claim's last write): a follower whose trainer ended
+waits for it (up to a lease) and never infers the end from its own trainer's exit.
 """
 from __future__ import annotations
 
@@ -244,6 +246,7 @@ class StudyRunner:
                 key = (run.name, record.get("since"))
                 if state == "running" and holder == self.holder and key not in self.followed:
                     self.followed.add(key)
+                    self.generation, self.since = generation, record.get("since")
                     return run, generation
                 held += not (state == "done" or failed_since)
                 continue
@@ -360,6 +363,33 @@ class StudyRunner:
                                   lambda: self.claims.write(run.name, self.generation, state))
         if not won:
             self.say(f"{run.name}: its claim moved on while it ended (another holder took it over)")
+
+    def _await_end(self, run: StudyRun, status: int) -> None:
+        """A follower's trainer ended (exit `status`): the run's end is worker 0's record, never this
+        host's exit (worker 0 writes final.json after its last commit, and nothing orders the hosts
+        after that). Wait until the run's final.json exists, or worker 0's claim that this host
+        followed ends (done, released, failed) or moves to another holder or attempt, for up to a
+        lease, looking at storage every lease/8 (at most every second), and while no signal stops
+        the study."""
+        if self.done(run):
+            return
+        self.say(f"{run.name}: this host's train.py ended (exit {status}); waiting for worker 0's end of the run "
+                 f"(its {FINAL}, or its claim's last write), up to {self.lease_s:g} s")
+        until = time.monotonic() + self.lease_s
+        while not self.stopping and time.monotonic() < until:
+            try:
+                if self.done(run):
+                    return
+                generation, record = self.claims.current(run.name) or (0, {"state": "free"})
+                if (record.get("state"), record.get("holder"), record.get("since")) != \
+                        ("running", self.holder, self.since):
+                    self.done(run)  # (final.json is written before the claim's done)
+                    return
+            except Exception as e:  # noqa: BLE001 - a failed look is tried again until the bound
+                self.say(f"{run.name}: looking for worker 0's end of the run failed ({type(e).__name__}: {e})")
+            time.sleep(max(0.05, min(1.0, self.lease_s * fencing.RENEW_FRACTION)))
+        if not self.stopping:
+            self.say(f"{run.name}: worker 0 recorded no end of the run in {self.lease_s:g} s")
 
     # -- running -------------------------------------------------------------------------------------
 
@@ -490,12 +520,15 @@ class StudyRunner:
             seconds_total += time.time() - began
             fields = dict(attempts=attempts, exit=status, last_line=last, seconds=time.time() - began,
                           seconds_total=seconds_total)
-            if status == fencing.EXIT_FENCED and not (self.whole_slice and self.worker > 0):
+            follower = self.whole_slice and self.worker > 0
+            if status == fencing.EXIT_FENCED and not follower:
                 self.lost.set()  # the trainer saw its deadline pass before this process did
             if self.lost.is_set():
                 self.say(f"{label}: stopped, its lease lost (exit {status}); its next holder resumes it")
                 return None
-            if status == 0 and self.done(run):
+            if follower and not self.stopping:
+                self._await_end(run, status)
+            if (status == 0 or follower) and self.done(run):
                 self.counts["done"] += 1
                 self.record(run, "done", **fields)
                 self.release(run, "done")
@@ -505,6 +538,10 @@ class StudyRunner:
                 final = json.loads(storage.read_bytes(storage.join_url(self.out, run.name, FINAL)))
                 self.say(f"{label}: done in {format_duration(fields['seconds'])}: exact accuracy "
                          f"{100 * final['metrics'].get('exact_accuracy', float('nan')):.2f}%")
+                return None
+            if status == 0 and follower and not self.stopping:  # worker 0 recorded no end of the run
+                self.say(f"{label}: this host's train.py exited 0 but worker 0 recorded no end of the run: "
+                         "following worker 0's next claim")
                 return None
             if status == 0:  # saved and stopped on a signal the study did not get itself
                 self.stopping = self.stopping or "the run was stopped"

@@ -590,3 +590,58 @@ def test_holders_in_two_pid_namespaces_of_one_machine_wait_each_others_lease(pid
         same.process = other.process
         assert same.write("b", 0, "running", since=1) == 1
         assert runner.claims.gone(runner.claims.current("b")[1])
+
+
+# -- a multi-host slice's followers (workers 1..N-1 of one holder) ------------------------------------
+
+def follower_of(tmp_path, monkeypatch, trainer: str, lease_s: float):
+    """Worker 0's claims (the holder "vm", a Claims the test drives) and a follower, worker 1 of the
+    slice vm, whose trainer is the shell script `trainer`, that follows worker 0's claim on run a:
+    (worker 0, the follower, run a, what the follower said, the generation it followed)."""
+    from fleet.plan import StudyRun
+    from fleet.runner import StudyRunner
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n" + trainer)
+    fake.chmod(0o755)
+    out, a = str(tmp_path / "out"), StudyRun("a", "demo", (), 1)
+    worker0 = claims.Claims(out, "vm", lease_s)
+    generation = worker0.write("a", 0, "running", since=1)
+    follower = StudyRunner([a], out, "", holder="vm", lease_s=lease_s, whole_slice=True, worker=1, python=str(fake))
+    said = []
+    monkeypatch.setattr(follower, "say", lambda text: said.append(text) or print(f"study: {text}", flush=True))
+    for _ in range(3):  # the follower may wait to see the claim renewed before it follows it
+        run, held = follower.claim_next([a])
+        if run is a:
+            return worker0, follower, a, said, generation
+        generation = worker0.write("a", generation, "running", since=1)
+    raise AssertionError(f"the follower never followed worker 0's claim: {said}")
+
+
+def test_a_follower_whose_trainer_ends_before_worker_0s_final_json_waits_and_counts_the_run_done_once(
+        tmp_path, monkeypatch):
+    """A slice's hosts end a run in no set order: worker 0 writes final.json after its last commit.
+    A follower whose own train.py exited 0 first waits for worker 0's record of the run's end (before:
+    it read "exit 0, no final.json" as a stop on a signal and ended its study, and worker 0's next
+    trainer waited for a host that was gone), then counts the run done, once."""
+    worker0, follower, a, said, generation = follower_of(tmp_path, monkeypatch, "exit 0\n", lease_s=60.0)
+    waiting = threading.Event()
+    monkeypatch.setattr(follower, "say", lambda text: (said.append(text), "waiting for worker 0" in text
+                                                       and waiting.set()))
+
+    def worker_0_ends():  # once the follower waits: worker 0's final.json, then its claim's done
+        if waiting.wait(120):
+            storage.write_bytes(storage.join_url(follower.out, "a", "final.json"),
+                                json.dumps({"metrics": {"exact_accuracy": 0.5}}).encode())
+            worker0.write("a", generation, "done")
+    ender = threading.Thread(target=worker_0_ends, daemon=True)
+    ender.start()
+    assert follower.run_one(a) is None
+    waited = waiting.is_set()
+    waiting.set()  # (the old code never waited: the ender ends)
+    ender.join(120)
+    assert waited and not follower.stopping, said
+    assert follower.counts["done"] == 1, said
+    assert any(text.startswith("a: done in") and "exact accuracy 50.00%" in text for text in said), said
+    assert follower.claim_next([a]) == (None, 0)  # over: not followed again
+    assert follower.counts["done"] == 1
