@@ -645,3 +645,46 @@ def test_a_follower_whose_trainer_ends_before_worker_0s_final_json_waits_and_cou
     assert any(text.startswith("a: done in") and "exact accuracy 50.00%" in text for text in said), said
     assert follower.claim_next([a]) == (None, 0)  # over: not followed again
     assert follower.counts["done"] == 1
+
+
+def test_a_follower_whose_worker_0_stops_renewing_has_its_trainer_stopped_within_a_lease(tmp_path, monkeypatch):
+    """A follower's trainer is fenced like worker 0's: its deadline comes from worker 0's claim,
+    read from storage (half a lease after the start of the last look that had not yet seen the
+    newest renewal). While worker 0 renews, the trainer trains on past any one deadline; once the
+    renewals stop (worker 0 deposed, frozen, cut off), the trainer stops, exit 76 by its own fence
+    (or killed by the follower's watcher at the same deadline), within a lease. Before, workers
+    1..N-1 got Lease(inf): a deposed follower's trainer wrote on."""
+    lease = 8.0
+    trainer = (f"exec {sys.executable} -c 'import sys, time; sys.path.insert(0, \"{PROJECT_DIR}\"); "
+               "from fleet import fencing; fencing.start_from_environment(); time.sleep(300)'\n")
+    worker0, follower, a, said, generation = follower_of(tmp_path, monkeypatch, trainer, lease_s=lease)
+    renewing, renewed = threading.Event(), [generation]
+    renewing.set()
+
+    def renew():  # worker 0's renewals, every lease/8, while the test lets them go on
+        while renewing.is_set():
+            renewed[0] = worker0.write("a", renewed[0], "running", since=1) or renewed[0]
+            time.sleep(lease * fencing.RENEW_FRACTION)
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
+    runner, result = in_thread("follower", lambda: follower.run_one(a))
+    try:
+        until(lambda: follower.child is not None, what="the follower's trainer starting")
+        child = follower.child
+        time.sleep(1.5 * lease)  # three deadlines' worth: renewals seen keep it training
+        assert child.poll() is None, (child.returncode, said)
+        renewing.clear()
+        renewer.join(30)
+        stopped_renewing = time.monotonic()
+        until(lambda: child.poll() is not None, timeout=3 * lease, what="the follower's trainer stopping")
+        took = time.monotonic() - stopped_renewing
+        print(f"the follower's trainer stopped {took:.1f} s after worker 0's last renewal (lease {lease:g} s), "
+              f"exit {child.returncode}")
+        assert child.returncode in (fencing.EXIT_FENCED, -signal.SIGKILL) and took <= lease + 2.0, (took, said)
+        runner.join(60)
+        assert result == {"value": None} and follower.lost.is_set(), (result, said)
+        assert any("lease lost" in text for text in said), said
+    finally:
+        renewing.clear()
+        if follower.child and follower.child.poll() is None:
+            follower.child.kill()
