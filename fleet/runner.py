@@ -35,7 +35,11 @@ A study file's `@test-time` grid adds an evaluation of each finished run at each
 and recorded as a run is, under the name RUN+SETTING, after every training run (fleet/testtime_grid.py).
 
 On a multi-host slice every host runs the study (`whole_slice`): worker 0 claims, and the other
-workers train the run their slice's holder (the same name on every host) holds.
+workers train the run their slice's holder (the same name on every host) holds. A run's end is
+worker 0's record (its final.json, then its claim's last write): a follower whose trainer ended
+waits for it (up to a lease) and never infers the end from its own trainer's exit. A follower's
+trainer is fenced like worker 0's, its deadline from worker 0's claim as the follower reads it
+(`_follow`).
 """
 from __future__ import annotations
 
@@ -150,6 +154,9 @@ class StudyRunner:
         self.tried: set[str] = set()  # failed runs this process tried again
         self.since = 0  # the generation of the claim under way's first write by this process
         self.followed: set[tuple] = set()  # (run, since) of worker 0's claims this worker trained
+        self.looks: dict[str, tuple[float, int]] = {}
+        """A follower's last look at each run's claim: (time.monotonic at its start, the generation it saw)."""
+        self.looked = 0.0  # the start of a follower's last look at the claim it follows
         self.counts = {"done": 0, "failed": 0, "skipped": 0}
         self.over: set[str] = set()  # the names of the runs and evaluations this process found done
 
@@ -233,6 +240,7 @@ class StudyRunner:
         for run in order:
             if self.done(run) or (isinstance(run, Evaluation) and not self.done(run.run)):
                 continue  # an evaluation waits for its run's end (a run held elsewhere keeps this process waiting)
+            looked = time.monotonic()
             current = self.claims.current(run.name)
             generation, record = current or (0, {"state": "free"})
             state, holder = record["state"], record.get("holder")
@@ -242,9 +250,20 @@ class StudyRunner:
             failed_since = state == "failed" and generation > first
             if self.whole_slice and self.worker > 0:  # follow worker 0's claims, each once
                 key = (run.name, record.get("since"))
+                before, self.looks[run.name] = self.looks.get(run.name), (looked, generation)
                 if state == "running" and holder == self.holder and key not in self.followed:
-                    self.followed.add(key)
-                    return run, generation
+                    # The trainer's first deadline: half a lease after a look that had not seen this
+                    # generation yet (it landed after that look began); none before the claim has moved
+                    # under this process's eyes, nor one too close to give a renewal time to be seen.
+                    deadline = before[0] + fencing.LEASE_FRACTION * self.lease_s \
+                        if before and before[1] != generation else 0.0
+                    if deadline - time.monotonic() > self.lease_s * fencing.RENEW_FRACTION:
+                        self.followed.add(key)
+                        with self.state_lock:
+                            self.term += 1
+                            self.generation, self.since, self.deadline = generation, record.get("since"), deadline
+                            self.looked = looked
+                        return run, generation
                 held += not (state == "done" or failed_since)
                 continue
             if state == "done" or (state == "failed" and (failed_since or run.name in self.tried)):
@@ -326,14 +345,52 @@ class StudyRunner:
                      "its deadline")
             raise
 
+    def _follow(self, run: StudyRun, done: threading.Event, term: int) -> None:
+        """A follower's lease: read worker 0's claim every lease/8 until `done`. Each generation
+        newer than the last one seen moves the trainer's deadline to half a lease after the start of
+        the look before (the newest look that had not seen it: the renewal landed after it began,
+        and an observer takes the run over no earlier than a lease after it landed). A claim that
+        moved to another holder or attempt (worker 0 deposed) kills the trainer at once; worker 0's
+        last write (done, released, failed) ends the renewals. A failed look is counted and tried
+        again: the deadline's watcher stops the trainer if no renewal is seen in time."""
+        seen, looked = self.generation, self.looked
+        while not done.wait(self.lease_s * fencing.RENEW_FRACTION):
+            start = time.monotonic()
+            try:
+                generation, record = self.claims.current(run.name) or (0, {"state": "free"})
+            except Exception as e:  # noqa: BLE001 - storage, gcsfs, asyncio: all the same here
+                self.renewal_failures += 1
+                if self.renewal_failures in (1, 3) or self.renewal_failures % 20 == 0:
+                    left = self.deadline - time.monotonic()
+                    self.say(f"{run.name}: reading worker 0's claim failed ({self.renewal_failures} in a row; "
+                             f"{type(e).__name__}: {e}); its trainer may write for {max(0.0, left):.1f} s more")
+                continue
+            if record.get("state") != "running":
+                return  # worker 0's last write: the run ends, no more renewals
+            if (record.get("holder"), record.get("since")) != (self.holder, self.since) or generation < seen:
+                self._lose(run, f"worker 0's claim went to {record.get('holder')} (generation {generation}, "
+                                f"attempt {record.get('since')})", term)
+                return
+            with self.state_lock:
+                if self.term != term or done.is_set():
+                    return
+                self.renewal_failures = 0
+                if generation != seen:
+                    self.deadline = max(self.deadline, looked + fencing.LEASE_FRACTION * self.lease_s)
+                    if self.lease:
+                        self.lease.extend(self.deadline)
+            seen, looked = generation, start
+
     def _watch_deadline(self, run: StudyRun, done: threading.Event, term: int) -> None:
         """Kill the trainer once its deadline has passed (renewals failing or stuck): on this
         machine's monotonic clock, whatever the renewing thread does (it takes no lock a claim
         write holds)."""
         while not done.wait(min(1.0, self.lease_s / 20)):
             if time.monotonic() >= self.deadline and not self.lost.is_set():
-                self._lose(run, f"no renewal succeeded in {fencing.LEASE_FRACTION * self.lease_s:g} s "
-                                f"({self.renewal_failures} failed)", term)
+                self._lose(run, (f"no renewal of worker 0's claim seen in time ({self.renewal_failures} looks "
+                                 "failed)") if self.whole_slice and self.worker > 0 else
+                           f"no renewal succeeded in {fencing.LEASE_FRACTION * self.lease_s:g} s "
+                           f"({self.renewal_failures} failed)", term)
                 return
 
     def _lose(self, run: StudyRun, why: str, term: int) -> None:
@@ -361,6 +418,33 @@ class StudyRunner:
         if not won:
             self.say(f"{run.name}: its claim moved on while it ended (another holder took it over)")
 
+    def _await_end(self, run: StudyRun, status: int) -> None:
+        """A follower's trainer ended (exit `status`): the run's end is worker 0's record, never this
+        host's exit (worker 0 writes final.json after its last commit, and nothing orders the hosts
+        after that). Wait until the run's final.json exists, or worker 0's claim that this host
+        followed ends (done, released, failed) or moves to another holder or attempt, for up to a
+        lease, looking at storage every lease/8 (at most every second), and while no signal stops
+        the study."""
+        if self.done(run):
+            return
+        self.say(f"{run.name}: this host's train.py ended (exit {status}); waiting for worker 0's end of the run "
+                 f"(its {FINAL}, or its claim's last write), up to {self.lease_s:g} s")
+        until = time.monotonic() + self.lease_s
+        while not self.stopping and time.monotonic() < until:
+            try:
+                if self.done(run):
+                    return
+                generation, record = self.claims.current(run.name) or (0, {"state": "free"})
+                if (record.get("state"), record.get("holder"), record.get("since")) != \
+                        ("running", self.holder, self.since):
+                    self.done(run)  # (final.json is written before the claim's done)
+                    return
+            except Exception as e:  # noqa: BLE001 - a failed look is tried again until the bound
+                self.say(f"{run.name}: looking for worker 0's end of the run failed ({type(e).__name__}: {e})")
+            time.sleep(max(0.05, min(1.0, self.lease_s * fencing.RENEW_FRACTION)))
+        if not self.stopping:
+            self.say(f"{run.name}: worker 0 recorded no end of the run in {self.lease_s:g} s")
+
     # -- running -------------------------------------------------------------------------------------
 
     def wandb_flags(self, run: StudyRun) -> list[str]:
@@ -381,8 +465,7 @@ class StudyRunner:
             [self.python, os.path.join(PROJECT_DIR, "train.py"), run.preset, *self.wandb_flags(run), *run.flags,
              *self.extra, "--run.dir", run_dir]
         self.child_signalled.clear()
-        follower = self.whole_slice and self.worker > 0  # worker 0's holder renews; its trainer is fenced
-        lease = fencing.Lease(float("inf") if follower else self.deadline, run_dir)
+        lease = fencing.Lease(self.deadline, run_dir)  # a follower's deadline comes from worker 0's claim
         env = dict(os.environ, PYTHONUNBUFFERED="1", **lease.child_env(),
                    **{LAUNCH_STARTED_ENV: repr(time.time()), STUDY_HOST_ENV: self.holder})  # for its launch record
         with self.claim_lock, self.state_lock:  # a renewal now sends to this child's pipe
@@ -393,8 +476,7 @@ class StudyRunner:
             finally:
                 lease.started()
             self.lease = lease
-            if not follower:
-                lease.extend(self.deadline)  # a renewal made while it started
+            lease.extend(self.deadline)  # a renewal made (or seen) while it started
         last = ""
         for line in self.child.stdout:
             sys.stdout.write(line)
@@ -466,10 +548,11 @@ class StudyRunner:
             self.ended = threading.Event()
             self.renewal_failures = 0
             term = self.term
-        if not (self.whole_slice and self.worker > 0):
-            threading.Thread(target=self._renew, args=(run, self.ended, term), daemon=True, name="trm-renew").start()
-            threading.Thread(target=self._watch_deadline, args=(run, self.ended, term), daemon=True,
-                             name="trm-lease-deadline").start()
+        follower = self.whole_slice and self.worker > 0
+        threading.Thread(target=self._follow if follower else self._renew, args=(run, self.ended, term),
+                         daemon=True, name="trm-follow" if follower else "trm-renew").start()
+        threading.Thread(target=self._watch_deadline, args=(run, self.ended, term), daemon=True,
+                         name="trm-lease-deadline").start()
         try:
             return self._train(run)
         finally:
@@ -490,12 +573,15 @@ class StudyRunner:
             seconds_total += time.time() - began
             fields = dict(attempts=attempts, exit=status, last_line=last, seconds=time.time() - began,
                           seconds_total=seconds_total)
-            if status == fencing.EXIT_FENCED and not (self.whole_slice and self.worker > 0):
+            follower = self.whole_slice and self.worker > 0
+            if status == fencing.EXIT_FENCED:
                 self.lost.set()  # the trainer saw its deadline pass before this process did
             if self.lost.is_set():
                 self.say(f"{label}: stopped, its lease lost (exit {status}); its next holder resumes it")
                 return None
-            if status == 0 and self.done(run):
+            if follower and not self.stopping:
+                self._await_end(run, status)
+            if (status == 0 or follower) and self.done(run):
                 self.counts["done"] += 1
                 self.record(run, "done", **fields)
                 self.release(run, "done")
@@ -505,6 +591,10 @@ class StudyRunner:
                 final = json.loads(storage.read_bytes(storage.join_url(self.out, run.name, FINAL)))
                 self.say(f"{label}: done in {format_duration(fields['seconds'])}: exact accuracy "
                          f"{100 * final['metrics'].get('exact_accuracy', float('nan')):.2f}%")
+                return None
+            if status == 0 and follower and not self.stopping:  # worker 0 recorded no end of the run
+                self.say(f"{label}: this host's train.py exited 0 but worker 0 recorded no end of the run: "
+                         "following worker 0's next claim")
                 return None
             if status == 0:  # saved and stopped on a signal the study did not get itself
                 self.stopping = self.stopping or "the run was stopped"

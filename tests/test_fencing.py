@@ -590,3 +590,101 @@ def test_holders_in_two_pid_namespaces_of_one_machine_wait_each_others_lease(pid
         same.process = other.process
         assert same.write("b", 0, "running", since=1) == 1
         assert runner.claims.gone(runner.claims.current("b")[1])
+
+
+# -- a multi-host slice's followers (workers 1..N-1 of one holder) ------------------------------------
+
+def follower_of(tmp_path, monkeypatch, trainer: str, lease_s: float):
+    """Worker 0's claims (the holder "vm", a Claims the test drives) and a follower, worker 1 of the
+    slice vm, whose trainer is the shell script `trainer`, that follows worker 0's claim on run a:
+    (worker 0, the follower, run a, what the follower said, the generation it followed)."""
+    from fleet.plan import StudyRun
+    from fleet.runner import StudyRunner
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n" + trainer)
+    fake.chmod(0o755)
+    out, a = str(tmp_path / "out"), StudyRun("a", "demo", (), 1)
+    worker0 = claims.Claims(out, "vm", lease_s)
+    generation = worker0.write("a", 0, "running", since=1)
+    follower = StudyRunner([a], out, "", holder="vm", lease_s=lease_s, whole_slice=True, worker=1, python=str(fake))
+    said = []
+    monkeypatch.setattr(follower, "say", lambda text: said.append(text) or print(f"study: {text}", flush=True))
+    for _ in range(3):  # the follower may wait to see the claim renewed before it follows it
+        run, held = follower.claim_next([a])
+        if run is a:
+            return worker0, follower, a, said, generation
+        generation = worker0.write("a", generation, "running", since=1)
+    raise AssertionError(f"the follower never followed worker 0's claim: {said}")
+
+
+def test_a_follower_whose_trainer_ends_before_worker_0s_final_json_waits_and_counts_the_run_done_once(
+        tmp_path, monkeypatch):
+    """A slice's hosts end a run in no set order: worker 0 writes final.json after its last commit.
+    A follower whose own train.py exited 0 first waits for worker 0's record of the run's end (before:
+    it read "exit 0, no final.json" as a stop on a signal and ended its study, and worker 0's next
+    trainer waited for a host that was gone), then counts the run done, once."""
+    worker0, follower, a, said, generation = follower_of(tmp_path, monkeypatch, "exit 0\n", lease_s=60.0)
+    waiting = threading.Event()
+    monkeypatch.setattr(follower, "say", lambda text: (said.append(text), "waiting for worker 0" in text
+                                                       and waiting.set()))
+
+    def worker_0_ends():  # once the follower waits: worker 0's final.json, then its claim's done
+        if waiting.wait(120):
+            storage.write_bytes(storage.join_url(follower.out, "a", "final.json"),
+                                json.dumps({"metrics": {"exact_accuracy": 0.5}}).encode())
+            worker0.write("a", generation, "done")
+    ender = threading.Thread(target=worker_0_ends, daemon=True)
+    ender.start()
+    assert follower.run_one(a) is None
+    waited = waiting.is_set()
+    waiting.set()  # (the old code never waited: the ender ends)
+    ender.join(120)
+    assert waited and not follower.stopping, said
+    assert follower.counts["done"] == 1, said
+    assert any(text.startswith("a: done in") and "exact accuracy 50.00%" in text for text in said), said
+    assert follower.claim_next([a]) == (None, 0)  # over: not followed again
+    assert follower.counts["done"] == 1
+
+
+def test_a_follower_whose_worker_0_stops_renewing_has_its_trainer_stopped_within_a_lease(tmp_path, monkeypatch):
+    """A follower's trainer is fenced like worker 0's: its deadline comes from worker 0's claim,
+    read from storage (half a lease after the start of the last look that had not yet seen the
+    newest renewal). While worker 0 renews, the trainer trains on past any one deadline; once the
+    renewals stop (worker 0 deposed, frozen, cut off), the trainer stops, exit 76 by its own fence
+    (or killed by the follower's watcher at the same deadline), within a lease. Before, workers
+    1..N-1 got Lease(inf): a deposed follower's trainer wrote on."""
+    lease = 8.0
+    trainer = (f"exec {sys.executable} -c 'import sys, time; sys.path.insert(0, \"{PROJECT_DIR}\"); "
+               "from fleet import fencing; fencing.start_from_environment(); time.sleep(300)'\n")
+    worker0, follower, a, said, generation = follower_of(tmp_path, monkeypatch, trainer, lease_s=lease)
+    renewing, renewed = threading.Event(), [generation]
+    renewing.set()
+
+    def renew():  # worker 0's renewals, every lease/8, while the test lets them go on
+        while renewing.is_set():
+            renewed[0] = worker0.write("a", renewed[0], "running", since=1) or renewed[0]
+            time.sleep(lease * fencing.RENEW_FRACTION)
+    renewer = threading.Thread(target=renew, daemon=True)
+    renewer.start()
+    runner, result = in_thread("follower", lambda: follower.run_one(a))
+    try:
+        until(lambda: follower.child is not None, what="the follower's trainer starting")
+        child = follower.child
+        time.sleep(1.5 * lease)  # three deadlines' worth: renewals seen keep it training
+        assert child.poll() is None, (child.returncode, said)
+        renewing.clear()
+        renewer.join(30)
+        stopped_renewing = time.monotonic()
+        until(lambda: child.poll() is not None, timeout=3 * lease, what="the follower's trainer stopping")
+        took = time.monotonic() - stopped_renewing
+        print(f"the follower's trainer stopped {took:.1f} s after worker 0's last renewal (lease {lease:g} s), "
+              f"exit {child.returncode}")
+        assert child.returncode in (fencing.EXIT_FENCED, -signal.SIGKILL) and took <= lease + 2.0, (took, said)
+        runner.join(60)
+        assert result == {"value": None} and follower.lost.is_set(), (result, said)
+        assert any("lease lost" in text for text in said), said
+    finally:
+        renewing.clear()
+        if follower.child and follower.child.poll() is None:
+            follower.child.kill()
