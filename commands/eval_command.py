@@ -3,7 +3,11 @@ model.safetensors or a reference checkpoint) on a dataset's test split, at each 
 its flags name (testtime/settings.py: K trajectories, noise, depth D, noise latent), one directory each:
 
     {run.dir}/test-time/K{K}-noise{noise}-D{D}[-{latent}]/   metrics.json (last), ARC votes and submission
-    {run.dir}/test-time/trajectories.json, trajectories.png   every setting done so far (testtime/curve.py)
+
+The curve of accuracy against test-time compute is rebuilt from the settings' own metrics.json by
+whoever reads it (testtime/curve.py): the table printed at the end (every setting done with these
+weights and data, another process's included), the study report. No file outside a setting's
+directory is written: the plot, trajectories.png, goes into the last setting this command evaluated.
 
 Every example of the test split is read unless --eval.max-examples is given on this command line
 (a run's training-time subset is not kept); each line and metrics.json (num_puzzles) say how many
@@ -85,15 +89,19 @@ def evaluate_command(argv: list[str]) -> dict:
         + ", ".join(p.name for p in settings) + f"; results into {root}", flush=True)
     started = time.time()
     arc = ArcEvaluator.from_dataset(config.data.path) if config.eval.arc else None
+    evaluated: list[str] = []  # the settings' directories evaluated (not skipped) here
     rows = evaluate_settings(trainer, test_set, config, settings, step, source, identity, data_index, data_count,
-                             arc, lambda *a, **k: say(*a, flush=True))
+                             arc, lambda *a, **k: say(*a, flush=True), evaluated)
     if sharding.is_main_process():
+        # Rebuilt from every setting's own metrics.json (another holder's included), never kept in
+        # a shared file; the plot goes into the last setting evaluated here, where this command writes.
         done = [r for r in curve.saved_settings(config.run.dir) if all(r.get(k) == v for k, v in identity.items())]
         say(f"accuracy against test-time compute ({device_kind}; every setting of {root} with these weights and "
             f"data, step {step}):\n"
             + curve.curve_table(done), flush=True)
-        saved = curve.write_curve(root, done, f"{source} (step {step}) on {config.data.path}")
-        say(f"curve saved to {saved[0]} and {saved[1]}", flush=True)
+        if evaluated:
+            plot = curve.write_plot(evaluated[-1], done, f"{source} (step {step}) on {config.data.path}")
+            say(f"curve drawn in {plot}", flush=True)
     result = rows[-1]
     read = f"on {result['num_puzzles']} puzzles"
     shown = ("exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy", "accuracy")
@@ -105,7 +113,7 @@ def evaluate_command(argv: list[str]) -> dict:
 
 def evaluate_settings(trainer, test_set, config, settings: list[testtime_settings.Setting], step: int, source: str,
                       identity: dict, data_index: int = 0, data_count: int = 1, arc=None,
-                      say=lambda *a, **k: None) -> list[dict]:
+                      say=lambda *a, **k: None, evaluated: list[str] | None = None) -> list[dict]:
     """Evaluate at each setting into {run.dir}/test-time/SETTING/ (metrics.json written last;
     ARC votes and submission before it), skipping a setting done with this `identity` ({"weights":
     fingerprint, "data": fingerprint}, and the subset, seed, aggregation and setting); returns
@@ -113,10 +121,11 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
     as exact_accuracy and accuracy, mode@K's and pass@K's), a setting's metrics hold its K,
     noise, D, latent, puzzles, step, identity, the ACT steps per puzzle (K x D), and the seconds per puzzle,
     wall (the device's, on a TPU) and this process's CPU time, of the batches after the first
-    (whose ACT steps compile the program; with one batch, less the compile time)."""
+    (whose ACT steps compile the program; with one batch, less the compile time). `evaluated`, when
+    given, receives the directory of each setting evaluated (not skipped)."""
     import sharding as runtime
 
-    rows = []
+    rows, evaluated = [], [] if evaluated is None else evaluated
     for point in settings:
         out = testtime_settings.setting_dir(config.run.dir, point.k, point.noise, point.act_steps, point.latent)
         aggregate = bool(config.eval.arc and config.eval.arc_aggregate and point.is_reference)
@@ -176,6 +185,7 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
                 write_submission(out, submission)
             storage.write_bytes(storage.join_url(out, curve.METRICS), json.dumps(row, indent=2).encode())
         rows.append(row)
+        evaluated.append(out)
         say(f"  {point.name}: {row['num_puzzles']} puzzles, best-Q exact {row['exact_accuracy']:.4f}  mode@{point.k} "
             f"{row['mode_exact_accuracy']:.4f}  pass@{point.k} {row['pass_exact_accuracy']:.4f}  "
             f"accuracy {row['accuracy']:.4f}  {row['seconds_per_puzzle']:.5f} s/puzzle")

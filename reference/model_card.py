@@ -18,6 +18,23 @@ def metrics_table(metrics: dict) -> list[str]:
     return ["| metric | value |", "| --- | --- |", *(f"| {k} | {metrics[k]!r} |" for k in names)]
 
 
+def examples_read(card: dict) -> tuple[str, bool]:
+    """(how many test examples the exported step's evaluation read, as the card says it; whether
+    that was every one) from config.json's metrics count and the test split's size."""
+    found = card.get("evaluated_examples") or {}
+    read = found.get("read", (card.get("metrics") or {}).get("count"))
+    total = found.get("test_examples")
+    if read is None:
+        return "(the number of test examples it read was not recorded)", False
+    read = int(read)
+    if total is None:
+        return f"on {read} test examples (the test split's size could not be read: whether that is all of it is " \
+            "unknown)", False
+    if read >= total:
+        return f"on every test example ({read})", True
+    return f"on a subset of {read} of the test split's {total} examples (--eval.max-examples)", False
+
+
 def model_card(card: dict, out: str) -> str:
     """README.md of the model directory `out` described by `card` (its config.json)."""
     config, dataset, reference = card["config"], card["dataset"], card["reference"]
@@ -50,8 +67,9 @@ def model_card(card: dict, out: str) -> str:
         "## Final metrics",
         "",
     ]
+    read, whole = examples_read(card)
     if metrics:
-        lines += [f"The run's evaluation of step {card['step']} on every test example:", "", *metrics_table(metrics)]
+        lines += [f"The run's evaluation of step {card['step']} {read}:", "", *metrics_table(metrics)]
     else:
         lines += [f"The run did not evaluate step {card['step']}; the commands below do."]
     lines += [
@@ -62,8 +80,9 @@ def model_card(card: dict, out: str) -> str:
         f"python train.py eval --init-from {here} --data.path {dataset['path']}",
         "```",
         "",
-        "(`--init-from` takes this directory, local or gs://; it evaluates as the run's final evaluation did, "
-        "on every test example, and gives the metrics above.)",
+        "(`--init-from` takes this directory, local or gs://; it reads every test example, as the run's final "
+        "evaluation did" + (".)" if not metrics else ", and gives the metrics above.)" if whole else
+                            ": its metrics are the whole test split's, which the metrics above may not be.)"),
         "",
         "## Evaluate it in the reference's code",
         "",

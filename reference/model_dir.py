@@ -223,6 +223,12 @@ def export_reference(source: str, out: str, say=print) -> dict:
     ckpt = f"step_{step}"
     reference = all_config(config)
     metrics = final_metrics(url, step)
+    import data
+
+    try:  # how many examples the test split holds, to say whether the evaluation read a subset
+        test_examples = data.split_examples(config.data.path, "test")
+    except (data.DatasetError, OSError):
+        test_examples = None
     card = {
         "format": FORMAT,
         "step": step,
@@ -232,6 +238,8 @@ def export_reference(source: str, out: str, say=print) -> dict:
                     "num_puzzle_identifiers": config.model.num_puzzle_identifiers,
                     "seq_len": config.model.seq_len, "vocab_size": config.model.vocab_size},
         "metrics": metrics,
+        # examples the step's evaluation read (its metrics' count) and the test split's, None when unknown
+        "evaluated_examples": {"read": (metrics or {}).get("count"), "test_examples": test_examples},
         "reference": {"repository": REFERENCE_REPO, "commit": REFERENCE_COMMIT, "checkpoint": ckpt,
                       "all_config": reference, "hydra_overrides": hydra_overrides(reference, config.model.arch),
                       "not_in_all_config": not_in_all_config(config)},

@@ -124,3 +124,22 @@ def test_documented_command_works_as_written(doc, command, pod, capsys, monkeypa
     else:
         pytest.fail(f"{doc} shows a command this test cannot check: {command}")
     assert os.path.isdir(PROJECT_DIR)  # nothing above may change directory
+
+
+def test_the_readmes_eval_example_writes_where_the_readme_says():
+    """The README's `train.py eval` of a run directory: the setting directory the README names is
+    where the command writes (the run it read, commands/restore.results_dir; the preset's plain
+    setting, testtime/settings.py), and so is its line on an exported model file."""
+    from commands.restore import results_dir
+    from testtime import settings as testtime_settings
+
+    readme = (PROJECT_DIR / "README.md").read_text()
+    (command,) = [c for doc, c in COMMANDS if doc == "README.md" and c.startswith("python train.py eval ")]
+    preset, flags, overrides = weights_flags.parse_weights_command("eval", shlex.split(command)[3:], "")
+    config = tyro.cli(type(PRESETS[preset][1]), default=PRESETS[preset][1], args=overrides)
+    (setting,) = testtime_settings.settings(config.eval, config.model.halt_max_steps)
+    run = results_dir(flags.init_from, f"{flags.init_from}/checkpoints/step_00001000")
+    said = testtime_settings.setting_dir(run, setting.k, setting.noise, setting.act_steps, setting.latent)
+    assert f"`{said}/metrics.json`" in readme
+    assert "`MODEL.safetensors.eval/test-time/...`" in readme and results_dir("MODEL.safetensors") == \
+        "MODEL.safetensors.eval"

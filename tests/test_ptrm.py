@@ -380,7 +380,9 @@ def test_eval_writes_each_setting_into_the_run_resumably_and_leaves_its_eval_unc
         assert row["pass_exact_accuracy"] >= row["exact_accuracy"]
     assert saved[-1] == result
     assert all(r["transfers"] == 1 for r in saved)  # the metrics, read once per setting
-    assert (run_dir / "test-time" / "trajectories.png").read_bytes()[:4] == b"\x89PNG"
+    # the plot in the last setting evaluated (its own directory); nothing shared beside the settings
+    assert (run_dir / "test-time" / names[-1] / "trajectories.png").read_bytes()[:4] == b"\x89PNG"
+    assert [p.name for p in (run_dir / "test-time").iterdir() if not p.is_dir()] == []
     from testtime import curve
     assert [curve.name_of(r) for r in curve.saved_settings(str(run_dir))] == names
     capsys.readouterr()
@@ -388,6 +390,41 @@ def test_eval_writes_each_setting_into_the_run_resumably_and_leaves_its_eval_unc
     assert evaluate_command(args) == result
     assert capsys.readouterr().out.count("skipped") == 3
     assert {n: (run_dir / "test-time" / n / "metrics.json").stat().st_mtime_ns for n in names} == stamps
+
+
+SETTING_EVAL = """
+import sys
+sys.path.insert(0, {project!r})
+from commands.eval_command import evaluate_command
+evaluate_command({args!r})
+"""
+
+
+def test_two_settings_of_one_run_evaluated_at_once_are_both_in_the_curve(k3_run):
+    """Two processes evaluate two settings of one run at the same time, as two study holders do:
+    the curve (rebuilt from the settings' own metrics.json by whoever reads it: the study report,
+    the table `train.py eval` prints) holds both; no shared curve file, which the last writer of
+    the two would have written with its own setting only, is written beside the settings."""
+    import shutil
+
+    from fleet.testtime_grid import selection_means
+    from testtime import curve
+
+    tmp_path, _, common = k3_run
+    run_dir = tmp_path / "together"
+    shutil.copytree(tmp_path / "run", run_dir, ignore=shutil.ignore_patterns("test-time"))
+    flags = [*common[2:], "--init-from", str(run_dir)]
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(SETTING_EVAL.format(
+        project=str(PROJECT_DIR), args=[*flags, "--eval.trajectories", k, "--eval.noise", noise]))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k, noise in (("1", "0"), ("2", "0.5"))]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outs)
+    found = curve.settings_by_name(str(run_dir))  # what the study report reads (report.collect)
+    assert sorted(found) == ["K1-noise0-D4", "K2-noise0.5-D4"]
+    assert all(selection_means([row]) for row in found.values())
+    assert [p.name for p in (run_dir / "test-time").iterdir() if not p.is_dir()] == []
+    for name in found:
+        assert (run_dir / "test-time" / name / "trajectories.png").exists()
 
 
 def test_depth_d_is_the_evaluation_at_halt_max_steps_and_goes_on_from_the_carry_beyond(k3_run):

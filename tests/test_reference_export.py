@@ -285,6 +285,26 @@ def test_the_model_directory_round_trip_and_card(demo_path, tmp_path, gcs_url):
             evaluate_command(["demo", "--init-from", str(source), "--data.path", str(other), *elsewhere])
 
 
+def test_the_model_card_says_how_many_test_examples_the_exported_steps_evaluation_read(demo_path, tmp_path):
+    """A run whose evaluations read a subset (--eval.max-examples 8) but its final one every test
+    example (the demo's 40): the card of the step-3 checkpoint says its evaluation read 8 of the 40,
+    the card of the final step that it read every one."""
+    train.main(parse_config(tiny_run(demo_path, tmp_path, "--optim.max-steps", "4", "--eval.every-epochs", "1",
+                                     "--eval.max-examples", "8", "--run.ckpt-every", "3")))
+    checkpoints = sorted((tmp_path / "run" / "checkpoints").iterdir())
+    assert [p.name[-1] for p in checkpoints] == ["3", "4"]
+    cards = {}
+    for checkpoint_dir in checkpoints:
+        out = tmp_path / f"model{checkpoint_dir.name[-1]}"
+        assert train.command_line(["export", str(checkpoint_dir), "--format", "reference", "--out", str(out)]) == 0
+        cards[checkpoint_dir.name[-1]] = (out / "README.md").read_text()
+        saved = json.loads((out / "config.json").read_text())
+        assert saved["evaluated_examples"]["test_examples"] == 40
+    assert "The run's evaluation of step 3 on a subset of 8 of the test split's 40 examples" in cards["3"]
+    assert "every test example" not in cards["3"].split("## Evaluate it here")[0]
+    assert "The run's evaluation of step 4 on every test example (40):" in cards["4"]
+
+
 def test_all_config_and_the_evaluation_script_fit_the_references_pretrain(tmp_path):
     """all_config.yaml holds every field the reference's PretrainConfig requires and none it does
     not have; every call evaluate_in_reference.py makes into pretrain names a function (or the

@@ -1,7 +1,8 @@
 """What a run's test-time evaluations found, read back from {RUN}/test-time/*/metrics.json
 (commands/eval_command.py writes them): the table `train.py eval` prints, the plot of exact accuracy
 against test-time compute (K x D ACT steps per puzzle) for best-Q, mode@K and pass@K, and the
-study report's columns.
+study report's columns. The curve is always rebuilt from the settings' own metrics by whoever reads
+it: no shared file holds it (two evaluations of one run's settings at once would race on one).
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from testtime import settings as testtime_settings
 
 METRICS = "metrics.json"
 """A setting's metrics, written last: its presence means the setting is done."""
-CURVE_FILE, CURVE_PLOT = "trajectories.json", "trajectories.png"
+CURVE_PLOT = "trajectories.png"
+"""The plot `train.py eval` draws into the last setting directory it evaluated."""
 
 
 def read_metrics(setting_dir: str) -> dict | None:
@@ -55,10 +57,10 @@ def curve_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_curve(out_dir: str, rows: list[dict], title: str) -> tuple[str, str]:
-    """Save the settings' rows as trajectories.json and draw trajectories.png in out_dir: exact
-    accuracy against K x D ACT steps per puzzle, one line per (noise, latent, D) and selection;
-    returns both URLs."""
+def write_plot(out_dir: str, rows: list[dict], title: str) -> str:
+    """Draw the settings' rows as trajectories.png in out_dir (a setting's directory, where its
+    evaluation writes): exact accuracy against K x D ACT steps per puzzle, one line per (noise,
+    latent, D) and selection; returns its URL."""
     import io
 
     import matplotlib
@@ -66,8 +68,7 @@ def write_curve(out_dir: str, rows: list[dict], title: str) -> tuple[str, str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    json_url, png_url = storage.join_url(out_dir, CURVE_FILE), storage.join_url(out_dir, CURVE_PLOT)
-    storage.write_bytes(json_url, json.dumps(rows, indent=2).encode())
+    png_url = storage.join_url(out_dir, CURVE_PLOT)
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
         if r["noise"] == 0 and r["trajectories"] == 1:  # the evaluation without noise, as a level
@@ -94,7 +95,7 @@ def write_curve(out_dir: str, rows: list[dict], title: str) -> tuple[str, str]:
     fig.savefig(buffer, format="png", dpi=120)
     plt.close(fig)
     storage.write_bytes(png_url, buffer.getvalue())
-    return json_url, png_url
+    return png_url
 
 
 def name_of(row: dict) -> str:
