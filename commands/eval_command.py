@@ -51,7 +51,8 @@ def evaluate_command(argv: list[str]) -> dict:
     check_devices(sharding)
     data_index, data_count = sharding.data_split()
     say = print if sharding.is_main_process() else (lambda *a, **k: None)
-    settings = testtime_settings.settings(config.eval, config.model.halt_max_steps)
+    settings = testtime_settings.settings(config.eval, config.model.halt_max_steps,
+                                          breadth_without_noise=config.model.scheme.draws)
     try:
         for point in settings:
             testtime_batches.host_puzzles(config.optim.global_batch_size, point.k, data_count)
@@ -78,7 +79,7 @@ def evaluate_command(argv: list[str]) -> dict:
         saved = curve.write_curve(root, done, f"{source} (step {step}) on {config.data.path}")
         say(f"curve saved to {saved[0]} and {saved[1]}", flush=True)
     result = rows[-1]
-    shown = ("exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy", "accuracy")
+    shown = ("exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy", "conv_exact_accuracy", "accuracy")
     scores = "  ".join(f"{k} {result[k]:.4f}" for k in shown if k in result)
     scores += "".join(f"  {k} {v:.4f}" for k, v in result.items() if k.startswith(("pass@", "aggregated_pass@")))
     say(f"eval of {source}: {scores}  ({time.time() - started:.0f}s); saved under {root}", flush=True)
@@ -90,7 +91,7 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
     """Evaluate at each setting into {run.dir}/test-time/SETTING/ (metrics.json written last;
     ARC votes and submission before it), skipping a setting already done at this step; returns
     each setting's metrics (a done one's as saved). Besides the evaluation's metrics (best-Q's
-    as exact_accuracy and accuracy, mode@K's and pass@K's), a setting's metrics hold its K,
+    as exact_accuracy and accuracy, mode@K's, pass@K's and conv's), a setting's metrics hold its K,
     noise, D, latent, puzzles, step, the ACT steps per puzzle (K x D), and the seconds per puzzle,
     wall (the device's, on a TPU) and this process's CPU time, of the batches after the first
     (whose ACT steps compile the program; with one batch, less the compile time)."""
@@ -102,7 +103,8 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
         aggregate = bool(config.eval.arc and config.eval.arc_aggregate and point.is_reference)
         # what else changes the result: a setting done otherwise is evaluated again
         inputs = {"step": step, "data_path": config.data.path, "max_examples": config.eval.max_examples,
-                  "arc_aggregate": aggregate}
+                  "arc_aggregate": aggregate, "convergence_window": config.eval.convergence_window,
+                  "convergence_top_k": config.eval.convergence_top_k}
         done = curve.read_metrics(out)
         if done is not None and all(done.get(k) == v for k, v in inputs.items()):
             say(f"  {point.name}: done at step {step} ({out}/metrics.json; delete it to evaluate again), skipped")
@@ -149,6 +151,7 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
         rows.append(row)
         say(f"  {point.name}: best-Q exact {row['exact_accuracy']:.4f}  mode@{point.k} "
             f"{row['mode_exact_accuracy']:.4f}  pass@{point.k} {row['pass_exact_accuracy']:.4f}  "
+            f"conv {row['conv_exact_accuracy']:.4f}  "
             f"accuracy {row['accuracy']:.4f}  {row['seconds_per_puzzle']:.5f} s/puzzle")
     noisy_trajectories.set_evaluation(trainer, testtime_settings.Setting(1, 0.0, config.model.halt_max_steps))
     return rows
