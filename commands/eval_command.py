@@ -71,7 +71,8 @@ def evaluate_command(argv: list[str]) -> dict:
     check_devices(sharding)
     data_index, data_count = sharding.data_split()
     say = print if sharding.is_main_process() else (lambda *a, **k: None)
-    settings = testtime_settings.settings(config.eval, config.model.halt_max_steps)
+    settings = testtime_settings.settings(config.eval, config.model.halt_max_steps,
+                                          breadth_without_noise=config.model.scheme.draws)
     try:
         for point in settings:
             testtime_batches.host_puzzles(config.optim.global_batch_size, point.k, data_count)
@@ -104,7 +105,7 @@ def evaluate_command(argv: list[str]) -> dict:
             say(f"curve drawn in {plot}", flush=True)
     result = rows[-1]
     read = f"on {result['num_puzzles']} puzzles"
-    shown = ("exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy", "accuracy")
+    shown = ("exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy", "conv_exact_accuracy", "accuracy")
     scores = "  ".join(f"{k} {result[k]:.4f}" for k in shown if k in result)
     scores += "".join(f"  {k} {v:.4f}" for k, v in result.items() if k.startswith(("pass@", "aggregated_pass@")))
     say(f"eval of {source} {read}: {scores}  ({time.time() - started:.0f}s); saved under {root}", flush=True)
@@ -118,7 +119,7 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
     ARC votes and submission before it), skipping a setting done with this `identity` ({"weights":
     fingerprint, "data": fingerprint}, and the subset, seed, aggregation and setting); returns
     each setting's metrics (a done one's as saved). Besides the evaluation's metrics (best-Q's
-    as exact_accuracy and accuracy, mode@K's and pass@K's), a setting's metrics hold its K,
+    as exact_accuracy and accuracy, mode@K's, pass@K's and conv's), a setting's metrics hold its K,
     noise, D, latent, puzzles, step, identity, the ACT steps per puzzle (K x D), and the seconds per puzzle,
     wall (the device's, on a TPU) and this process's CPU time, of the batches after the first
     (whose ACT steps compile the program; with one batch, less the compile time). `evaluated`, when
@@ -130,9 +131,11 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
         out = testtime_settings.setting_dir(config.run.dir, point.k, point.noise, point.act_steps, point.latent)
         aggregate = bool(config.eval.arc and config.eval.arc_aggregate and point.is_reference)
         # What the evaluation reads (testtime/identity.py): a setting done with other weights, other
-        # data, another subset or aggregation is evaluated again, and its metrics.json replaced.
+        # data, another subset, aggregation or convergence window is evaluated again, its metrics.json replaced.
         inputs = dict(identity, max_examples=config.eval.max_examples, seed=config.run.seed, arc_aggregate=aggregate,
-                      trajectories=point.k, noise=point.noise, act_steps=point.act_steps, noise_latent=point.latent)
+                      trajectories=point.k, noise=point.noise, act_steps=point.act_steps, noise_latent=point.latent,
+                      convergence_window=config.eval.convergence_window,
+                      convergence_top_k=config.eval.convergence_top_k)
         done = curve.read_metrics(out)
         differ = testtime_identity.differences(done, inputs)
         if not differ:
@@ -188,6 +191,7 @@ def evaluate_settings(trainer, test_set, config, settings: list[testtime_setting
         evaluated.append(out)
         say(f"  {point.name}: {row['num_puzzles']} puzzles, best-Q exact {row['exact_accuracy']:.4f}  mode@{point.k} "
             f"{row['mode_exact_accuracy']:.4f}  pass@{point.k} {row['pass_exact_accuracy']:.4f}  "
+            f"conv {row['conv_exact_accuracy']:.4f}  "
             f"accuracy {row['accuracy']:.4f}  {row['seconds_per_puzzle']:.5f} s/puzzle")
     noisy_trajectories.set_evaluation(trainer, testtime_settings.Setting(1, 0.0, config.model.halt_max_steps))
     return rows

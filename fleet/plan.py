@@ -218,13 +218,16 @@ class ScalingGrid:
     def applies_to(self, run: StudyRun) -> bool:
         return not self.configurations or any(fnmatch.fnmatchcase(run.configuration, p) for p in self.configurations)
 
-    def settings(self, halt_max_steps: int) -> list[testtime_settings.Setting]:
+    def settings(self, halt_max_steps: int, breadth_without_noise: bool = False) -> list[testtime_settings.Setting]:
         """Every (K, noise, D, latent) of the grid, but noise 0 at K=1 on z_L only: without noise
-        every trajectory is the first, wherever the (zero) noise would enter."""
+        every trajectory is the first, wherever the (zero) noise would enter; unless
+        `breadth_without_noise` (an arch whose rows draw their own initial states, EqR: noise 0 at
+        each K on z_L, EqR's breadth)."""
         found = []
         for noise, k, d, latent in itertools.product(self.noises, self.ks, self.depths or (halt_max_steps,),
                                                      self.latents):
-            setting = testtime_settings.Setting(k, noise, d, latent) if noise else testtime_settings.Setting(1, 0.0, d)
+            setting = (testtime_settings.Setting(k, noise, d, latent) if noise else
+                       testtime_settings.Setting(k if breadth_without_noise else 1, 0.0, d))
             if setting not in found:
                 found.append(setting)
         return found
@@ -303,9 +306,12 @@ def scaling_settings(text: str, runs: list[StudyRun]) -> dict[str, dict[testtime
         if not applying:
             continue
         halt = run.config().model.halt_max_steps if any(g.depths is None for g in applying) else 0
+        # EqR's breadth: its rows differ without test-time noise (the arch's config read only then)
+        breadth = (any(0 in g.noises and any(k > 1 for k in g.ks) for g in applying)
+                   and run.config().model.scheme.draws)
         settings = found.setdefault(run.name, {})
         for grid in applying:
-            for setting in grid.settings(halt):
+            for setting in grid.settings(halt, breadth):
                 settings.setdefault(setting, grid.batch)
     return found
 

@@ -32,10 +32,12 @@ from testtime import curve
 from testtime import settings as testtime_settings
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: train.py and the packages
-SELECTIONS = (("best_q_exact_accuracy", "best-Q"), ("mode_exact_accuracy", "mode"), ("pass_exact_accuracy", "pass@K"))
+SELECTIONS = (("best_q_exact_accuracy", "best-Q"), ("mode_exact_accuracy", "mode"), ("pass_exact_accuracy", "pass@K"),
+              ("conv_exact_accuracy", "conv"))
 """The exact accuracies of a setting's metrics.json the report shows, each by its column's name:
 the answer of the trajectory with the best Q (the halting rule's), the most frequent answer
-(mode@K), and any trajectory right (pass@K, an oracle)."""
+(mode@K), any trajectory right (pass@K, an oracle), and the trajectory whose logits changed least
+over the last ACT steps (conv, EqR's convergence residual)."""
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,18 @@ def eval_steps(m: TRM, batch: dict, trajectories=None, steps=None):
     m.config = dataclasses.replace(config, halt_max_steps=steps or config.halt_max_steps)
     carry = m.initial_carry(batch)
     extra = []
+    d = m.config.halt_max_steps
     try:
         with torch.no_grad():
-            for _ in range(m.config.halt_max_steps):
+            for step in range(d):
                 carry, outputs = m(carry, batch, perturb=None if trajectories is None else trajectories.perturb)
                 scored_carry, scored = carry, outputs
-                if trajectories is not None:
-                    scored_carry, scored, extra = trajectories.select(carry, outputs)
+                if trajectories is not None:  # the convergence residual's state, as Trainer.eval_step keeps it
+                    if step == 0:
+                        previous = torch.zeros_like(outputs["logits"], dtype=torch.float32)
+                        total = torch.zeros_like(carry.steps, dtype=torch.float32)
+                    previous, total = trajectories.residual_step(previous, total, outputs["logits"], carry.steps, d)
+                    scored_carry, scored, extra = trajectories.select(carry, outputs, trajectories.residual(total, d))
                 _, metrics = loss_and_metrics(scored_carry, scored, halted_losses=True)
     finally:
         m.config = config
@@ -108,7 +113,7 @@ def test_best_q_mode_and_pass_at_k_on_planted_answers_with_ties_and_padding():
     # puzzle 0: of answer 1's two trajectories, the one with the better q (2)
     labelled = carry.current_data["labels"] != -100
     assert t.mode(logits.argmax(-1), q_halt, labelled).int().argmax(1).tolist() == [2, 2, 0]
-    picked, selected, (mode_sum, pass_sum) = t.select(carry, outputs)
+    picked, selected, (mode_sum, pass_sum, _, _) = t.select(carry, outputs)
     assert picked.halted.tolist() == [True, False, False, False] * 3 + [False, False]
     assert selected["logits"].argmax(-1)[:, 0].tolist() == [0] * 4 + [3] * 4 + [1] * 4 + [0, 0]
     assert selected["q_halt_logits"].tolist() == [3.0] * 4 + [5.0] * 4 + [1.0] * 4 + [0.0, 0.0]
@@ -350,8 +355,10 @@ def test_training_evaluations_at_k_are_the_standalone_evaluation_at_that_setting
     plain = evaluate_command([*common, "--run.dir", str(tmp_path / "b"), "--eval.trajectories", "1",
                               "--eval.noise", "0"])
     assert (at_k["trajectories"], at_k["noise"], plain["trajectories"]) == (3, 0.5, 1)
-    for name in ("count", "exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy"):
+    for name in ("count", "exact_accuracy", "mode_exact_accuracy", "pass_exact_accuracy", "conv_exact_accuracy",
+                 "conv_top_k_exact_accuracy"):
         assert final[name] == at_k[name], name
+    assert final["conv_exact_accuracy"] == final["conv_top_k_exact_accuracy"] <= final["pass_exact_accuracy"]
     assert final["lm_loss"] == pytest.approx(at_k["lm_loss"], rel=1e-6)
     assert final["lm_loss"] != pytest.approx(plain["lm_loss"], rel=1e-4)
     assert final["count"] == 40 and final["pass_exact_accuracy"] >= max(final["exact_accuracy"],

@@ -233,19 +233,21 @@ def test_the_report_has_a_column_per_setting_and_selection_and_the_test_time_plo
     shutil.copytree(evaluated_study[0], out)
     planted = out / "w" / "test-time" / "K4-noise0.3-D2" / "metrics.json"  # distinct values: each column its key
     planted.write_text(json.dumps(dict(json.loads(planted.read_text()), best_q_exact_accuracy=0.25,
-                                       mode_exact_accuracy=0.5, pass_exact_accuracy=0.75)))
+                                       mode_exact_accuracy=0.5, pass_exact_accuracy=0.75,
+                                       conv_exact_accuracy=0.125)))
     done = study("report", str(out))
     text = done.communicate(timeout=300)[0]
     assert done.returncode == 0, text
     with open(out / "results.csv") as f:
         rows = {(r["kind"], r["name"]): r for r in csv.DictReader(f)}
     settings = ["K1-noise0-D2", "K4-noise0.3-D2"]  # the grid's order
-    columns = [f"{s}_{rule}_%" for s in settings for rule in ("best-Q", "mode", "pass@K")]
+    columns = [f"{s}_{rule}_%" for s in settings for rule in ("best-Q", "mode", "pass@K", "conv")]
     header = (out / "results.md").read_text().split("Test-time compute")[1].split("\n\n")[1].splitlines()[0]
     assert header == "| " + " | ".join(["name", *columns]) + " |"
     for kind, name in (("run", "w"), ("configuration", "w")):
         row = rows[kind, name]
-        assert [row[f"K4-noise0.3-D2_{rule}_%"] for rule in ("best-Q", "mode", "pass@K")] == ["25.00", "50.00", "75.00"]
+        assert [row[f"K4-noise0.3-D2_{rule}_%"] for rule in ("best-Q", "mode", "pass@K", "conv")] == \
+            ["25.00", "50.00", "75.00", "12.50"]
         for setting in settings[:1]:
             metrics = json.loads((out / "w" / "test-time" / setting / "metrics.json").read_text())
             assert row[f"{setting}_mode_%"] == f"{100 * metrics['mode_exact_accuracy']:.2f}"
@@ -264,7 +266,7 @@ def test_the_report_has_a_column_per_setting_and_selection_and_the_test_time_plo
     assert done.communicate(timeout=300)[0] and done.returncode == 0
     with open(out / "results.csv") as f:
         row = next(r for r in csv.DictReader(f) if r["kind"] == "run")
-    assert [row[f"K1-noise0-D2_{rule}_%"] for rule in ("best-Q", "mode", "pass@K")] == ["", "", ""]  # not 0
+    assert [row[f"K1-noise0-D2_{rule}_%"] for rule in ("best-Q", "mode", "pass@K", "conv")] == ["", "", "", ""]  # not 0
     assert row["K4-noise0.3-D2_best-Q_%"] == "25.00"
 
 
@@ -282,7 +284,7 @@ def test_a_configurations_cell_and_its_plot_point_are_one_mean_over_the_same_run
 
     scaling = {"a": {"S": metrics(0.2, mode=0.4)}, "b": {"S": metrics(0.6)}, "c": {}}  # c: not evaluated at S
     cells = configuration_cells([scaling[n] for n in "abc"], ["S"])
-    assert cells == {"S_best-Q_%": "40.00", "S_mode_%": "", "S_pass@K_%": "90.00"}
+    assert cells == {"S_best-Q_%": "40.00", "S_mode_%": "", "S_pass@K_%": "90.00", "S_conv_%": ""}
     config = {"configuration": "w", "results": [SimpleNamespace(run=SimpleNamespace(name=n)) for n in "abc"]}
     [point] = plot_points([config], scaling)
     assert point["runs"] == 2 and point["best-Q"] == pytest.approx(0.4) and point["pass@K"] == 0.9

@@ -26,6 +26,11 @@ Selection, after every ACT step (the answer scored is the one chosen at the last
   end-of-grid border for ARC, whose padding predictions do not split the votes); ties between
   answers broken by the best score among their trajectories, then the index.
 - pass@K: solved when any trajectory's answer is exact (an oracle: it reads the labels).
+- conv (EqR's convergence residual, Equilibrium Reasoners' evaluators/eval_fn.py): the trajectory
+  whose logits changed least over the last `window` ACT steps: the mean over those steps and the
+  positions of the L2 norm over the vocabulary of logits_t - logits_{t-1} (float32), tracked on
+  the device while the D steps run (residual_step); ties: the lowest index. conv top-k: the
+  fraction of exact answers among the k lowest residuals (ties: the lower index first).
 K=1 without noise at the model's depth is not routed here at all: it is the reference's
 evaluation, bit for bit.
 """
@@ -40,9 +45,13 @@ from model import IGNORE_LABEL_ID, Carry
 from modeling import counter_hash
 from modeling.counter_hash import int32, mix
 
-EXTRA_METRICS = ("mode_exact_accuracy", "pass_exact_accuracy")
+EXTRA_METRICS = ("mode_exact_accuracy", "pass_exact_accuracy", "conv_exact_accuracy", "conv_top_k_exact_accuracy")
 """What the evaluation step sums besides trainer.EVAL_METRICS with trajectories: the puzzles that
-mode@K answers exactly, and those that any of their K trajectories answers exactly (pass@K)."""
+mode@K answers exactly, those that any of their K trajectories answers exactly (pass@K), those
+that the lowest convergence residual answers exactly (conv), and the exact fraction of the
+`top_k` lowest residuals' answers (conv top-k; conv itself at top_k 1)."""
+CONVERGENCE_WINDOW = 3
+"""EqR's convergence_window default (config/eval/depth_breadth.yaml)."""
 
 
 def puzzle_keys(inputs: torch.Tensor, puzzle_identifiers: torch.Tensor) -> torch.Tensor:
@@ -71,6 +80,11 @@ class Trajectories:
     halt_score: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
     """The arch's halting rule (TRMConfig.halt_score: q_halt, or q_halt - q_continue for hrm and
     transformers_baseline) that ranks the trajectories; None: q_halt alone."""
+    window: int = CONVERGENCE_WINDOW
+    """The convergence residual's window: the last `window` logit changes of the D steps (EqR's
+    convergence_window); all D - 1 of them when window is 0 or not below D - 1, as EqR does."""
+    top_k: int = 1
+    """k of conv top-k (EqR's convergence_top_k), at most K."""
 
     # -- the layout -----------------------------------------------------------------------------
 
@@ -163,12 +177,47 @@ class Trajectories:
         q = torch.where(tied, self.groups(scores), torch.finfo(torch.float32).min)
         return _first_of(q, lambda v: tied & (v == v.max(1, keepdim=True).values))
 
-    def select(self, carry: Carry, outputs: dict[str, torch.Tensor]
+    def deltas_kept(self, act_steps: int) -> int:
+        """How many of the D - 1 logit changes of D ACT steps the residual averages (EqR's rule:
+        the last `window` when 0 < window < D - 1, else all D - 1)."""
+        return self.window if 0 < self.window < act_steps - 1 else max(act_steps - 1, 0)
+
+    def residual_step(self, previous: torch.Tensor, total: torch.Tensor, logits: torch.Tensor,
+                      steps: torch.Tensor, act_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits as float32, the new running sum [rows]) after an ACT step: `previous` holds the
+        last step's logits [rows, T, V] (float32), `total` each row's sum so far of the mean over
+        positions of ||logits_t - logits_{t-1}||_2 over the steps t the window keeps; `steps` the
+        rows' steps after this one (1: a new puzzle, whose sum starts over). Static shapes, no
+        branch on device values."""
+        logits = logits.float()
+        change = torch.linalg.vector_norm(logits - previous, dim=-1).mean(-1)
+        kept = (steps >= 2) & (steps > act_steps - self.deltas_kept(act_steps))
+        total = torch.where(steps == 1, torch.zeros_like(total), total) + torch.where(kept, change,
+                                                                                       torch.zeros_like(change))
+        return logits, total
+
+    def residual(self, total: torch.Tensor, act_steps: int) -> torch.Tensor:
+        """[rows]: each row's convergence residual (EqR's score) from residual_step's sum at step D."""
+        return total / max(self.deltas_kept(act_steps), 1)
+
+    def convergence_ranks(self, residual: torch.Tensor) -> torch.Tensor:
+        """Int [puzzles, K]: each trajectory's place among its puzzle's when sorted by residual,
+        lowest first, ties by the lower index (0: conv's pick)."""
+        r = self.groups(residual.float())
+        index = torch.arange(self.count, device=r.device)
+        before = (r.unsqueeze(1) < r.unsqueeze(2)) | ((r.unsqueeze(1) == r.unsqueeze(2))
+                                                      & (index.view(1, 1, -1) < index.view(1, -1, 1)))
+        return before.sum(-1)
+
+    def select(self, carry: Carry, outputs: dict[str, torch.Tensor], residual: torch.Tensor | None = None
                ) -> tuple[Carry, dict[str, torch.Tensor], list[torch.Tensor]]:
-        """(carry, outputs, [mode@K exact, pass@K exact] sums): every puzzle row holds its best-Q
-        trajectory's logits and Q logits, and only the puzzle's first row is halted (counted by
-        loss_and_metrics): the metrics are those of the best-Q answers, one per puzzle; the
-        extra sums count the counted puzzles (halted, with labels) that mode@K and pass@K solve."""
+        """(carry, outputs, [mode@K exact, pass@K exact, conv exact, conv top-k exact] sums): every
+        puzzle row holds its best-Q trajectory's logits and Q logits, and only the puzzle's first
+        row is halted (counted by loss_and_metrics): the metrics are those of the best-Q answers,
+        one per puzzle; the extra sums count the counted puzzles (halted, with labels) that mode@K,
+        pass@K and conv solve, and conv top-k's fraction of exact answers among its k picks.
+        `residual` [rows]: the convergence residuals (residual()); None: all equal (conv picks
+        trajectory 0)."""
         rows = carry.halted.shape[0]
         scores = self.scores(outputs)
         predictions = outputs["logits"].argmax(-1)
@@ -187,6 +236,12 @@ class Trajectories:
         counted = self.groups(carry.halted & (valid.sum(-1) > 0))[:, 0]
         by_mode = (solved & self.mode(predictions, scores, valid)).any(1)
         extra = [(counted & by_mode).sum().float(), (counted & solved.any(1)).sum().float()]
+        if residual is None:
+            residual = torch.zeros(rows, device=predictions.device)
+        ranks, k = self.convergence_ranks(residual), min(self.top_k, self.count)
+        by_conv = (solved & (ranks == 0)).any(1)
+        top_k = (solved & (ranks < k)).sum(1).float() / k
+        extra += [(counted & by_conv).sum().float(), torch.where(counted, top_k, torch.zeros_like(top_k)).sum()]
         selected = {name: spread(outputs[name], chosen) for name in ("logits", "q_halt_logits", "q_continue_logits")
                     if name in outputs}
         first = self.first_rows(rows, carry.halted.device)
@@ -202,10 +257,11 @@ def _first_of(values: torch.Tensor, where) -> torch.Tensor:
 
 
 def trajectories_of(k: int, noise: float, seed: int, latent: str = "z_L", host_rows: int = 0,
-                    halt_score=None) -> Trajectories | None:
+                    halt_score=None, window: int = CONVERGENCE_WINDOW, top_k: int = 1) -> Trajectories | None:
     """What Trainer.set_evaluation takes for K and sigma: None (the reference's evaluation,
     untouched) for one trajectory without noise."""
-    return None if k == 1 and noise == 0 else Trajectories(k, noise, seed, latent, host_rows, halt_score)
+    return None if k == 1 and noise == 0 else Trajectories(k, noise, seed, latent, host_rows, halt_score,
+                                                           window, top_k)
 
 
 def set_evaluation(trainer, setting, global_batch_size: int | None = None) -> Trajectories | None:
@@ -215,7 +271,10 @@ def set_evaluation(trainer, setting, global_batch_size: int | None = None) -> Tr
     depth D. Returns the trajectories."""
     config = trainer.config
     rows = (global_batch_size or config.optim.global_batch_size) // trainer.sharding.data_split()[1]
+    evaluation = getattr(config, "eval", None)  # --eval.convergence-window / -top-k (EqR's defaults without)
     trajectories = trajectories_of(setting.k, setting.noise, config.run.seed, setting.latent, rows,
-                                   halt_score=config.model.halt_score)
+                                   halt_score=config.model.halt_score,
+                                   window=getattr(evaluation, "convergence_window", CONVERGENCE_WINDOW),
+                                   top_k=getattr(evaluation, "convergence_top_k", 1))
     trainer.set_evaluation(trajectories, setting.act_steps)
     return trajectories

@@ -86,15 +86,16 @@ def act_steps_of(eval_config, halt_max_steps: int) -> int:
     return halt_max_steps if steps is None else int(steps)
 
 
-def settings(eval_config, halt_max_steps: int) -> list[Setting]:
+def settings(eval_config, halt_max_steps: int, breadth_without_noise: bool = False) -> list[Setting]:
     """Every point of `train.py eval`'s flags: each noise at each K, but noise 0 at K=1 only
-    (without noise every trajectory is the first: K > 1 would cost K times for K=1's answers);
-    one depth and one latent."""
+    (without noise every trajectory is the first: K > 1 would cost K times for K=1's answers)
+    unless `breadth_without_noise` (an arch whose rows draw their own initial states and noise,
+    EqR: its K rows differ without test-time noise, EqR's breadth B); one depth and one latent."""
     ks, noises = parse_trajectories(eval_config.trajectories), parse_noises(eval_config.noise)
     d, latent = act_steps_of(eval_config, halt_max_steps), getattr(eval_config, "noise_latent", "z_L")
     points = []
     for noise in noises:
-        for k in ks if noise else [1]:
+        for k in ks if noise or breadth_without_noise else [1]:
             point = Setting(k, noise, d, latent)
             if point not in points:
                 points.append(point)

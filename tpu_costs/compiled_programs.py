@@ -207,7 +207,7 @@ def _trace_programs(config: Config, programs: tuple[str, ...], sharding) -> dict
             # at K trajectories (noisy_trajectories.py) the same rows hold each host's rows // K puzzles, at depth D
             setting = testtime_settings.training_eval_setting(config.eval, config.model.halt_max_steps)
             noisy_trajectories.set_evaluation(trainer, setting)
-            outputs = list(trainer.eval_act_step(batch, trainer.eval_sums())) + [trainer.first_halt] + \
+            outputs = list(trainer.eval_act_step(batch, trainer.eval_sums())) + trainer.eval_state() + \
                 list(trainer.eval_carry.tensors().values())
             state = [s.get() for s in trainer.state_tensors()]
             hlo, donors, parameters = program_hlo(outputs, donated=[], parameters=state)

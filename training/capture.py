@@ -174,9 +174,9 @@ class CapturedEvalStep(_CapturedStep):
 
     The computation's inputs are, in order: the model's tensors of `trainer.state_tensors()`
     (parameters and buffers), the eval carry's tensors, the batch's tensors (both by sorted
-    name), sums and `trainer.first_halt` (training/halt_steps.py). Its outputs: the new sums, the predicted
-    tokens, the q_halt logits, the new first_halt, the new eval carry. It writes no state and
-    donates nothing.
+    name), sums and `trainer.eval_state()` (first_halt, training/halt_steps.py; with trajectories also
+    the convergence residual's state). Its outputs: the new sums, the predicted tokens, the q_halt
+    logits, the new eval_state(), the new eval carry. It writes no state and donates nothing.
     """
 
     def __init__(self, trainer):
@@ -185,20 +185,25 @@ class CapturedEvalStep(_CapturedStep):
 
     def _traced(self, work):
         trainer = self.trainer
-        saved_carry, saved_first_halt = trainer.eval_carry, trainer.first_halt
+        saved_carry, saved_state = trainer.eval_carry, trainer.eval_state()
+        n = len(saved_state)
         try:
             with bound(self.state, work):
-                trainer.eval_carry, batch, (sums, trainer.first_halt) = self._inputs(work, 2)
+                trainer.eval_carry, batch, (sums, *state) = self._inputs(work, 1 + n)
+                trainer.set_eval_state(state)
                 metrics, preds, q_halt = trainer.eval_step(batch)
                 new_carry = trainer.eval_carry.tensors()
-                return [sums + metrics, preds, q_halt, trainer.first_halt] + [new_carry[k] for k in self.carry_keys]
+                return [sums + metrics, preds, q_halt] + trainer.eval_state() + [new_carry[k] for k in self.carry_keys]
         finally:
-            trainer.eval_carry, trainer.first_halt = saved_carry, saved_first_halt
+            trainer.eval_carry = saved_carry
+            trainer.set_eval_state(saved_state)
 
     def __call__(self, batch, sums):
-        outs = self._run(self.trainer.eval_carry, batch, [sums, self.trainer.first_halt])
-        self.trainer.first_halt = outs[3]
-        self.trainer.eval_carry = self._carry(outs[4:])
+        state = self.trainer.eval_state()
+        n = len(state)
+        outs = self._run(self.trainer.eval_carry, batch, [sums] + state)
+        self.trainer.set_eval_state(outs[3:3 + n])
+        self.trainer.eval_carry = self._carry(outs[3 + n:])
         return outs[0], outs[1], outs[2]
 
 

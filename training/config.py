@@ -122,6 +122,10 @@ class EvalConfig:
     """D, the ACT steps each evaluation runs per puzzle (test-time depth); None: model.halt_max_steps, the reference's evaluation. Beyond it the recursion goes on from the carry."""  # noqa: E501
     noise_latent: Literal["z_L", "z_H", "both"] = resumable("z_L")
     """Where test-time noise enters at every ACT step: z_L (the low-level latent), z_H, or both."""
+    convergence_window: int = resumable(3, ge=0)
+    """With trajectories, the convergence residual (EqR's conv selection, conv_exact_accuracy) averages the logits' change over the last this many ACT steps; 0 or at least D - 1: all D - 1 changes."""  # noqa: E501
+    convergence_top_k: int = resumable(1, ge=1)
+    """With trajectories, conv_top_k_exact_accuracy is the exact fraction of the answers of the k trajectories with the lowest convergence residuals (EqR's convergence_top_k; at most K)."""  # noqa: E501
 
 
 @dataclass

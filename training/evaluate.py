@@ -45,9 +45,9 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     its device outputs (predict reads them all; a training run's evaluation does not).
     With `trainer.trajectories` (testtime/noisy_trajectories.py), `batches` holds each puzzle's K rows in a row
     (testtime.batches.TrajectoryBatches) and the metrics and votes count each puzzle's best-Q
-    answer once; mode_exact_accuracy and pass_exact_accuracy are mode@K's and pass@K's. Without,
-    all three selections are the one answer: best_q_, mode_ and pass_exact_accuracy are
-    exact_accuracy.
+    answer once; mode_exact_accuracy, pass_exact_accuracy, conv_exact_accuracy and
+    conv_top_k_exact_accuracy are mode@K's, pass@K's and the convergence residual's (EqR's). Without,
+    every selection is the one answer: each of them is exact_accuracy.
 
     With `arc` and `eval_root`, process 0 saves this evaluation's votes to
     {eval_root}/step_{step}/arc_votes.json.gz (to `votes_url` instead when given: a test-time
@@ -96,7 +96,7 @@ def evaluate(trainer: Trainer, batches: EvalBatches, sync, arc=None, say=lambda 
     sums = dict(zip(names, sums.cpu().numpy().tolist()))
     result = {k: v if k == "count" else v / max(sums["count"], 1.0) for k, v in sums.items()}
     halt_steps.with_mean_halt_step(result, trainer.eval_steps)  # mean_halt_step
-    for name in ("mode_exact_accuracy", "pass_exact_accuracy"):  # one answer: every selection's
+    for name in noisy_trajectories.EXTRA_METRICS:  # one answer: every selection's
         result.setdefault(name, result["exact_accuracy"])
     result["best_q_exact_accuracy"] = result["exact_accuracy"]
     result["num_examples"] = batches.num_examples

@@ -96,6 +96,10 @@ class Trainer:
         self.carry: Carry | None = None
         self.eval_carry: Carry | None = None
         self.first_halt: torch.Tensor | None = None  # [B] int32: each eval row's first halting step (halt_steps.py)
+        # With trajectories, each eval row's last logits [B, T, V] float32 and its running sum of the
+        # convergence residual [B] (noisy_trajectories.Trajectories.residual_step): EqR's conv selection
+        self.residual_logits: torch.Tensor | None = None
+        self.residual_sum: torch.Tensor | None = None
         self.trajectories = None  # noisy_trajectories.Trajectories of the evaluation ACT step; None: one, no noise
         self.act_steps: int | None = None  # D, ACT steps per evaluation batch; None: model.halt_max_steps
         self.captured_train = self.captured_eval = None  # training/capture.py's steps, made at first use
@@ -302,6 +306,7 @@ class Trainer:
         """One evaluation ACT step (`eval_step`) with its metric vector added to `sums`:
         (sums + metrics, predictions, q_halt logits), all lazy. With run.capture_step the step
         is traced once and replayed (training/capture.py), else traced again every call."""
+        self._residual_state(batch)
         if self.config.run.capture_step:
             if self.captured_eval is None:
                 from training.capture import CapturedEvalStep  # imports torch_xla: not at module import
@@ -310,6 +315,30 @@ class Trainer:
             return self.captured_eval(batch, sums)
         metrics, predictions, q_halt = self.eval_step(batch)
         return sums + metrics, predictions, q_halt
+
+    def _residual_state(self, batch: dict[str, torch.Tensor]) -> None:
+        """With trajectories, zero convergence-residual state (residual_logits, residual_sum) of
+        the batch's rows when there is none of its shape (a row's step 1 starts its sum over, so
+        these zeros are never read as a previous step's)."""
+        if self.trajectories is None:
+            return
+        rows, length = batch["inputs"].shape
+        shape = (rows, length, self.config.model.vocab_size)
+        if self.residual_logits is None or tuple(self.residual_logits.shape) != shape:
+            zeros = lambda *s: self.sharding.shard_batch_dim(torch.zeros(s, dtype=torch.float32, device=self.device),
+                                                             self.mesh)
+            self.residual_logits, self.residual_sum = zeros(*shape), zeros(rows)
+
+    def eval_state(self) -> list[torch.Tensor]:
+        """The per-row tensors the evaluation ACT step reads and writes besides the carry:
+        first_halt, and with trajectories residual_logits and residual_sum."""
+        return [self.first_halt] + ([] if self.trajectories is None else [self.residual_logits, self.residual_sum])
+
+    def set_eval_state(self, tensors: list[torch.Tensor]) -> None:
+        """Put eval_state()'s tensors back (in its order)."""
+        self.first_halt = tensors[0]
+        if self.trajectories is not None:
+            self.residual_logits, self.residual_sum = tensors[1:]
 
     def set_evaluation(self, trajectories, act_steps: int | None = None) -> None:
         """Evaluate with K noisy trajectories per puzzle (a noisy_trajectories.Trajectories; its batches are
@@ -334,8 +363,13 @@ class Trainer:
                                    perturb=None if trajectories is None else trajectories.perturb)
         self.eval_carry = self._sharded_carry(carry)
         extra = []
-        if trajectories is not None:  # best-Q's outputs; mode@K and pass@K (noisy_trajectories.EXTRA_METRICS) as sums
-            carry, outputs, extra = trajectories.select(carry, outputs)
+        if trajectories is not None:  # best-Q's outputs; mode, pass@K, conv (noisy_trajectories.EXTRA_METRICS)
+            logits, total = trajectories.residual_step(self.residual_logits, self.residual_sum, outputs["logits"],
+                                                       carry.steps, self.eval_steps)
+            self.residual_logits = self.sharding.shard_batch_dim(logits, self.mesh)
+            self.residual_sum = self.sharding.shard_batch_dim(total, self.mesh)
+            carry, outputs, extra = trajectories.select(carry, outputs,
+                                                        trajectories.residual(total, self.eval_steps))
         _, metrics = loss_and_metrics(carry, outputs, halted_losses=True)
         first_halt, halts = halt_steps.first_halt_counts(self.first_halt, carry, outputs, self.eval_steps,
                                                          self.config.model.halt_score)
