@@ -68,8 +68,8 @@ class OptimConfig:
     max_steps: int | None = resumable(None, ge=0, note="leave it out to train for optim.epochs")
     """Stop after this many steps instead (for quick runs; 0 saves and evaluates the initial or
     --run.init-from weights); None trains for `epochs`."""
-    optimizer: Literal["adam_atan2", "adamw", "adam"] = "adam_atan2"
-    """Optimizer of the dense weights: adam_atan2 (the paper's), or torch's adamw or adam (eps 1e-8)."""
+    optimizer: Literal["adam_atan2", "adamw", "adam", "muon"] = "adam_atan2"
+    """Optimizer of the dense weights: adam_atan2 (the paper's), torch's adamw or adam (eps 1e-8), or URM's muon (2-D weights; the rest by its AdamW)."""  # noqa: E501 (one line: tyro keeps line breaks)
     lr: float = ranged(1e-4, ge=0)
     """Peak learning rate of the dense weights' optimizer."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
