@@ -25,9 +25,10 @@ FIXTURE = Path(__file__).resolve().parent / "data" / "urm_fixture.safetensors"
 TOL = 2e-6
 """Each compared tensor's largest difference, as a fraction of its largest value: float32 with
 other summation orders (measured at most 3.7e-7 over outputs, states and gradients)."""
-MUON_TOL = 2e-5
+MUON_TOL = 5e-5
 """The Muon step's largest difference, as a fraction of the largest change URM's step made to that
-tensor (measured 5.6e-6: one float32 ulp of the conv weights after AdamW's first step)."""
+tensor (measured 1.3e-5: the Newton-Schulz sums written out where URM calls addmm, float32
+rounding grown by coefficients up to 15.5 over five iterations; the conv's AdamW steps 5.6e-6)."""
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -210,6 +210,14 @@ _arc = _preset(
 )
 
 
+# URM (github.com/UbiquantAI/URM @ 41de2c3): its scripts/URM_*.sh run `pretrain.py arch=urm arch.loops=16
+# arch.H_cycles=2 arch.L_cycles=6 arch.num_layers=4 eval_interval=2000 +ema=True` over config/cfg_pretrain.yaml
+# (global batch 768, lr 1e-4 after 2000 warmup steps then constant, betas (0.9, 0.95), EMA 0.999) and
+# urm.yaml (hidden 512, 8 heads, expansion 4, a puzzle embedding of 512 on one position), in bfloat16.
+_urm_model = dict(arch_defaults("urm"), H_cycles=2, L_cycles=6, L_layers=4, halt_max_steps=16)
+_urm_arc = _preset(_arc, model=_urm_model, optim=dict(epochs=200000), eval=dict(every_epochs=2000))
+
+
 PRESETS: dict[str, tuple[str, Config]] = {
     "sudoku-mlp": ("Sudoku-Extreme, TRM-MLP (paper: 87.4% exact)", Config()),
     "sudoku-att": ("Sudoku-Extreme, attention TRM (paper: 74.7%)",
@@ -220,6 +228,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "arc1": ("ARC-AGI-1, attention TRM (paper: 44.6% pass@2)", _arc),
     "arc2": ("ARC-AGI-2, attention TRM (paper: 7.8% pass@2)",
              _preset(_arc, data=dict(path="data/arc2concept-aug-1000"))),
+    "urm-arc1": ("ARC-AGI-1, URM (scripts/URM_arcagi1.sh; its README: 53.8% pass@1)", _urm_arc),
+    "urm-arc2": ("ARC-AGI-2, URM with its Muon (scripts/URM_arcagi2.sh; its README: 16.0% pass@1)",
+                 _preset(_urm_arc, data=dict(path="data/arc2concept-aug-1000"), optim=dict(optimizer="muon"))),
+    "urm-sudoku": ("Sudoku-Extreme, URM, ARC's architecture (scripts/URM_sudoku.sh; its paper: 77.6%)",
+                   _preset(model=_urm_model, optim=dict(global_batch_size=128), eval=dict(every_epochs=2000))),
     # The demo keeps the presets' bfloat16 activations, so the first command users run takes the
     # numerics of the real runs (its accuracy and cost against float32: docs/measurements.md).
     "demo": ("4x4 Sudoku built locally, a tiny TRM on the CPU mesh in minutes",

@@ -76,7 +76,8 @@ def orthogonalized(update: torch.Tensor, steps: int) -> torch.Tensor:
     """URM's Muon's approximate orthogonalisation of a 2-D update: rounded to bfloat16 once, then
     in float32 (torch.optim.Muon iterates in bfloat16), taken wide (transposed when it has more
     rows than columns), divided by its Frobenius norm (at least 1e-7), then `steps` iterations
-    X <- a X + (b A + c A A) X, A = X X^T, with MUON_NS_COEFFICIENTS."""
+    X <- a X + (b A + c A A) X, A = X X^T, with MUON_NS_COEFFICIENTS. (URM fuses the sums into
+    torch.addmm; traced on the sharded CPU mesh, torch_xla 2.9 crashes on those addmm calls.)"""
     x = update.to(torch.bfloat16).float()
     transpose = x.shape[-2] > x.shape[-1]
     x = x.mT if transpose else x
@@ -84,7 +85,7 @@ def orthogonalized(update: torch.Tensor, steps: int) -> torch.Tensor:
     for i in range(steps):
         a, b, c = MUON_NS_COEFFICIENTS[min(i, len(MUON_NS_COEFFICIENTS) - 1)]
         gram = x @ x.mT
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
     return x.mT if transpose else x
 
 
