@@ -60,7 +60,8 @@ def test_each_arch_shards_resumes_exports_and_predicts_like_trm(demo_path, tmp_p
     assert train.command_line(["export", str(run_dir), "--out", exported]) == 0
     loader = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {PROJECT_DIR!r})
-        import checkpoint, model
+        import model
+        from training import checkpoint
         weights, config, _ = checkpoint.read_exported({exported!r})
         net = model.TRM(model.TRMConfig(**config)); net.load_state_dict(weights)
         assert "torch_xla" not in sys.modules

@@ -1,15 +1,16 @@
-"""The paper's recipes as users run them: every preset but demo, in its own numerics, trained
-for some steps through parse_config/train.main on a dataset that build_data.py's command line builds from
-small source files. Every logged loss must be finite and the loss must fall.
+"""The paper's recipes as users run them, and URM's (urm-*): every preset but demo, in its own
+numerics and arch, trained for some steps through parse_config/train.main on a dataset that
+build_data.py's command line builds from small source files. Every logged loss must be finite and the loss must fall.
 
 Only widths and the batch are narrowed for the CPU:
   hidden_size 512 -> 64 and num_heads 8 -> 1 (the head width stays 64, so RoPE's frequencies and
   the attention's scale are the preset's), puzzle_emb_ndim 512 -> 64 (still one prefix row of
-  puzzle_emb_len 16), global batch 768 -> 8 (one row per virtual device: attention over 916
-  positions is the costly part).
-Kept: bfloat16 activations, mlp_t / pos_encodings, H_cycles, L_cycles, L_layers, expansion,
-puzzle_emb_len, halt_max_steps and exploration, lr and puzzle-embedding lr, weight decays, betas,
-EMA rate (test_recipe_numerics_are_the_presets checks the saved config field by field).
+  puzzle_emb_len 16; URM's ceil(ndim / width) is 1 at both widths), global batch 768 (urm-sudoku's
+  128) -> 8 (one row per virtual device: attention over 916 positions is the costly part).
+Kept: bfloat16 activations, the arch (urm: its ConvSwiGLU), mlp_t / pos_encodings, H_cycles,
+L_cycles, L_layers, expansion, puzzle_emb_len, halt_max_steps and exploration, the optimizer
+(urm-arc2: Muon), lr and puzzle-embedding lr, weight decays, betas, EMA rate
+(test_recipe_numerics_are_the_presets checks the saved config field by field).
 The one schedule change: lr_warmup_steps 2000 -> 3, or lr would stay near 0 for the whole run.
 
 With the stablemax of before 71973c6 (its unused 1/(1-x) branch overflowing at bf16 logits of
@@ -45,6 +46,9 @@ RECIPES = {
     "maze": (16, 0.05),
     "arc1": (16, 0.05),
     "arc2": (16, 0.05),
+    "urm-arc1": (16, 0.05),
+    "urm-arc2": (16, 0.05),
+    "urm-sudoku": (32, 0.05),
 }
 
 
@@ -70,7 +74,8 @@ def recipe_data(tmp_path_factory):
         prefix = arc_rule_files(str(directory), seed, training, evaluation)
         build_data.main(["build-arc", "--out", out, "--input-prefix", prefix, "--subsets", "training", "evaluation",
                    "--num-aug", "7", "--seed", str(seed)])
-    return {"sudoku-mlp": sudoku, "sudoku-att": sudoku, "maze": maze, "arc1": arc1, "arc2": arc2}
+    return {"sudoku-mlp": sudoku, "sudoku-att": sudoku, "maze": maze, "arc1": arc1, "arc2": arc2,
+            "urm-arc1": arc1, "urm-arc2": arc2, "urm-sudoku": sudoku}
 
 
 def recipe_args(preset, path, run_dir, steps):

@@ -173,3 +173,31 @@ def test_urm_settings_and_checks():
     assert any(p.startswith("puzzle_emb_len=4") for p in problems), problems
     assert any(p.startswith("H_layers=2: URM has one network") for p in problems), problems
     assert not scheme.recognises({"init_hidden", "layers.0.mlp.dwconv.weight"}, config)
+
+
+def test_urm_presets_are_its_scripts():
+    """scripts/URM_arcagi1.sh, URM_arcagi2.sh and URM_sudoku.sh over its cfg_pretrain.yaml and urm.yaml."""
+    from training.config import PRESETS
+
+    for name in ("urm-arc1", "urm-arc2", "urm-sudoku"):
+        c = PRESETS[name][1]
+        m, o = c.model, c.optim
+        assert (m.arch, m.H_cycles, m.L_cycles, m.L_layers, m.halt_max_steps, m.conv_kernel) == ("urm", 2, 6, 4, 16, 2)
+        assert (m.hidden_size, m.num_heads, m.expansion, m.puzzle_emb_ndim, m.prefix_len) == (512, 8, 4.0, 512, 1)
+        assert (m.forward_dtype, m.pos_encodings, m.mlp_t, m.halt_exploration_prob) == ("bfloat16", "rope", False, 0.1)
+        assert (o.lr, o.lr_warmup_steps, o.lr_min_ratio, o.beta1, o.beta2, o.ema_rate) == (1e-4, 2000, 1.0, 0.9, 0.95,
+                                                                                         0.999)
+        assert c.eval.every_epochs == 2000 and not m.problems()
+    arc1, arc2, sudoku = (PRESETS[n][1] for n in ("urm-arc1", "urm-arc2", "urm-sudoku"))
+    for c, path, optimizer in ((arc1, "data/arc1concept-aug-1000", "adam_atan2"),
+                               (arc2, "data/arc2concept-aug-1000", "muon")):
+        assert (c.data.path, c.optim.optimizer, c.optim.epochs) == (path, optimizer, 200000)
+        assert c.optim.global_batch_size == 768
+        assert (c.optim.puzzle_emb_lr, c.optim.weight_decay, c.optim.puzzle_emb_weight_decay) == (1e-2, 0.1, 0.1)
+        assert c.eval.arc and c.eval.arc_aggregate and c.model.seq_len == 900
+    assert (sudoku.data.path, sudoku.optim.optimizer, sudoku.optim.epochs, sudoku.optim.global_batch_size) == (
+        "data/sudoku-extreme-1k-aug-1000", "adam_atan2", 50000, 128)
+    assert (sudoku.optim.puzzle_emb_lr, sudoku.optim.weight_decay, sudoku.optim.puzzle_emb_weight_decay) == (
+        1e-4, 1.0, 1.0)
+    for name, reported in (("urm-arc1", "53.8%"), ("urm-arc2", "16.0%"), ("urm-sudoku", "77.6%")):
+        assert reported in PRESETS[name][0] and "scripts/URM_" in PRESETS[name][0]
