@@ -364,6 +364,10 @@ class URM(RecursionScheme):
 
     name = "urm"
     reference_class = "urm.urm@URM"
+    reference_fields = ("H_cycles", "L_cycles", "hidden_size", "expansion", "num_heads", "pos_encodings",
+                        "rms_norm_eps", "rope_theta", "forward_dtype", "puzzle_emb_ndim")
+    """Those of its URMConfig's fields that have our names (its num_layers and loops are our
+    L_layers and halt_max_steps)."""
     inits = ("init_hidden",)
     yaml = dict(H_cycles=4, L_cycles=3, L_layers=8, halt_max_steps=16)
     forced = dict(conv_kernel=2, puzzle_emb_len=0, no_ACT_continue=True, pos_encodings="rope", mlp_t=False)
