@@ -64,7 +64,8 @@ def test_the_flags_take_the_toy_with_its_values_and_checks(demo_path, tmp_path, 
     its own check, the fixed field and another arch's ablation are config errors naming the value."""
     with pytest.raises(SystemExit):
         parse_config(["demo", "--help"])
-    assert "--model.arch {trm,trm_singlez,trm_hier6,hrm,transformers_baseline,toy_echo}" in capsys.readouterr().out
+    out = "".join(line.strip("│ ") for line in capsys.readouterr().out.splitlines())  # the box's wrapped lines joined
+    assert "--model.arch {trm,trm_singlez,trm_hier6,hrm,transformers_baseline,urm,toy_echo}" in out
     model = parse_config(tiny_args(demo_path, tmp_path, "--model.arch", "toy_echo")).model
     assert (model.arch, model.H_cycles, model.L_cycles, model.no_ACT_continue) == ("toy_echo", 1, 3, False)
     with pytest.raises(SystemExit, match="model.L_cycles=1: toy_echo echoes at least twice"):
@@ -72,7 +73,7 @@ def test_the_flags_take_the_toy_with_its_values_and_checks(demo_path, tmp_path, 
     assert small(no_ACT_continue=True, separate_H_L=True).problems() == [
         "no_ACT_continue=True: the reference's toy_echo fixes it at False",
         "separate_H_L is an ablation of trm (the paper's), not of arch toy_echo"]
-    assert "arch must be one of trm, trm_singlez, trm_hier6, hrm, transformers_baseline, toy_echo" in \
+    assert "arch must be one of trm, trm_singlez, trm_hier6, hrm, transformers_baseline, urm, toy_echo" in \
         small(arch="nope").problems()[0]
 
 
