@@ -201,3 +201,11 @@ def test_urm_presets_are_its_scripts():
         1e-4, 1.0, 1.0)
     for name, reported in (("urm-arc1", "53.8%"), ("urm-arc2", "16.0%"), ("urm-sudoku", "77.6%")):
         assert reported in PRESETS[name][0] and "scripts/URM_" in PRESETS[name][0]
+
+
+def test_the_trm_reference_export_refuses_urm():
+    from reference.model_dir import refusals
+    from training.config import PRESETS
+
+    assert any(r.startswith("model.conv_kernel=2 (arch urm): URM's ConvSwiGLU")
+               for r in refusals(PRESETS["urm-arc1"][1], 0, None))
