@@ -73,6 +73,8 @@ class TRMConfig:
     """trm only: gradient through the last L and H update only (the paper's "1-step gradient", HRM's)."""
     mlp_t: bool = False
     """Replace attention by a SwiGLU across the sequence (TRM-MLP)."""
+    conv_kernel: int = ranged(0, ge=0, note="0 = the plain SwiGLU")
+    """Kernel of a depthwise conv over positions inside each block's SwiGLU (URM's ConvSwiGLU: 2, causal); 0: the plain SwiGLU."""  # noqa: E501 (one line: tyro keeps line breaks)
     pos_encodings: Literal["rope", "rope2d", "learned", "none"] = "rope"
     """Position encoding: rope, rope2d (EqR's: the rows and columns of a square board), learned, or none."""
     puzzle_emb_ndim: int = ranged(512, ge=0, note="0 disables the puzzle embedding")
@@ -225,6 +227,8 @@ class Linear(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    """down(silu(gate) * up), gate and up the two halves of gate_up (the reference's SwiGLU)."""
+
     def __init__(self, width: int, expansion: float):
         super().__init__()
         inner = swiglu_width(width, expansion)
@@ -243,6 +247,42 @@ class SwiGLU(nn.Module):
         dimension of T = 97 positions is padded to 128 and relaid out around every matmul)."""
         gate, up = weight_matmul(self.gate_up, x, "left", parts=2)
         return weight_matmul(self.down, F.silu(gate) * up, "left")
+
+
+class ConvSwiGLU(SwiGLU):
+    """URM's ConvSwiGLU (github.com/UbiquantAI/URM, models/layers.py; our own code):
+    down(silu(conv(silu(gate) * up))), where conv is a depthwise convolution over positions with
+    a bias, its kernel of k taps and the first T outputs of a zero padding of k // 2, so that
+
+        conv(u)[t] = b + sum_j w[:, 0, j] * u[t - k//2 + j]      (u outside 0..T-1 is 0)
+
+    (k = 2, URM's: w0 * u[t-1] + w1 * u[t] + b, causal). Written as products with shifted copies
+    of u (static shapes, no matmul with the conv weight), in float32, rounded once to u's dtype.
+    The weight [inner, 1, k] and bias [inner] are float32 parameters under URM's layout and
+    start as torch's Conv1d does, U(-1/sqrt(k), 1/sqrt(k)) (URM keeps them in bfloat16)."""
+
+    def __init__(self, width: int, expansion: float, kernel: int):
+        super().__init__(width, expansion)
+        inner, bound = swiglu_width(width, expansion), kernel ** -0.5
+        self.conv_weight = nn.Parameter(torch.empty(inner, 1, kernel).uniform_(-bound, bound))
+        self.conv_bias = nn.Parameter(torch.empty(inner).uniform_(-bound, bound))
+
+    def conv(self, u: torch.Tensor) -> torch.Tensor:
+        """The depthwise conv of u [batch, positions, inner] over positions, in float32."""
+        length, kernel = u.shape[1], self.conv_weight.shape[-1]
+        u32, weight = u.float(), self.conv_weight.float()
+        out = None
+        for j in range(kernel):
+            shift = kernel // 2 - j  # tap j reads u[t - shift]
+            shifted = F.pad(u32, (0, 0, max(shift, 0), max(-shift, 0)))[:, max(-shift, 0):max(-shift, 0) + length]
+            term = weight[:, 0, j] * shifted
+            out = term if out is None else out + term
+        return out + self.conv_bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = weight_matmul(self.gate_up, x, parts=2)
+        u = F.silu(gate) * up
+        return self.down(F.silu(self.conv(u).to(u.dtype)))
 
 
 def rope_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -308,7 +348,8 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Post-norm block: token mixing (attention, or a SwiGLU across positions) then a SwiGLU."""
+    """Post-norm block: token mixing (attention, or a SwiGLU across positions) then a SwiGLU
+    (URM's ConvSwiGLU with conv_kernel)."""
 
     def __init__(self, config: TRMConfig):
         super().__init__()
@@ -318,7 +359,8 @@ class Block(nn.Module):
         else:
             self.attn = Attention(config.hidden_size, config.num_heads, config.attention, config.attention_block,
                                   rope2d=config.pos_encodings == "rope2d")
-        self.mlp = SwiGLU(config.hidden_size, config.expansion)
+        self.mlp = (ConvSwiGLU(config.hidden_size, config.expansion, config.conv_kernel) if config.conv_kernel
+                    else SwiGLU(config.hidden_size, config.expansion))
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
         if hasattr(self, "seq_mlp"):

@@ -22,6 +22,8 @@ its own config checks (`problems`).
     transformers_baseline   z <- H(z, x) once per ACT step (H_layers blocks, no cycles)
     eqr            trm's updates damped and noisy, z <- (1-λ)z + λ L(z, injection) + σε; fresh
                    random initial states per reset row (EqR, github.com/locuslab/EqR)
+    urm            URM's (github.com/UbiquantAI/URM): one state z <- L(z + x), H_cycles * L_cycles
+                   times, the last L_cycles with gradient; ConvSwiGLU blocks
 """
 from __future__ import annotations
 
@@ -428,6 +430,59 @@ class EqR(RecursionScheme):
         if config.pos_encodings == "learned":
             return ["pos_encodings='learned': EqR has rope, rope2d or none (it raises on learned); "
                     "pass --model.pos-encodings rope"]
+        return []
+
+
+@register
+class URM(RecursionScheme):
+    """URM, the Universal Reasoning Model (github.com/UbiquantAI/URM @ 41de2c3, models/urm/urm.py,
+    config/arch/urm.yaml; arXiv 2512.14693), written from its code (it has no license: nothing of
+    it is copied). One state (carried as z_L) from the `init_hidden` buffer; each of the
+    H_cycles * L_cycles updates is z <- blocks(z + x), the first (H_cycles - 1) * L_cycles without
+    gradient (its truncated backpropagation); the heads read z. Its blocks are trm's post-norm
+    attention blocks (RoPE always) with the ConvSwiGLU (conv_kernel 2) in place of the SwiGLU; the
+    puzzle embedding takes ceil(ndim / width) positions; it halts on q_halt alone, with no
+    Q-continue target. URM's names: num_layers is our L_layers, loops our halt_max_steps; its
+    exploration probability is a constant 0.1 in its code (our halt_exploration_prob, 0.1 in its
+    presets). Its checkpoints (model.inner.layers.{i}.*, init_hidden) are named by
+    reference/weights.urm_names; no reference-checkpoint reader recognises them yet."""
+
+    name = "urm"
+    reference_class = "urm.urm@URM"
+    reference_fields = ("H_cycles", "L_cycles", "hidden_size", "expansion", "num_heads", "pos_encodings",
+                        "rms_norm_eps", "rope_theta", "forward_dtype", "puzzle_emb_ndim")
+    """Those of its URMConfig's fields that have our names (its num_layers and loops are our
+    L_layers and halt_max_steps)."""
+    inits = ("init_hidden",)
+    yaml = dict(H_cycles=4, L_cycles=3, L_layers=8, halt_max_steps=16)
+    forced = dict(conv_kernel=2, puzzle_emb_len=0, no_ACT_continue=True, pos_encodings="rope", mlp_t=False)
+    bootstraps_q_continue = False
+
+    def state_shapes(self, config):
+        return PLACEHOLDER, (config.total_len, config.hidden_size)
+
+    def initial_states(self, model):
+        return torch.zeros((), dtype=model.init_hidden.dtype, device=model.init_hidden.device), model.init_hidden
+
+    def grad_updates(self, config):
+        return config.L_cycles
+
+    def schedule(self, config):
+        return ["L"] * (config.H_cycles * config.L_cycles)
+
+    def updates(self, model, x):
+        return [lambda z_H, z_L: (z_H, model.net(z_L, x, "L"))] * len(self.schedule(model.config))
+
+    def output(self, z_H, z_L):
+        return z_L
+
+    def recognises(self, keys, config):
+        return False  # URM's names are not the TRM reference's (reference/weights.urm_names)
+
+    def problems(self, config):
+        if config.H_layers:
+            return [f"H_layers={config.H_layers}: URM has one network of L_layers blocks (its num_layers) "
+                    "and no H network; leave H_layers at 0 and set --model.L-layers"]
         return []
 
 

@@ -49,6 +49,9 @@ def refusals(config: Config, step: int, full_steps: int | None) -> list[str]:
     if model.one_step_grad:
         out.append("model.one_step_grad=True: the paper's 1-step-gradient ablation; the reference's trm.py "
                    "always takes the gradient through the whole last recursion (L_cycles + 1 updates)")
+    if model.conv_kernel:
+        out.append(f"model.conv_kernel={model.conv_kernel}" + (" (arch urm)" if model.arch == "urm" else "")
+                   + ": URM's ConvSwiGLU; the reference's SwiGLU has no conv, and its code no URM")
     if model.attention == "blockwise" and model.total_len > model.attention_block and model.forward_dtype != "float32":
         blocks = -(-model.total_len // model.attention_block)
         out.append(f"model.attention_block={model.attention_block}: this model's attention ran over {blocks} key "

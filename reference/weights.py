@@ -39,6 +39,25 @@ def _reference_names(config: TRMConfig) -> dict[str, str]:
     return names
 
 
+def urm_names(config: TRMConfig) -> dict[str, str]:
+    """Our state_dict name → URM's (github.com/UbiquantAI/URM, its URM's state_dict, under
+    `model.inner.` in its checkpoints) for `--model.arch urm`: its blocks are `layers.{i}`, the
+    initial state `init_hidden`, the ConvSwiGLU's conv `mlp.dwconv` (URM holds it in bfloat16)."""
+    names = {"token_embedding": "embed_tokens.embedding_weight", "lm_head.weight": "lm_head.weight",
+             "q_head.weight": "q_head.weight", "q_head.bias": "q_head.bias", "init_hidden": "init_hidden"}
+    if config.puzzle_emb_ndim > 0:
+        names["puzzle_embedding.weight"] = "puzzle_emb.weights"
+    for i in range(config.L_layers):
+        ours, theirs = f"blocks.{i}.", f"layers.{i}."
+        names.update({ours + "attn.qkv.weight": theirs + "self_attn.qkv_proj.weight",
+                      ours + "attn.out.weight": theirs + "self_attn.o_proj.weight",
+                      ours + "mlp.gate_up.weight": theirs + "mlp.gate_up_proj.weight",
+                      ours + "mlp.conv_weight": theirs + "mlp.dwconv.weight",
+                      ours + "mlp.conv_bias": theirs + "mlp.dwconv.bias",
+                      ours + "mlp.down.weight": theirs + "mlp.down_proj.weight"})
+    return names
+
+
 def reference_state_dict(model: TRM) -> dict[str, torch.Tensor]:
     """Our weights under the reference's names (`model.inner.*`), loadable by its code; ValueError
     for a tensor of ours the reference's model has no place for."""

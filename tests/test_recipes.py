@@ -1,15 +1,16 @@
-"""The paper's recipes as users run them: every preset but demo, in its own numerics, trained
-for some steps through parse_config/train.main on a dataset that build_data.py's command line builds from
-small source files. Every logged loss must be finite and the loss must fall.
+"""The paper's recipes as users run them, and URM's (urm-*): every preset but demo, in its own
+numerics and arch, trained for some steps through parse_config/train.main on a dataset that
+build_data.py's command line builds from small source files. Every logged loss must be finite and the loss must fall.
 
 Only widths and the batch are narrowed for the CPU:
   hidden_size 512 -> 64 and num_heads 8 -> 1 (the head width stays 64, so RoPE's frequencies and
   the attention's scale are the preset's), puzzle_emb_ndim 512 -> 64 (still one prefix row of
-  puzzle_emb_len 16), global batch 768 -> 8 (one row per virtual device: attention over 916
-  positions is the costly part).
-Kept: bfloat16 activations, mlp_t / pos_encodings, H_cycles, L_cycles, L_layers, expansion,
-puzzle_emb_len, halt_max_steps and exploration, lr and puzzle-embedding lr, weight decays, betas,
-EMA rate (test_recipe_numerics_are_the_presets checks the saved config field by field).
+  puzzle_emb_len 16; URM's ceil(ndim / width) is 1 at both widths), global batch 768 (urm-sudoku's
+  128) -> 8 (one row per virtual device: attention over 916 positions is the costly part).
+Kept: bfloat16 activations, the arch (urm: its ConvSwiGLU), mlp_t / pos_encodings, H_cycles,
+L_cycles, L_layers, expansion, puzzle_emb_len, halt_max_steps and exploration, the optimizer
+(urm-arc2: Muon), lr and puzzle-embedding lr, weight decays, betas, EMA rate
+(test_recipe_numerics_are_the_presets checks the saved config field by field).
 The one schedule change: lr_warmup_steps 2000 -> 3, or lr would stay near 0 for the whole run.
 
 With the stablemax of before 71973c6 (its unused 1/(1-x) branch overflowing at bf16 logits of
@@ -38,7 +39,9 @@ NARROWED_FIELDS = {"model.hidden_size", "model.num_heads", "model.puzzle_emb_ndi
 # steps to the last). All rows of a batch run their 16 ACT segments together, so 16 steps train
 # every row to halt_max_steps. At width 64 and the paper's lr, TRM-MLP learns slowly: its loss
 # falls ~3% in 128 steps (and moves ~1% without learning, at lr 0), the attention presets' 15-30%
-# in 16-32 steps.
+# in 16-32 steps. URM's ARC recipes apply 48 blocks per ACT step, 24 of them with backward (arc1's
+# TRM: 30 and 10): 8 steps cost about what arc1's 16 do; urm-arc1's loss falls ~13% in them, and
+# urm-arc2's, with Muon at the same lr, 2.4% (2.738 -> 2.665, lower at every step).
 RECIPES = {
     "sudoku-mlp": (128, 0.015),
     "sudoku-att": (32, 0.05),
@@ -47,6 +50,9 @@ RECIPES = {
     "arc2": (16, 0.05),
     "eqr-sudoku": (128, 0.015),
     "eqr-maze": (16, 0.05),
+    "urm-arc1": (8, 0.05),
+    "urm-arc2": (8, 0.015),
+    "urm-sudoku": (32, 0.05),
 }
 # EqR's presets have no puzzle embedding (their arch fixes puzzle_emb_ndim at 0): not narrowed.
 UNNARROWED = {"eqr-sudoku": ("--model.puzzle-emb-ndim",), "eqr-maze": ("--model.puzzle-emb-ndim",)}
@@ -76,7 +82,7 @@ def recipe_data(tmp_path_factory):
                    "--num-aug", "7", "--seed", str(seed)])
     # eqr-maze trains on EqR's Maze-Unique (perfect mazes, no builder here): Maze-Hard's format and shapes
     return {"sudoku-mlp": sudoku, "sudoku-att": sudoku, "maze": maze, "arc1": arc1, "arc2": arc2,
-            "eqr-sudoku": sudoku, "eqr-maze": maze}
+            "eqr-sudoku": sudoku, "eqr-maze": maze, "urm-arc1": arc1, "urm-arc2": arc2, "urm-sudoku": sudoku}
 
 
 def recipe_args(preset, path, run_dir, steps):

@@ -68,7 +68,7 @@ def test_the_flags_take_the_toy_with_its_values_and_checks(demo_path, tmp_path, 
     out = capsys.readouterr().out
     start = out.index("--model.arch {") + len("--model.arch {")
     choices = re.sub(r"[\s│]", "", out[start:out.index("}", start)])  # the choices as --help wraps them
-    assert choices == "trm,trm_singlez,trm_hier6,hrm,transformers_baseline,eqr,toy_echo", out
+    assert choices == "trm,trm_singlez,trm_hier6,hrm,transformers_baseline,eqr,urm,toy_echo", out
     model = parse_config(tiny_args(demo_path, tmp_path, "--model.arch", "toy_echo")).model
     assert (model.arch, model.H_cycles, model.L_cycles, model.no_ACT_continue) == ("toy_echo", 1, 3, False)
     with pytest.raises(SystemExit, match="model.L_cycles=1: toy_echo echoes at least twice"):
@@ -76,7 +76,7 @@ def test_the_flags_take_the_toy_with_its_values_and_checks(demo_path, tmp_path, 
     assert small(no_ACT_continue=True, separate_H_L=True).problems() == [
         "no_ACT_continue=True: the reference's toy_echo fixes it at False",
         "separate_H_L is an ablation of trm (the paper's), not of arch toy_echo"]
-    assert "arch must be one of trm, trm_singlez, trm_hier6, hrm, transformers_baseline, eqr, toy_echo" in \
+    assert "arch must be one of trm, trm_singlez, trm_hier6, hrm, transformers_baseline, eqr, urm, toy_echo" in \
         small(arch="nope").problems()[0]
 
 

@@ -85,6 +85,8 @@ PAPER_DATASETS: dict[str, PaperDataset] = {
     "arc2": PaperDataset("arc2concept-aug-1000", 1280, 5_163_277 / 1_191_729, 170_393, 1_191_730,
                          "subsets training2 evaluation2 concept, test set evaluation2; " + _ARC_SOURCE),
 }
+PAPER_DATASETS.update({"urm-arc1": PAPER_DATASETS["arc1"], "urm-arc2": PAPER_DATASETS["arc2"],
+                       "urm-sudoku": _SUDOKU})  # URM's scripts train on the same datasets
 
 
 def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: float) -> dict:

@@ -68,8 +68,8 @@ class OptimConfig:
     max_steps: int | None = resumable(None, ge=0, note="leave it out to train for optim.epochs")
     """Stop after this many steps instead (for quick runs; 0 saves and evaluates the initial or
     --run.init-from weights); None trains for `epochs`."""
-    optimizer: Literal["adam_atan2", "adamw", "adam"] = "adam_atan2"
-    """Optimizer of the dense weights: adam_atan2 (the paper's), or torch's adamw or adam (eps 1e-8)."""
+    optimizer: Literal["adam_atan2", "adamw", "adam", "muon"] = "adam_atan2"
+    """Optimizer of the dense weights: adam_atan2 (the paper's), torch's adamw or adam (eps 1e-8), or URM's muon (2-D weights; the rest by its AdamW)."""  # noqa: E501 (one line: tyro keeps line breaks)
     lr: float = ranged(1e-4, ge=0)
     """Peak learning rate of the dense weights' optimizer."""
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -227,6 +227,12 @@ _eqr_maze = _preset(data=dict(path="data/maze-30x30-unique-1k"),
                     model=dict(arch_defaults("eqr"), seq_len=900, vocab_size=6, hidden_size=128, num_heads=8,
                                L_layers=1, L_cycles=4, mlp_t=False, pos_encodings="rope"),
                     optim=dict(epochs=round(100000 * _EQR_STEP_EPOCHS)), eval=_eqr["eval"])
+# URM (github.com/UbiquantAI/URM @ 41de2c3): its scripts/URM_*.sh run `pretrain.py arch=urm arch.loops=16
+# arch.H_cycles=2 arch.L_cycles=6 arch.num_layers=4 eval_interval=2000 +ema=True` over config/cfg_pretrain.yaml
+# (global batch 768, lr 1e-4 after 2000 warmup steps then constant, betas (0.9, 0.95), EMA 0.999) and
+# urm.yaml (hidden 512, 8 heads, expansion 4, a puzzle embedding of 512 on one position), in bfloat16.
+_urm_model = dict(arch_defaults("urm"), H_cycles=2, L_cycles=6, L_layers=4, halt_max_steps=16)
+_urm_arc = _preset(_arc, model=_urm_model, optim=dict(epochs=200000), eval=dict(every_epochs=2000))
 
 
 PRESETS: dict[str, tuple[str, Config]] = {
@@ -247,6 +253,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
     # Maze-Unique (dataset/build_maze_unique_dataset.py: perfect 30x30 mazes generated locally; no builder here).
     "eqr-maze": ("Maze-Unique 30x30, EqR with attention (EqR's config/train/eqr_maze_unique.yaml; its README "
                  "gives no number, the paper was not read here)", _eqr_maze),
+    "urm-arc1": ("ARC-AGI-1, URM (scripts/URM_arcagi1.sh; its README: 53.8% pass@1)", _urm_arc),
+    "urm-arc2": ("ARC-AGI-2, URM with its Muon (scripts/URM_arcagi2.sh; its README: 16.0% pass@1)",
+                 _preset(_urm_arc, data=dict(path="data/arc2concept-aug-1000"), optim=dict(optimizer="muon"))),
+    "urm-sudoku": ("Sudoku-Extreme, URM, ARC's architecture (scripts/URM_sudoku.sh; its paper: 77.6%)",
+                   _preset(model=_urm_model, optim=dict(global_batch_size=128), eval=dict(every_epochs=2000))),
     # The demo keeps the presets' bfloat16 activations, so the first command users run takes the
     # numerics of the real runs (its accuracy and cost against float32: docs/measurements.md).
     "demo": ("4x4 Sudoku built locally, a tiny TRM on the CPU mesh in minutes",
