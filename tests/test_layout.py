@@ -145,6 +145,14 @@ def test_the_label_the_loss_skips_is_the_one_the_batches_write():
     assert model.IGNORE_LABEL_ID == data.IGNORE_LABEL_ID == -100
 
 
+def test_the_optimizers_config_accepts_are_the_ones_optim_builds():
+    """config.py names the optimizer choices itself (it imports no optim.py for one name)."""
+    from training import config, optim
+
+    assert config.DENSE_OPTIMIZERS == optim.DENSE_OPTIMIZERS
+    assert "training.optim" not in project_imports("training.config")
+
+
 def test_model_optim_and_data_never_reach_torch_xla():
     for name in ("model", "training.optim", "data", "modeling.field_ranges", "training.checkpoint", "build_data",
                  "puzzles.build_arc", "rundir.storage"):

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 import tyro
 
@@ -27,12 +27,14 @@ from modeling.schemes import SCHEMES, arch_defaults
 from rundir import storage
 from testtime import batches as testtime_batches
 from testtime import settings as testtime_settings
-from training.optim import DENSE_OPTIMIZERS
 
 if TYPE_CHECKING:
     import data
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: train.py and the packages
+DenseOptimizer = Literal["adam_atan2", "adamw", "adam", "muon"]
+DENSE_OPTIMIZERS = get_args(DenseOptimizer)
+"""The dense weights' optimizers (training/optim.py's dense_optimizer builds each; a test checks the two agree)."""
 LR_SCHEDULES = ("cosine", "linear", "constant")
 """The learning rate's shape after warmup (schedule.lr_at)."""
 
@@ -68,7 +70,7 @@ class OptimConfig:
     max_steps: int | None = resumable(None, ge=0, note="leave it out to train for optim.epochs")
     """Stop after this many steps instead (for quick runs; 0 saves and evaluates the initial or
     --run.init-from weights); None trains for `epochs`."""
-    optimizer: Literal["adam_atan2", "adamw", "adam", "muon"] = "adam_atan2"
+    optimizer: DenseOptimizer = "adam_atan2"
     """Optimizer of the dense weights: adam_atan2 (the paper's), torch's adamw or adam (eps 1e-8), or URM's muon (2-D weights; the rest by its AdamW)."""  # noqa: E501 (one line: tyro keeps line breaks)
     lr: float = ranged(1e-4, ge=0)
     """Peak learning rate of the dense weights' optimizer."""
