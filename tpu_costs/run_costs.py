@@ -86,7 +86,7 @@ PAPER_DATASETS: dict[str, PaperDataset] = {
                          "subsets training2 evaluation2 concept, test set evaluation2; " + _ARC_SOURCE),
 }
 PAPER_DATASETS.update({"urm-arc1": PAPER_DATASETS["arc1"], "urm-arc2": PAPER_DATASETS["arc2"],
-                       "urm-sudoku": _SUDOKU})  # URM's scripts train on the same datasets
+                       "urm-sudoku": _SUDOKU, "eqr-sudoku": _SUDOKU})  # the successors train on the same datasets
 
 
 def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: float) -> dict:
