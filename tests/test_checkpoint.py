@@ -143,7 +143,8 @@ def kill_after_writing(step, host):
     """Code that makes the process running it SIGKILL itself right after it writes host `host`'s
     tensors of step `step` (before that host's index): the fault injection of the crash tests."""
     return textwrap.dedent(f"""
-        import os, checkpoint
+        import os
+        from training import checkpoint
         _write_bytes = checkpoint.write_bytes
         def _write_then_die(url, payload):
             _write_bytes(url, payload)
@@ -361,7 +362,8 @@ def test_gcs_run_export_and_init_from(demo_path, tmp_path, gcs_url):
     assert train.command_line(["export", run_dir, "--out", exported]) == 0
     loader = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {PROJECT_DIR!r})
-        import checkpoint, model
+        import model
+        from training import checkpoint
         weights, config, _ = checkpoint.read_exported({exported!r})
         trm = model.TRM(model.TRMConfig(**config)); trm.load_state_dict(weights)
         assert "torch_xla" not in sys.modules

@@ -127,7 +127,8 @@ def test_a_checkpoint_missing_tensors_stops_the_resume_and_lists_them(demo_path,
 def test_the_final_save_survives_a_crash_in_the_final_evaluation(demo_path, tmp_path):
     # The final save is slowed down so that the crash comes while it is under way.
     fault = """
-        import time, checkpoint, evaluate
+        import time
+        from training import checkpoint, evaluate
         _write_bytes = checkpoint.write_bytes
         def slow_write(url, payload):
             time.sleep(0.5)
@@ -153,7 +154,8 @@ def test_hosts_resume_from_the_same_step_or_stop_together(demo_path, trained_run
     naming the step and host 1; neither resumes from step 2 on its own."""
     run_dir = copy_of(trained_run, tmp_path)
     fault_host_1 = """
-        import checkpoint, storage
+        from rundir import storage
+        from training import checkpoint
         _read_bytes = checkpoint.read_bytes
         def failing_read(url):
             if "step_00000004" in url:

@@ -201,11 +201,16 @@ class Pod:
         return json.loads((self.stub_dir / f"launch-{worker}-{n}.json").read_text())
 
 
-    def use_real_code(self, names=("*.py",)):
-        """The project's files matching `names` in the checkout, in place of the stubs."""
+    def use_real_code(self, names=("*.py", "*/*.py")):
+        """The project's files matching `names` in the checkout, in place of the stubs (by default
+        the top's .py files and its packages')."""
         for pattern in names:
             for source in PROJECT_DIR.glob(pattern):
-                shutil.copy(source, self.repo / source.name)
+                if source.parts[len(PROJECT_DIR.parts)] in ("tests", ".venv"):
+                    continue
+                target = self.repo / source.relative_to(PROJECT_DIR)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(source, target)
         self.git("add", ".")
         self.commit()
 

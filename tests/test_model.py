@@ -226,7 +226,7 @@ def test_exploration_noise_has_the_reference_distribution():
 
 @pytest.mark.parametrize("field,value,message", [
     ("num_heads", 9, "num_heads=9 gives heads of width hidden_size // num_heads = 3, odd"),
-    ("pos_encodings", "alibi", "pos_encodings must be rope, learned or none, got 'alibi'"),
+    ("pos_encodings", "alibi", "pos_encodings must be rope, rope2d, learned or none, got 'alibi'"),
     ("forward_dtype", "float64", "forward_dtype must be one of .* got 'float64'"),
     ("H_cycles", 0, "H_cycles=0 must be >= 1"),
     ("L_cycles", -1, "L_cycles=-1 must be >= 1"),

@@ -151,7 +151,7 @@ def test_mode_at_k_votes_on_the_labelled_cells_only_as_arc_voting_does():
                   halted=torch.ones(k, dtype=torch.bool), current_data={"labels": labels},
                   rng_counter=torch.tensor(0))
     t = noisy_trajectories.Trajectories(k, 0.5)
-    _, _, (mode_sum, pass_sum) = t.select(carry, {"logits": logits, "q_halt_logits": q_halt})
+    _, _, (mode_sum, pass_sum, _, _) = t.select(carry, {"logits": logits, "q_halt_logits": q_halt})
     assert (mode_sum, pass_sum) == (1, 1)
     chosen = t.mode(logits.argmax(-1), q_halt, labels != -100)
     # the three padding variants are one answer of three votes; of them, the best q (trajectory 3)

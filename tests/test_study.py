@@ -61,7 +61,8 @@ def test_bad_lines_are_all_refused_with_their_line_numbers(tmp_path):
     assert done.returncode == 1, out
     assert "Traceback" not in out and "good-s0" not in out  # a valid expanded run raises nothing
     expected = [
-        r"line 2: preset: unknown preset 'sudoku' \(presets: sudoku-mlp, sudoku-att, maze, arc1, arc2, demo\)",
+        r"line 2: preset: unknown preset 'sudoku' \(presets: sudoku-mlp, sudoku-att, maze, arc1, arc2, eqr-sudoku, "
+        r"eqr-maze, urm-arc1, urm-arc2, urm-sudoku, demo\)",
         r"line 3: flag: .*--optim.lrr",
         r"line 4: range: optim.global_batch_size=0 must be >= 1 \(set it with --optim.global-batch-size\)",
         r"line 6: run name good-s1 is used twice \(first on line 5\)",
