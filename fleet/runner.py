@@ -327,11 +327,7 @@ class StudyRunner:
                             self._lose(run, "another holder took it over", term)
                             return
                 except Exception as e:  # noqa: BLE001 - storage, gcsfs, asyncio: all the same here
-                    self.renewal_failures += 1
-                    if self.renewal_failures in (1, 3) or self.renewal_failures % 20 == 0:
-                        left = self.deadline - time.monotonic()
-                        self.say(f"{run.name}: renewing its lease failed ({self.renewal_failures} in a row; "
-                                 f"{type(e).__name__}: {e}); its trainer may write for {max(0.0, left):.1f} s more")
+                    self._renewal_failed(run, "renewing its lease", e)
                     continue
                 with self.state_lock:
                     if self.term != term or done.is_set():
@@ -344,6 +340,15 @@ class StudyRunner:
             self.say(f"{run.name}: the lease's renewals stopped ({type(e).__name__}: {e}); its trainer stops at "
                      "its deadline")
             raise
+
+    def _renewal_failed(self, run: StudyRun, doing: str, error: Exception) -> None:
+        """Count a failed renewal (a holder's claim write, or a follower's read of worker 0's claim)
+        and say so at the 1st, 3rd and every 20th in a row, with how long its trainer may still write."""
+        self.renewal_failures += 1
+        if self.renewal_failures in (1, 3) or self.renewal_failures % 20 == 0:
+            left = self.deadline - time.monotonic()
+            self.say(f"{run.name}: {doing} failed ({self.renewal_failures} in a row; "
+                     f"{type(error).__name__}: {error}); its trainer may write for {max(0.0, left):.1f} s more")
 
     def _follow(self, run: StudyRun, done: threading.Event, term: int) -> None:
         """A follower's lease: read worker 0's claim every lease/8 until `done`. Each generation
@@ -359,11 +364,7 @@ class StudyRunner:
             try:
                 generation, record = self.claims.current(run.name) or (0, {"state": "free"})
             except Exception as e:  # noqa: BLE001 - storage, gcsfs, asyncio: all the same here
-                self.renewal_failures += 1
-                if self.renewal_failures in (1, 3) or self.renewal_failures % 20 == 0:
-                    left = self.deadline - time.monotonic()
-                    self.say(f"{run.name}: reading worker 0's claim failed ({self.renewal_failures} in a row; "
-                             f"{type(e).__name__}: {e}); its trainer may write for {max(0.0, left):.1f} s more")
+                self._renewal_failed(run, "reading worker 0's claim", e)
                 continue
             if record.get("state") != "running":
                 return  # worker 0's last write: the run ends, no more renewals
