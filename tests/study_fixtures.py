@@ -16,8 +16,10 @@ STUDY_LINE = ("cycles demo --data.path {data} --model.hidden-size 32 --model.puz
               "--eval.every-epochs 10 --model.L-cycles {{1,2}} --seeds 2\n")
 
 
-def study(*args, env=None, **popen):
-    return subprocess.Popen([sys.executable, os.path.join(PROJECT_DIR, "study.py"), *args], text=True,
+def study(*args, env=None, wrap=(), **popen):
+    """`python study.py ARGS` on the 8-device CPU mesh, its output piped; `wrap`: a command line that
+    runs it (e.g. `unshare --pid --fork --mount-proc`)."""
+    return subprocess.Popen([*wrap, sys.executable, os.path.join(PROJECT_DIR, "study.py"), *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=PROJECT_DIR,
                             env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PYTHONUNBUFFERED": "1",
                                  **(env or {})}, **popen)

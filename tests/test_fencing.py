@@ -92,11 +92,11 @@ class Study:
         self.watch = Watch(self.run_dir)
         self.lines: dict[str, list] = {}
 
-    def holder(self, label, name=None, **popen):
+    def holder(self, label, name=None, wrap=(), **popen):
         self.lines[label] = []
         env = {"TRM_STORAGE_AUDIT": str(self.audit), "TRM_STORAGE_FAULTS": str(self.faults)}
         return study("run", str(self.file), "--out", self.out, "--holder", name or label, "--lease-s",
-                     str(self.lease_s), env=env, **popen)
+                     str(self.lease_s), env=env, wrap=wrap, **popen)
 
     def inject(self, **rule):
         with open(self.faults, "a") as f:
@@ -129,11 +129,11 @@ def _step_reached(lines, holder_proc, at_least):
     return wait_for(holder_proc, rf"^step ({'|'.join(str(s) for s in range(at_least, 41))})/40", lines)
 
 
-def _held_at_start(s, start_b):
+def _held_at_start(s, start_b, hold_s=0.0):
     """Holder a's trainer (its run claimed), stopped (SIGSTOP) the moment it appears, while it
-    is still starting up, until holder b (started by start_b) says it waits for the run; then
-    continued. Returns both. b's start-up cannot race a's 40 steps to their end (it lost that race
-    in a full suite)."""
+    is still starting up, until holder b (started by start_b) says it waits for the run, and
+    `hold_s` longer; then continued. Returns both. b's start-up cannot race a's 40 steps to their
+    end (it lost that race in a full suite)."""
     deadline = time.time() + 300
     while not s.watch.alive() and time.time() < deadline:
         time.sleep(0.005)
@@ -142,6 +142,7 @@ def _held_at_start(s, start_b):
     try:
         b = start_b()
         assert wait_for(b, r"study: waiting: 1 run", s.lines["b"]), "".join(s.lines["b"])
+        time.sleep(hold_s)
     finally:
         os.kill(old, signal.SIGCONT)
     return old, b
@@ -197,6 +198,45 @@ def test_a_killed_study_process_takes_its_trainer_with_it(gcs_url, demo_path, tm
           f"(lease {s.lease_s:g} s: a process of this machine that ended)")
     assert dead_after < 1.0 and spans[old][1] < killed + 0.5
     assert "was held by a process of this machine that ended" in said_b
+
+
+UNSHARE = ("unshare", "--pid", "--fork", "--mount-proc", "--kill-child")
+"""A PID namespace of its own, as a container has: the study process is its PID 1 and numbers its
+trainer's process ids from 2 (the other container's ids name processes of this one, or none)."""
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run([*UNSHARE, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="unshare --pid needs root (or user namespaces) on Linux")
+def test_holders_in_two_containers_of_one_machine_wait_a_lease_and_take_over_a_dead_one(gcs_url, demo_path, tmp_path,
+                                                                                     straight):
+    """Two study processes, each in a PID namespace of its own (`unshare --pid`, as two containers
+    or pods of one machine are: one boot id, process ids numbered per namespace). While a's holder
+    lives, b waits however long (before: each took the other's live run at its first look, reading
+    the other's PID in its own /proc as "a process of this machine that ended"); when a's whole
+    container is killed, b takes the run over a lease after a's last renewal."""
+    s = Study(gcs_url, demo_path, tmp_path)
+    a = s.holder("a", wrap=UNSHARE, start_new_session=True)
+    # a's trainer held at its start for 1.5 leases past b's first look: b looks every lease/4
+    old, b = _held_at_start(s, lambda: s.holder("b", wrap=UNSHARE), hold_s=1.5 * s.lease_s)
+    assert s.watch.alive() == {old}, "b started a trainer of a's live run"
+    assert _step_reached(s.lines["a"], a, 9), "".join(s.lines["a"])
+    os.killpg(a.pid, signal.SIGKILL)  # the whole container: its study process, its trainer
+    killed = time.time()
+    assert _takeover_line(b, s.lines["b"]), "".join(s.lines["b"])
+    took = time.time() - killed
+    said_b = "".join(s.lines["b"]) + b.communicate(timeout=600)[0]
+    assert b.returncode == 0, said_b
+    s.check(straight)
+    print(f"holders in two PID namespaces: b waited {1.5 * s.lease_s:g} s and more beside a's live run; "
+          f"took it over {took:.1f} s after a's container was killed (lease {s.lease_s:g} s)")
+    assert "was held by a process of this machine that ended" not in said_b and "went stale" in said_b, said_b
+    assert took >= s.lease_s * (1 - fencing.RENEW_FRACTION) - 1.0
 
 
 def test_claim_writes_failing_longer_than_the_lease_stop_the_trainer_in_time(gcs_url, demo_path, tmp_path, straight):
