@@ -122,6 +122,21 @@ def test_the_mazes_are_eqrs_builders_example_for_example(name, eqr_builder, tmp_
     assert (eqr_out / "identifiers.json").read_text() == (our_out / "identifiers.json").read_text()
 
 
+def test_an_eqr_built_dataset_is_refused_with_the_fix_and_reads_after_it(eqr_builder, tmp_path):
+    """EqR's own output (e.g. its published copy) lacks total_puzzles: the error says which field to
+    add; with it added, data.py reads EqR's arrays, which are ours."""
+    eqr_out, our_out = build_both(eqr_builder, tmp_path, "recipe", **CONFIGS["perfect-odd-uniform"])
+    with pytest.raises(data.DatasetError, match=r'names its example count total_samples.*Add "total_puzzles"'):
+        data.open_dataset(str(eqr_out), "train")
+    for split in SPLITS:
+        path = eqr_out / split / "dataset.json"
+        metadata = json.loads(path.read_text())
+        path.write_text(json.dumps({**metadata, "total_puzzles": metadata["total_samples"]}))
+        theirs, ours = data.open_dataset(str(eqr_out), split), data.open_dataset(str(our_out), split)
+        assert theirs.metadata == ours.metadata
+        np.testing.assert_array_equal(theirs.inputs, ours.inputs)
+
+
 def test_the_configs_reach_the_branches_they_are_for(eqr_builder, tmp_path):
     """The side-by-side configs do what their names say: the tiny one meets duplicates (without
     dedupe it keeps some), the unique one refuses start-goal pairs (without the check it keeps
