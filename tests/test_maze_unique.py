@@ -222,11 +222,13 @@ def test_the_default_command_is_eqrs_readme_command():
             assert getattr(ours, name) == (tuple(value) if isinstance(value, list) else value), name
 
 
-def test_the_command_line_builds_what_the_function_builds(tmp_path, capsys):
+def test_the_command_line_builds_what_the_function_builds(tmp_path, capsys, monkeypatch):
     small = ["--grid-size", "11", "--train-samples", "4", "--test-samples", "3", "--min-path-length", "10",
              "--max-path-length", "20", "--seed", "9"]
+    monkeypatch.setattr(maze_unique, "PROGRESS_SECONDS", 0.0)  # a progress line after every maze
     build_data.main(["build-maze-unique", "--out", str(tmp_path / "cli"), *small])
     printed = capsys.readouterr().out
+    assert "maze-unique: train 2/4 mazes (" in printed and "maze-unique: test 3/3 mazes (" in printed
     assert "maze-unique: train 4 mazes in" in printed and '"total_puzzles": 4' in printed
     build_maze_unique(str(tmp_path / "function"), MazeUniqueOptions(
         grid_size=11, train_samples=4, test_samples=3, min_path_length=10, max_path_length=20, seed=9))
@@ -256,7 +258,8 @@ def test_the_command_line_builds_what_the_function_builds(tmp_path, capsys):
     # 2x2 cells: 8 mazes of S and G 6 apart in all, so the test split's first finds only duplicates.
     (["--grid-size", "5", "--length-distribution", "fixed", "--length-value", "6", "--train-samples", "8",
       "--test-samples", "1"], "50 lengths drawn in a row for test maze 1 gave duplicates of earlier mazes"),
-])
+], ids=["too-long", "grid-too-small", "min-above-max", "min-0", "no-samples", "list-without-values",
+        "weights-mismatch", "fixed-too-long", "wall-prob-1", "attempts-exhausted", "only-duplicates"])
 def test_errors_name_the_flag_and_the_fix(flags, message, tmp_path):
     with pytest.raises(SystemExit) as raised:
         build_data.main(["build-maze-unique", "--out", str(tmp_path / "out"), *flags])
