@@ -25,7 +25,7 @@ data.py requires it) where EqR writes `total_samples` (the same number), and opt
 with and then fail on or silently clamp (a length no maze of the grid can have, min_path_length 0)
 are refused before any maze is made, naming the flag to change.
 
-Imports numpy, the standard library and data.py (never torch).
+Imports numpy, the standard library, data.py and puzzles/builders.py (never torch).
 """
 from __future__ import annotations
 
@@ -38,13 +38,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from data import DatasetError, SplitAccumulator, write_identifiers
+from puzzles.builders import MAZE_CHARSET
 
 MAZE_MODES = ("perfect", "random")
 LENGTH_DISTRIBUTIONS = ("uniform", "normal", "fixed", "list")
 # The order in which a cell's neighbours are listed. The carving draws among the unvisited ones in
 # this order and the breadth-first search queues them in it, so it is part of the recipe: EqR's.
 STEPS = ((1, 0), (-1, 0), (0, 1), (0, -1))
-WALL, OPEN, START, GOAL, PATH = 1, 2, 3, 4, 5  # MAZE_CHARSET "# SGo" -> 1..5, as build_maze
+WALL, OPEN, START, GOAL, PATH = (MAZE_CHARSET.index(c) + 1 for c in "# SGo")  # build_maze's tokens
 PROGRESS_SECONDS = 5.0  # a progress line at most this often
 
 
