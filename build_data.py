@@ -6,15 +6,18 @@ Each builder writes a dataset root (a local path or any fsspec URL) that data.py
     build_arc(out, input_prefix, subsets, test_sets, num_aug, seed=ARC_SEED)   (puzzles/build_arc.py)
         writes, byte for byte, what the reference's dataset/build_arc_dataset.py writes from
         the same files and options (seed 42 by default)
+    build_maze_unique(out, MazeUniqueOptions(...))   (puzzles/maze_unique.py)
+        EqR's Maze-Unique, generated locally (the eqr-maze preset's dataset; the defaults are
+        EqR's recipe): with the same options the mazes equal EqR's builder's, example for example
     build_demo(out, ...)   4x4 Sudoku generated locally, small enough to train on a laptop CPU
 
 Command line:
-    python build_data.py build-sudoku | build-maze | build-arc | build-demo --out URL ...
+    python build_data.py build-sudoku | build-maze | build-maze-unique | build-arc | build-demo --out URL ...
     python build_data.py info URL      metadata, sizes and a sample
     python build_data.py bench URL     TrainBatches rows per second from the local cache
 
-This module imports numpy, the standard library, rundir/storage.py, data.py, data.py, puzzles/arc.py and
-puzzles/build_arc.py (never torch):
+This module imports numpy, the standard library, rundir/storage.py, data.py, puzzles/builders.py,
+puzzles/build_arc.py and puzzles/maze_unique.py (never torch):
 training does not import it.
 """
 from __future__ import annotations
@@ -39,6 +42,7 @@ from data import (
 )
 from puzzles.build_arc import ARC_SEED, build_arc
 from puzzles.builders import MAZE_CSV_URL, SUDOKU_CSV_URL, build_demo, build_maze, build_sudoku
+from puzzles.maze_unique import LENGTH_DISTRIBUTIONS, MAZE_MODES, MazeUniqueOptions, build_maze_unique, options_from
 from rundir.storage import StorageError, access_errors, filesystem, join_url
 
 # --------------------------------------------------------------------------------------------
@@ -101,6 +105,46 @@ def bench(url: str, global_batch_size: int = 768, steps: int = 200, process_coun
     return rows_per_second
 
 
+def maze_unique_options(sub: argparse.ArgumentParser) -> None:
+    """build-maze-unique's flags: EqR's option names, MazeUniqueOptions' defaults (EqR's recipe)."""
+    recipe = MazeUniqueOptions()
+
+    def flag(name, help_text, **kwargs):
+        field = name[2:].replace("-", "_")
+        default = getattr(recipe, field)
+        if default is not None:
+            help_text += f" (default {str(default).lower() if isinstance(default, bool) else default})"
+        if isinstance(default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs.setdefault("type", type(default) if default is not None else int)
+        sub.add_argument(name, default=default, help=help_text, **kwargs)
+
+    flag("--grid-size", "side of the square board")
+    flag("--train-samples", "mazes in train")
+    flag("--test-samples", "mazes in test")
+    flag("--maze-mode", "perfect: randomised depth-first search (one path between any two cells); "
+         "random: each cell wall with probability --wall-prob", choices=MAZE_MODES)
+    flag("--wall-prob", "random mazes' wall probability")
+    flag("--dedupe", "no maze twice across train and test")
+    flag("--length-distribution", "the start-goal shortest path's length: uniform on --min..--max-path-length, "
+         "normal (--length-mean, --length-std, clipped to min..max), fixed (--length-value), list "
+         "(--length-values, --length-weights)", choices=LENGTH_DISTRIBUTIONS)
+    flag("--min-path-length", "shortest path length, least")
+    flag("--max-path-length", "shortest path length, greatest")
+    flag("--length-mean", "normal distribution's mean")
+    flag("--length-std", "normal distribution's standard deviation")
+    flag("--length-value", "fixed length")
+    flag("--length-values", "list: the lengths", nargs="+")
+    flag("--length-weights", "list: their weights (default equal)", nargs="+", type=float)
+    flag("--strict-length", "stop when no maze has a drawn length (else draw another)")
+    flag("--require-unique", "random mazes: keep only start-goal pairs with a single shortest path "
+         "(a perfect maze has one)")
+    flag("--max-length-resamples", "lengths drawn per maze before giving up (after duplicates or failures)")
+    flag("--max-grid-attempts", "mazes tried per drawn length")
+    flag("--max-start-attempts", "random starts tried per maze")
+
+
 def command_parser() -> argparse.ArgumentParser:
     """The command line of build_data.py: one subcommand per builder, info and bench."""
     parser = argparse.ArgumentParser(
@@ -132,6 +176,11 @@ def command_parser() -> argparse.ArgumentParser:
     csv_options(sub, MAZE_CSV_URL)
     sub.add_argument("--aug", action="store_true",
                      help="add the 8 dihedral variants of each train maze")
+    maze_unique_options(command(
+        "build-maze-unique", "Build EqR's Maze-Unique (mazes generated locally, no download): the "
+        "eqr-maze preset's dataset. The defaults are EqR's recipe (its README's command); with the "
+        "same options and seed the mazes equal its dataset/build_maze_unique_dataset.py's.",
+        seed=MazeUniqueOptions.seed))
     sub = command("build-arc", "Build ARC-AGI from challenge/solution JSON files; with the "
                   "same files and options the output equals the reference builder's.",
                   seed=ARC_SEED)
@@ -167,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         elif args.command == "build-maze":
             build_maze(args.out, args.train_csv, args.test_csv, args.subsample_size,
                        args.min_difficulty, args.aug, args.seed)
+        elif args.command == "build-maze-unique":
+            build_maze_unique(args.out, options_from(vars(args)))
         elif args.command == "build-arc":
             build_arc(args.out, args.input_prefix, args.subsets, args.test_sets, args.num_aug,
                       args.seed)

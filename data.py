@@ -107,6 +107,11 @@ class Metadata:
             raise DatasetError(f"{url} must hold a JSON object, found {type(data).__name__}; "
                                "rebuild the dataset.")
         missing = [f.name for f in fields(cls) if f.name not in data]
+        if missing == ["total_puzzles"] and "total_samples" in data:
+            raise DatasetError(f"{url} names its example count total_samples, as EqR's builders write it, "
+                               "where this format has total_puzzles. Add \"total_puzzles\" with the same "
+                               "value to each split's dataset.json (the arrays are this format's), or build "
+                               "EqR's Maze-Unique here with `python build_data.py build-maze-unique`.")
         if missing:
             raise DatasetError(f"{url} lacks the field(s) {missing}; it is not a TRM dataset "
                                "description. Rebuild the dataset with `python build_data.py build-...`.")
@@ -358,7 +363,7 @@ def _missing_split_error(url: str, split: str, json_url: str) -> DatasetError:
     if not root_exists:
         return DatasetError(f"Dataset root {url} does not exist. Check the URL, or build a "
                             "dataset there with `python build_data.py build-demo --out URL` "
-                            "(or build-sudoku, build-maze, build-arc).")
+                            "(or build-sudoku, build-maze, build-maze-unique, build-arc).")
     if not split_exists:
         return DatasetError(f"Dataset split {join_url(url, split)} is missing: a dataset root "
                             f"needs train/ and test/. Check that {url} is the root (the folder "

@@ -252,8 +252,11 @@ PRESETS: dict[str, tuple[str, Config]] = {
     "eqr-sudoku": ("Sudoku-Extreme, EqR with mlp_t (EqR's config/train/eqr_sudoku.yaml; its paper: 99.56% exact "
                    "at depth 64 x breadth 128)", _eqr_sudoku),
     # Maze: eqr_maze_unique.yaml's 1 layer, L 4, width 128, 8 heads, 1-D rope, 100,000 EqR epochs, on its
-    # Maze-Unique (dataset/build_maze_unique_dataset.py: perfect 30x30 mazes generated locally; no builder here).
-    "eqr-maze": ("Maze-Unique 30x30, EqR with attention (EqR's config/train/eqr_maze_unique.yaml; its README "
+    # Maze-Unique (perfect 30x30 mazes generated locally), at data/maze-30x30-unique-1k as EqR names it:
+    # `python build_data.py build-maze-unique --out data/maze-30x30-unique-1k` (the defaults are EqR's recipe;
+    # maze for maze what its dataset/build_maze_unique_dataset.py writes, puzzles/maze_unique.py).
+    "eqr-maze": ("Maze-Unique 30x30 (build_data.py build-maze-unique), EqR with attention (EqR's "
+                 "config/train/eqr_maze_unique.yaml; its README "
                  "gives no number, the paper was not read here)", _eqr_maze),
     "urm-arc1": ("ARC-AGI-1, URM (scripts/URM_arcagi1.sh; its README: 53.8% pass@1)", _urm_arc),
     "urm-arc2": ("ARC-AGI-2, URM with its Muon (scripts/URM_arcagi2.sh; its README: 16.0% pass@1)",
