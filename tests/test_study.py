@@ -417,9 +417,9 @@ def test_the_shipped_studies_parse(monkeypatch):
         counts[path] = (len(runs), len({r.configuration for r in runs}))
     # The tiny one: 2 widths x 2 seeds; the Sudoku plan: experiments 1-5 and 8, 35 configurations x 3 seeds;
     # PTRM's: the paper's TRM rows on Sudoku-Extreme and Maze-Hard x 3 seeds.
-    # The successors: TRM, EqR and URM on Sudoku-Extreme and ARC-AGI-1/2, one seed each.
+    # The successors: TRM, EqR and URM on Sudoku-Extreme and ARC-AGI-1/2, and EqR on its Maze-Unique, one seed each.
     assert counts == {"sudoku-scaling.txt": (105, 35), "tiny.txt": (4, 2), "ptrm-paper.txt": (6, 2),
-                      "successors.txt": (7, 7)}
+                      "successors.txt": (8, 8)}
 
 
 def test_sigterm_stops_the_study_after_its_run_saved_whether_or_not_the_run_got_it(demo_path, tmp_path):

@@ -86,7 +86,10 @@ PAPER_DATASETS: dict[str, PaperDataset] = {
                          "subsets training2 evaluation2 concept, test set evaluation2; " + _ARC_SOURCE),
 }
 PAPER_DATASETS.update({"urm-arc1": PAPER_DATASETS["arc1"], "urm-arc2": PAPER_DATASETS["arc2"],
-                       "urm-sudoku": _SUDOKU, "eqr-sudoku": _SUDOKU})  # the successors train on the same datasets
+                       "urm-sudoku": _SUDOKU, "eqr-sudoku": _SUDOKU,  # the successors train on the same datasets
+                       "eqr-maze": PaperDataset("maze-30x30-unique-1k", 1000, 1.0, 1000, 1,
+                                                "build_data.py build-maze-unique defaults (EqR's recipe): 1000 "
+                                                "train and 1000 test perfect mazes, no augmentation")})
 
 
 def project_paper_run(record: dict, config: Config, dataset: PaperDataset, mfu: float) -> dict:
