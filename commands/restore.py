@@ -1,11 +1,11 @@
 """Where a run's state comes from: the run directory's newest committed checkpoint (one decision
 for every host, `resume_or_start`), or given weights: a run or checkpoint directory's EMA
-weights, an exported model.safetensors or a reference checkpoint (`load_initial_weights` for
+weights, an exported model.safetensors or a checkpoint of the reference's, EqR's or URM's code
+(reference/checkpoint_file.py) (`load_initial_weights` for
 --run.init-from, `load_weights_for_eval` for the eval and predict commands)."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import time
 
@@ -142,21 +142,17 @@ def resume_or_start(config: Config, identifiers: str | None, sharding, mesh, log
     return 0, Trainer(config, sharding, mesh, restore), False
 
 
-def read_reference_checkpoint(url: str) -> dict[str, torch.Tensor]:
-    """The state dict of a reference-implementation checkpoint (a torch.save file)."""
-
-    return torch.load(io.BytesIO(storage.read_bytes(url)), map_location="cpu", weights_only=True)
-
-
 def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers: str | None = None,
                          say=print) -> dict[str, torch.Tensor]:
     """`model/*` tensors to start training from: the EMA weights of a run or checkpoint
-    directory, an exported model.safetensors, or a reference checkpoint.
+    directory, an exported model.safetensors, or a checkpoint of the reference's, EqR's or URM's
+    code (the weights its evaluation reads: EqR's EMA average).
 
     Fine-tuning on other puzzles: when the weights' puzzle-embedding table was trained on other
     identifiers (another row count, or another fingerprint than `dataset_identifiers`), the
     dense weights are kept and every row of the table starts as the mean of the old rows (as the
     reference does), with one line said; the same identifiers keep the table."""
+    from reference.checkpoint_file import read_checkpoint_file
     from reference.model_dir import read_model_dir
     from reference.weights import load_reference_state_dict, mean_row_table
 
@@ -170,7 +166,7 @@ def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers:
         except checkpoint.CheckpointError as e:
             raise ConfigError(str(e)) from None
         if found is None and not url.endswith(".safetensors"):
-            load_reference_state_dict(model, read_reference_checkpoint(url))
+            load_reference_state_dict(model, read_checkpoint_file(url).weights)
             return {f"model/{k}": v for k, v in model.state_dict().items()}
         if found is None:
             weights, _, trained_on = checkpoint.read_exported(url)
@@ -217,9 +213,10 @@ def results_dir(source: str, checkpoint_url: str | None = None) -> str:
 def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
     """(config, `model/*` weights, step, fingerprint of the identifiers the weights were trained
     on or None) from a run directory or checkpoint (EMA weights and the run's config), a model
-    directory (train.py export --format reference: the run's config), an exported
-    model.safetensors (its model config) or a reference checkpoint (the sizes its tensors show,
-    the settings of an all_config.yaml beside it, the rest from the preset `base`); `overrides`
+    directory (train.py export --format reference|eqr|urm: the run's config), an exported
+    model.safetensors (its model config) or a checkpoint of an arch's own code, the reference's,
+    EqR's or URM's (the arch and sizes its tensors show, the settings of the config saved in it
+    or of an all_config.yaml beside it, the rest from the preset `base`); `overrides`
     (command-line flags) apply on top. eval.max_examples is None (every test example, as a
     run's final evaluation reads) unless `overrides` set it: never the run's or the preset's
     training-time subset. run.dir is `results_dir` unless `overrides` set it."""
@@ -253,13 +250,21 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
         weights = {f"model/{k}": v for k, v in ema.items()}
         config = with_overrides(config_from_dict(state["config"]), url)
         return config, weights, state["step"], state.get("dataset_identifiers")
-    # A reference checkpoint: its table must fit the dataset as it is (no resizing for evaluation).
+    # A checkpoint of an arch's own code: its table must fit the dataset as it is (no resizing
+    # for evaluation).
+    from reference.checkpoint_file import read_checkpoint_file
     from reference.weights import load_reference_state_dict
 
-    state_dict = read_reference_checkpoint(source)
-    # Beside it, the reference's all_config.yaml gives the arch's settings (and our model
-    # directory's config.json the identifiers the table was trained on).
-    saved_config, trained_on = files_beside_checkpoint(source)
+    try:
+        saved = read_checkpoint_file(source)
+    except (ValueError, RuntimeError, OSError) as e:
+        raise SystemExit(f"error: {source}: {e}")
+    state_dict = saved.weights
+    # The run's config saved in the file (EqR's), else an all_config.yaml beside it, gives the
+    # arch's settings (and our model directory's config.json the identifiers the table was
+    # trained on).
+    beside, trained_on = files_beside_checkpoint(source)
+    saved_config = saved.config if saved.config is not None else beside
     try:
         if saved_config is not None:
             base = config_from_all_config(saved_config, base)

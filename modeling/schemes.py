@@ -102,8 +102,13 @@ class RecursionScheme:
     reference_fields = ("H_cycles", "L_cycles", "H_layers", "L_layers", "hidden_size", "expansion", "num_heads",
                         "pos_encodings", "rms_norm_eps", "rope_theta", "halt_max_steps", "halt_exploration_prob",
                         "forward_dtype", "puzzle_emb_ndim", "mlp_t", "puzzle_emb_len", "no_ACT_continue")
-    """The fields of ours that its reference config class reads (besides what pretrain.py takes
-    from the dataset: seq_len, vocab_size, num_puzzle_identifiers; and batch_size)."""
+    """The fields of ours that its reference config class reads under our names (besides what
+    pretrain.py takes from the dataset: seq_len, vocab_size, num_puzzle_identifiers; and batch_size)."""
+    reference_renames: dict[str, str] = {}
+    """Its config class's fields that are ours under another name: its name -> ours (URM's
+    num_layers is our L_layers)."""
+    reference_block = "{level}_level.layers.{i}."
+    """Where its checkpoint names block i of network `level` ("L" or "H") under `model.inner.`."""
 
     # -- the networks and states --------------------------------------------------------------
 
@@ -182,6 +187,11 @@ class RecursionScheme:
         inits = {k for k in keys if k.endswith("_init")}
         levels = {k.split("_level.")[0] for k in keys if "_level.layers." in k}
         return inits == set(self.inits) and levels == set(self.networks(config))
+
+    def reference_problems(self, arch: dict) -> list[str]:
+        """What of a saved config's `arch` section (its code's names and values) this scheme cannot
+        compute, each naming the field (config_from_all_config refuses them)."""
+        return []
 
     # -- config checks ------------------------------------------------------------------------
 
@@ -386,6 +396,7 @@ class EqR(RecursionScheme):
     reference_fields = ("H_cycles", "L_cycles", "H_layers", "L_layers", "hidden_size", "expansion", "num_heads",
                         "pos_encodings", "rms_norm_eps", "rope_theta", "halt_max_steps", "halt_exploration_prob",
                         "forward_dtype", "mlp_t")
+    reference_renames = {"lambda_": "eqr_damping", "noise_scale": "eqr_noise"}
     inits = ()
     own_fields = ("eqr_damping", "eqr_noise")
     draws = True
@@ -432,6 +443,14 @@ class EqR(RecursionScheme):
                     "pass --model.pos-encodings rope"]
         return []
 
+    def reference_problems(self, arch):
+        out = [f"{name}={arch[name]!r}: ours draws the initial states with std {self.INIT_STD} (EqR's yaml value)"
+               for name in ("H_init_std", "L_init_std") if arch.get(name, self.INIT_STD) != self.INIT_STD]
+        height, width = arch.get("board_height"), arch.get("board_width")
+        if arch.get("pos_encodings") == "rope2d" and height is not None and height != width:
+            out.append(f"board_height={height}, board_width={width}: our rope2d is EqR's on a square board only")
+        return out
+
 
 @register
 class URM(RecursionScheme):
@@ -444,15 +463,16 @@ class URM(RecursionScheme):
     puzzle embedding takes ceil(ndim / width) positions; it halts on q_halt alone, with no
     Q-continue target. URM's names: num_layers is our L_layers, loops our halt_max_steps; its
     exploration probability is a constant 0.1 in its code (our halt_exploration_prob, 0.1 in its
-    presets). Its checkpoints (model.inner.layers.{i}.*, init_hidden) are named by
-    reference/weights.urm_names; no reference-checkpoint reader recognises them yet."""
+    presets). Its checkpoints name the blocks model.inner.layers.{i}.* and the conv mlp.dwconv
+    (reference/weights.reference_names); one is recognised by its `init_hidden` and those blocks."""
 
     name = "urm"
     reference_class = "urm.urm@URM"
     reference_fields = ("H_cycles", "L_cycles", "hidden_size", "expansion", "num_heads", "pos_encodings",
                         "rms_norm_eps", "rope_theta", "forward_dtype", "puzzle_emb_ndim")
-    """Those of its URMConfig's fields that have our names (its num_layers and loops are our
-    L_layers and halt_max_steps)."""
+    """Those of its URMConfig's fields that have our names."""
+    reference_renames = {"num_layers": "L_layers", "loops": "halt_max_steps"}
+    reference_block = "layers.{i}."
     inits = ("init_hidden",)
     yaml = dict(H_cycles=4, L_cycles=3, L_layers=8, halt_max_steps=16)
     forced = dict(conv_kernel=2, puzzle_emb_len=0, no_ACT_continue=True, pos_encodings="rope", mlp_t=False)
@@ -477,7 +497,8 @@ class URM(RecursionScheme):
         return z_L
 
     def recognises(self, keys, config):
-        return False  # URM's names are not the TRM reference's (reference/weights.urm_names)
+        return ("init_hidden" in keys and any(k.startswith("layers.") for k in keys)
+                and not any(k.endswith("_init") or "_level." in k for k in keys))
 
     def problems(self, config):
         if config.H_layers:

@@ -1,7 +1,7 @@
-"""The reference implementation's checkpoints (github.com/SamsungSAILMontreal/TinyRecursiveModels)
-for every arch: our state_dict names under theirs (`model.inner.*`), the model config that a
-checkpoint's tensor shapes determine, and loading one into a model.TRM (a fine-tuning's puzzle
-table reset to its mean row)."""
+"""Checkpoints of each arch's own code (the reference, github.com/SamsungSAILMontreal/
+TinyRecursiveModels, for its five; EqR's and URM's for theirs): our state_dict names under theirs
+(`model.inner.*`), the model config that a checkpoint's tensor shapes determine, and loading one
+into a model.TRM (a fine-tuning's puzzle table reset to its mean row)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,57 +11,45 @@ import torch
 from model import TRM, TRMConfig, swiglu_width
 
 
-def _reference_names(config: TRMConfig) -> dict[str, str]:
-    """Our state_dict name → the reference's name under `model.inner.`."""
+def reference_names(config: TRMConfig) -> dict[str, str]:
+    """Our state_dict name → the name its arch's own code gives the tensor under `model.inner.`:
+    the TRM reference's for its five archs, EqR's (the same names) and URM's (its blocks under
+    `layers.{i}.`, its initial state `init_hidden`, the ConvSwiGLU's conv `mlp.dwconv`)."""
+    scheme = config.scheme
     names = {
         "token_embedding": "embed_tokens.embedding_weight",
         "lm_head.weight": "lm_head.weight",
         "q_head.weight": "q_head.weight",
         "q_head.bias": "q_head.bias",
-        **{name: name for name in config.scheme.inits},
+        **{name: name for name in scheme.inits},
     }
     if config.pos_encodings == "learned":
         names["position_embedding"] = "embed_pos.embedding_weight"
     if config.puzzle_emb_ndim > 0:
         names["puzzle_embedding.weight"] = "puzzle_emb.weights"
-    networks = config.scheme.networks(config)
-    levels = [(f"blocks.{i}.", f"L_level.layers.{i}.") for i in range(networks.get("L", 0))]
-    levels += [(f"H_blocks.{i}.", f"H_level.layers.{i}.") for i in range(networks.get("H", 0))]
-    for ours, theirs in levels:
-        if config.mlp_t:
-            names[ours + "seq_mlp.gate_up.weight"] = theirs + "mlp_t.gate_up_proj.weight"
-            names[ours + "seq_mlp.down.weight"] = theirs + "mlp_t.down_proj.weight"
-        else:
-            names[ours + "attn.qkv.weight"] = theirs + "self_attn.qkv_proj.weight"
-            names[ours + "attn.out.weight"] = theirs + "self_attn.o_proj.weight"
-        names[ours + "mlp.gate_up.weight"] = theirs + "mlp.gate_up_proj.weight"
-        names[ours + "mlp.down.weight"] = theirs + "mlp.down_proj.weight"
-    return names
-
-
-def urm_names(config: TRMConfig) -> dict[str, str]:
-    """Our state_dict name → URM's (github.com/UbiquantAI/URM, its URM's state_dict, under
-    `model.inner.` in its checkpoints) for `--model.arch urm`: its blocks are `layers.{i}`, the
-    initial state `init_hidden`, the ConvSwiGLU's conv `mlp.dwconv` (URM holds it in bfloat16)."""
-    names = {"token_embedding": "embed_tokens.embedding_weight", "lm_head.weight": "lm_head.weight",
-             "q_head.weight": "q_head.weight", "q_head.bias": "q_head.bias", "init_hidden": "init_hidden"}
-    if config.puzzle_emb_ndim > 0:
-        names["puzzle_embedding.weight"] = "puzzle_emb.weights"
-    for i in range(config.L_layers):
-        ours, theirs = f"blocks.{i}.", f"layers.{i}."
-        names.update({ours + "attn.qkv.weight": theirs + "self_attn.qkv_proj.weight",
-                      ours + "attn.out.weight": theirs + "self_attn.o_proj.weight",
-                      ours + "mlp.gate_up.weight": theirs + "mlp.gate_up_proj.weight",
-                      ours + "mlp.conv_weight": theirs + "mlp.dwconv.weight",
-                      ours + "mlp.conv_bias": theirs + "mlp.dwconv.bias",
-                      ours + "mlp.down.weight": theirs + "mlp.down_proj.weight"})
+    networks = scheme.networks(config)
+    ours_of = {"L": "blocks.{i}.", "H": "H_blocks.{i}."}
+    for level in "LH":
+        for i in range(networks.get(level, 0)):
+            ours, theirs = ours_of[level].format(i=i), scheme.reference_block.format(level=level, i=i)
+            if config.mlp_t:
+                names[ours + "seq_mlp.gate_up.weight"] = theirs + "mlp_t.gate_up_proj.weight"
+                names[ours + "seq_mlp.down.weight"] = theirs + "mlp_t.down_proj.weight"
+            else:
+                names[ours + "attn.qkv.weight"] = theirs + "self_attn.qkv_proj.weight"
+                names[ours + "attn.out.weight"] = theirs + "self_attn.o_proj.weight"
+            names[ours + "mlp.gate_up.weight"] = theirs + "mlp.gate_up_proj.weight"
+            if config.conv_kernel:
+                names[ours + "mlp.conv_weight"] = theirs + "mlp.dwconv.weight"
+                names[ours + "mlp.conv_bias"] = theirs + "mlp.dwconv.bias"
+            names[ours + "mlp.down.weight"] = theirs + "mlp.down_proj.weight"
     return names
 
 
 def reference_state_dict(model: TRM) -> dict[str, torch.Tensor]:
     """Our weights under the reference's names (`model.inner.*`), loadable by its code; ValueError
     for a tensor of ours the reference's model has no place for."""
-    ours, names = model.state_dict(), _reference_names(model.config)
+    ours, names = model.state_dict(), reference_names(model.config)
     unmapped = sorted(set(ours) - set(names))
     if unmapped:
         raise ValueError(f"no reference name for {unmapped}: the reference's {model.config.arch} has no such tensor")
@@ -83,15 +71,15 @@ def reference_config(state_dict: dict[str, torch.Tensor], base: TRMConfig) -> TR
     """`base` with every size that a reference checkpoint's tensor shapes determine: the arch
     (the registered scheme that recognises its initial states and networks, base's own arch first;
     another arch than base's brings that arch's yaml values), hidden_size, vocab_size, the layers
-    of each network, expansion, mlp_t, learned positions, puzzle_emb_ndim and the number of puzzle
-    identifiers. The rest (cycles, heads, seq_len, halting) is not in the weights and stays as
-    `base` (or the arch's yaml) says."""
+    of each network, expansion, mlp_t, the conv's kernel, learned positions, puzzle_emb_ndim and
+    the number of puzzle identifiers. The rest (cycles, heads, seq_len, halting) is not in the
+    weights and stays as `base` (or the arch's yaml) says."""
     from modeling.schemes import SCHEMES, arch_defaults
 
     inner = _reference_inner(state_dict)
     if "embed_tokens.embedding_weight" not in inner:
-        raise ValueError("not a reference TRM checkpoint: no model.inner.embed_tokens.embedding_weight "
-                         f"among its {len(state_dict)} tensors")
+        raise ValueError("not a checkpoint of the reference's, EqR's or URM's code: no "
+                         f"model.inner.embed_tokens.embedding_weight among its {len(state_dict)} tensors")
     vocab_size, hidden_size = inner["embed_tokens.embedding_weight"].shape
     layers = {level: len({k.split(".")[2] for k in inner if k.startswith(f"{level}_level.layers.")})
               for level in "LH"}
@@ -103,6 +91,10 @@ def reference_config(state_dict: dict[str, torch.Tensor], base: TRMConfig) -> TR
                          f"states {inits}, networks {[f'{level}_level' for level in 'LH' if layers[level]]}; "
                          "pass --model.arch and the flags of its networks (e.g. --model.separate-H-L)")
     base = as_arch(base.arch if base.arch in found else found[0])
+    block = base.scheme.reference_block
+    starts = {level: block.split("{i}")[0].format(level=level) for level in "LH"}
+    layers = {level: len({k[len(start):].split(".")[0] for k in inner if k.startswith(start)})
+              for level, start in starts.items()}
     fields = {field: layers[level] for level, field in base.scheme.layer_fields(base).items() if layers[level]}
     mlp_t = any(".mlp_t." in k for k in inner)
     fields.update(vocab_size=vocab_size, hidden_size=hidden_size, mlp_t=mlp_t)
@@ -116,8 +108,10 @@ def reference_config(state_dict: dict[str, torch.Tensor], base: TRMConfig) -> TR
         fields["pos_encodings"] = "rope"
     # The inner SwiGLU width fixes the expansion only up to the rounding to 256: keep the base's
     # when it gives the same widths.
-    first = "L_level.layers.0." if layers["L"] else "H_level.layers.0."
+    first = block.format(level="L" if layers["L"] else "H", i=0)
     widths = {hidden_size: inner[first + "mlp.gate_up_proj.weight"].shape[0] // 2}
+    conv = inner.get(first + "mlp.dwconv.weight")
+    fields["conv_kernel"] = 0 if conv is None else conv.shape[-1]
     if mlp_t:
         seq_gate_up = inner[first + "mlp_t.gate_up_proj.weight"]
         widths[seq_gate_up.shape[1]] = seq_gate_up.shape[0] // 2
@@ -145,7 +139,7 @@ def load_reference_state_dict(model: TRM, state_dict: dict[str, torch.Tensor],
     `resize_puzzle_table=False` (evaluation) it is an error instead.
     """
     inner = _reference_inner(state_dict)
-    names = _reference_names(model.config)
+    names = reference_names(model.config)
     missing = sorted(theirs for theirs in names.values() if theirs not in inner)
     unexpected = sorted(k for k in inner if k not in set(names.values()))
     if missing or unexpected:

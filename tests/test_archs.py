@@ -92,7 +92,7 @@ def run_side_by_side(arch: str, dtype: str, training: bool, steps: int, tol: flo
     gradient, compared; returns the largest relative difference of each kind."""
     ours, theirs = ours_and_theirs(arch, dtype, **overrides)
     ours.train(training), theirs.train(training)
-    names = reference_weights._reference_names(ours.config)
+    names = reference_weights.reference_names(ours.config)
     errors: dict[str, float] = {}
     data = list(batches(ours.config, steps))
     carry, their_carry = ours.initial_carry(data[0]), theirs.initial_carry(data[0])

@@ -159,7 +159,7 @@ def test_eqr_equals_its_own_code_side_by_side(variant, monkeypatch):
     config = small_config(**VARIANTS[variant])
     ours, theirs = ours_and_theirs(config)
     draws = Draws(monkeypatch, noisy=config.eqr_noise > 0)
-    names = reference_weights._reference_names(config)
+    names = reference_weights.reference_names(config)
     errors = {}
     for training, steps in ((True, 4), (False, config.halt_max_steps)):
         ours.train(training), theirs.train(training)

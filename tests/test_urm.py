@@ -2,7 +2,7 @@
 license, so its code is not vendored: tests/reference/urm/record_urm.py ran it once (float32, CPU,
 a tiny config in the file's metadata) and saved its weights, inputs, outputs and gradients in
 tests/data/urm_fixture.safetensors. Here its weights load into our model under URM's names
-(reference/weights.urm_names), the same ACT steps run, and everything is compared: 5 training
+(reference/weights.reference_names), the same ACT steps run, and everything is compared: 5 training
 steps (logits, q_halt, q_continue, halting, the carried state, loss, metrics, every gradient and
 the puzzle rows' gradient), 3 evaluation steps, and one step of URM's Muon from step 0's
 gradients. Also the scheme's own settings and checks, and the ConvSwiGLU's conv against torch's
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from model import TRM, ConvSwiGLU, TRMConfig, loss_and_metrics
 from modeling.schemes import SCHEMES, arch_defaults
-from reference.weights import urm_names
+from reference.weights import reference_names
 from training.optim import dense_optimizer
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "urm_fixture.safetensors"
@@ -55,7 +55,7 @@ def urm_config(meta: dict) -> TRMConfig:
 
 def urm_model(tensors, meta) -> tuple[TRM, dict[str, str]]:
     model = TRM(urm_config(meta))
-    names = urm_names(model.config)
+    names = reference_names(model.config)
     assert {f"weights.inner.{n}" for n in names.values()} == {k for k in tensors if k.startswith("weights.")}
     model.load_state_dict({ours: tensors[f"weights.inner.{theirs}"] for ours, theirs in names.items()}, strict=True)
     return model, names
@@ -172,7 +172,9 @@ def test_urm_settings_and_checks():
     assert any(p.startswith("conv_kernel=0: the reference's urm fixes it at 2") for p in problems), problems
     assert any(p.startswith("puzzle_emb_len=4") for p in problems), problems
     assert any(p.startswith("H_layers=2: URM has one network") for p in problems), problems
-    assert not scheme.recognises({"init_hidden", "layers.0.mlp.dwconv.weight"}, config)
+    urm_keys = {"init_hidden", "embed_tokens.embedding_weight", "layers.0.mlp.dwconv.weight"}
+    assert [name for name, s in SCHEMES.items() if s.recognises(urm_keys, config)] == ["urm"]
+    assert not scheme.recognises({"H_init", "L_init", "L_level.layers.0.mlp.gate_up_proj.weight"}, config)
 
 
 def test_urm_presets_are_its_scripts():
