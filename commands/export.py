@@ -1,9 +1,12 @@
 """`train.py export`: a run's EMA weights as one model.safetensors file, its config in the
-file's metadata; with `--format reference`, a model directory the reference's code runs too
-(reference/model_dir.py).
+file's metadata; with `--format reference`, `eqr` or `urm`, a model directory that the arch's own
+code runs too: the TRM reference's (reference/model_dir.py), EqR's or URM's
+(reference/successors.py).
 
     python train.py export gs://BUCKET/runs/NAME --out gs://BUCKET/models/NAME.safetensors
     python train.py export gs://BUCKET/runs/NAME --format reference --out gs://BUCKET/models/NAME
+    python train.py export gs://BUCKET/runs/EQR_RUN --format eqr --out gs://BUCKET/models/EQR_RUN
+    python train.py export gs://BUCKET/runs/URM_RUN --format urm --out gs://BUCKET/models/URM_RUN
 """
 from __future__ import annotations
 
@@ -23,19 +26,19 @@ class ExportCommand:
     source: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="SOURCE")]
     """A run directory (its newest readable committed checkpoint) or one checkpoint directory."""
     out: str
-    """Where to write, local or gs:// (gs://BUCKET/models/sudoku.safetensors; a directory with --format reference)."""
-    format: Literal["ours", "reference"] = "ours"
-    """ours: one model.safetensors; reference: a model directory that the reference's code runs too."""
+    """Where to write, local or gs:// (gs://BUCKET/models/sudoku.safetensors; a directory with the other formats)."""
+    format: Literal["ours", "reference", "eqr", "urm"] = "ours"
+    """ours: one model.safetensors; reference, eqr, urm: a model directory that the TRM reference's, EqR's (arch eqr) or URM's (arch urm) own code runs too."""  # noqa: E501 (one line: tyro keeps line breaks)
 
 
 def export_command(argv: list[str]) -> None:
-    """`python train.py export SOURCE --out URL [--format reference]`."""
+    """`python train.py export SOURCE --out URL [--format reference|eqr|urm]`."""
     flags = tyro.cli(ExportCommand, args=argv, prog="train.py export")
     check_urls(flags.source, flags.out)
-    if flags.format == "reference":
+    if flags.format != "ours":
         from reference.model_dir import export_directory
 
-        export_directory(flags.source, flags.out)
+        export_directory(flags.source, flags.out, flags.format)
     else:
         export(flags.source, flags.out)
 

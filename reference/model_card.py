@@ -1,6 +1,7 @@
 """The model card (README.md) of a model directory (reference/model_dir.py): what was trained, on
-which dataset, its final metrics, and the commands that evaluate it here and in the reference's
-own code. Written from the directory's config.json alone."""
+which dataset, its final metrics, and the commands that evaluate it here and in its arch's own
+code (the reference's, EqR's or URM's: the directory's format, whose Target says how). Written
+from the directory's config.json alone."""
 from __future__ import annotations
 
 import json
@@ -37,12 +38,13 @@ def examples_read(card: dict) -> tuple[str, bool]:
 
 def model_card(card: dict, out: str) -> str:
     """README.md of the model directory `out` described by `card` (its config.json)."""
+    from reference.model_dir import target
+
     config, dataset, reference = card["config"], card["dataset"], card["reference"]
+    goal = target(reference.get("format", "reference"))
     model, arch = config["model"], config["model"]["arch"]
-    ckpt = reference["checkpoint"]
     name = out.rstrip("/").rsplit("/", 1)[-1]
     metrics = card["metrics"]
-    data_arg = reference["all_config"]["data_paths"][0]
     local = "://" not in out
     here = os.path.abspath(out) if local else out
     there = here if local else f"/path/to/{name}"  # the reference reads local files: a copy of the directory
@@ -84,22 +86,9 @@ def model_card(card: dict, out: str) -> str:
         "evaluation did" + (".)" if not metrics else ", and gives the metrics above.)" if whole else
                             ": its metrics are the whole test split's, which the metrics above may not be.)"),
         "",
-        "## Evaluate it in the reference's code",
+        f"## Evaluate it in {goal.who}'s code",
         "",
-        f"The reference ({reference['repository']}, commit {reference['commit']}) reads `{ckpt}` (its "
-        "`save_train_state`'s format, `_orig_mod.model.inner.*`) and `all_config.yaml` (its `PretrainConfig`). It "
-        "has no evaluation-only entry point: `evaluate_in_reference.py` runs the evaluating part of its "
-        "`pretrain.launch`, calling its `create_model` (whose `load_checkpoint` loads the weights) and "
-        "`evaluate` unchanged. From a checkout of the reference, on a CUDA machine with its requirements"
-        + ("" if local else " (after copying this directory there)") + ":",
-        "",
-        "```",
-        f"cd TinyRecursiveModels && python {there}/evaluate_in_reference.py --data {data_arg}",
-        "```",
-        "",
-        "To train or fine-tune from it there: `python pretrain.py --config-path "
-        f"{there} --config-name all_config load_checkpoint={there}/{ckpt}`, or with the same settings as "
-        "overrides of the reference's own config:",
+        *goal.card_section(card, there, local),
         "",
         "```",
         "python pretrain.py " + " ".join(shlex.quote(o) for o in reference["hydra_overrides"]),
@@ -107,12 +96,12 @@ def model_card(card: dict, out: str) -> str:
         "",
     ]
     if reference["not_in_all_config"]:
-        lines += ["Training settings the reference's config cannot say (the weights evaluate the same; "
+        lines += [f"Training settings {goal.who}'s config cannot say (the weights evaluate the same; "
                   "retraining there would differ):", "", *(f"- {s}" for s in reference["not_in_all_config"]), ""]
     lines += [
         "## Training configuration",
         "",
-        "The reference's (`all_config.yaml`):",
+        f"{goal.who[0].upper() + goal.who[1:]}'s (`all_config.yaml`):",
         "",
         "```yaml",
         yaml.safe_dump(reference["all_config"], sort_keys=False).rstrip(),
