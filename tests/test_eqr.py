@@ -3,13 +3,17 @@ from github.com/locuslab/EqR): forward, carried states, halting, loss, metrics a
 several ACT steps in training and evaluation, with EqR's random draws (its initial states and
 its noise) replaced by the ones our counter hash drew; and the draws themselves: deterministic,
 the right distributions, different per row, step, update and position."""
+import ast
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import train
 from model import TRM, TRMConfig, loss_and_metrics
 from modeling import counter_hash
 from modeling.schemes import SCHEMES, arch_defaults
@@ -21,15 +25,15 @@ BATCH = 6
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def load_eqr():
-    """EqR's models.eqr and models.losses, imported with their folder first on sys.path under
-    their own package names (`models`, `utils`), which are then put back as they were: TRM's
-    vendored reference (tests/reference/, test_archs.py) has a `models` package too."""
-    ours = lambda name: name.split(".")[0] in ("models", "utils")
+def load_eqr(*names):
+    """EqR's modules `names`, imported with their folder first on sys.path under their own
+    package names (`models`, `utils`, `config`, `evaluators`), which are then put back as they
+    were: TRM's vendored reference (tests/reference/, test_archs.py) has a `models` package too."""
+    ours = lambda name: name.split(".")[0] in ("models", "utils", "config", "evaluators")
     saved = {name: sys.modules.pop(name) for name in list(sys.modules) if ours(name)}
     sys.path.insert(0, str(EQR_DIR))
     try:
-        return importlib.import_module("models.eqr"), importlib.import_module("models.losses")
+        return [importlib.import_module(name) for name in names]
     finally:
         sys.path.remove(str(EQR_DIR))
         for name in [name for name in sys.modules if ours(name)]:
@@ -37,7 +41,9 @@ def load_eqr():
         sys.modules.update(saved)
 
 
-EQR, EQR_LOSSES = load_eqr()
+EQR_MODELS, EQR, EQR_LOSSES, EQR_EMA, EQR_TRAINING, EQR_PRINTING, EQR_SCHEMA, EQR_EVAL_CONFIG = load_eqr(
+    "models", "models.eqr", "models.losses", "models.ema", "utils.training", "utils.printing", "config.schema",
+    "evaluators.eval_config")
 
 
 def small_config(**overrides) -> TRMConfig:
@@ -128,6 +134,18 @@ class Draws:
         return not self.noise and (not self.initial or len(self.reset_rows) == 0)
 
 
+def step_side_by_side(ours, theirs, draws, carry, their_carry, batch):
+    """One ACT step of ours and of EqR's model, EqR fed our draws; halting and steps must agree.
+    (carry, outputs, their carry, their loss, their metrics, their outputs)."""
+    draws.start(carry.halted)
+    carry, outputs = ours(carry, batch)
+    their_carry, their_loss, their_metrics, their_outputs, _ = theirs(
+        carry=their_carry, batch=batch, return_keys=["logits", "q_halt_logits"])
+    assert draws.handed_over()
+    assert torch.equal(carry.halted, their_carry.halted) and torch.equal(carry.steps, their_carry.steps)
+    return carry, outputs, their_carry, their_loss, their_metrics, their_outputs
+
+
 def close(ours, theirs, tol, what):
     ours, theirs = ours.double(), theirs.double()
     scale = theirs.abs().max().clamp_min(1e-12)
@@ -167,14 +185,10 @@ def test_eqr_equals_its_own_code_side_by_side(variant, monkeypatch):
         carry, their_carry = ours.initial_carry(data[0]), theirs.initial_carry(data[0])
         halted_rows = set()
         for batch in data:
-            draws.start(carry.halted)
             with torch.set_grad_enabled(training):
-                carry, outputs = ours(carry, batch)
+                carry, outputs, their_carry, their_loss, their_metrics, their_outputs = step_side_by_side(
+                    ours, theirs, draws, carry, their_carry, batch)
                 loss, metrics = loss_and_metrics(carry, outputs)
-                their_carry, their_loss, their_metrics, their_outputs, _ = theirs(
-                    carry=their_carry, batch=batch, return_keys=["logits", "q_halt_logits"])
-            assert draws.handed_over()
-            assert torch.equal(carry.halted, their_carry.halted) and torch.equal(carry.steps, their_carry.steps)
             halted_rows.update(carry.steps[carry.halted].tolist())
             for key, theirs_value in (("logits", their_outputs["logits"]),
                                       ("q_halt_logits", their_outputs["q_halt_logits"])):
@@ -321,3 +335,182 @@ def test_eqr_trains_on_the_demo_on_the_mesh_and_resumes_exactly(demo_path, tmp_p
     assert resumed["start_step"] == 2
     assert [h["loss"] for h in first["history"] + resumed["history"]] == losses
     assert resumed["final"] == straight["final"]
+
+
+def eqr_functions(path: Path, *names) -> dict:
+    """Functions of EqR's vendored `path` (evaluate.py, utils/checkpoint.py), their source
+    unchanged, defined alone: the modules they are in need wandb, omegaconf, hydra or CUDA. Their
+    globals: what they use of torch, EqR's modules and the standard library."""
+    import dataclasses
+    import os
+    import random
+    import typing
+
+    import numpy as np
+
+    tree = ast.parse(path.read_text())
+    body = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert {n.name for n in body} == set(names)
+    namespace = {"torch": torch, "nn": torch.nn, "np": np, "os": os, "random": random, "Path": Path,
+                 "replace": dataclasses.replace,
+                 **{k: getattr(typing, k) for k in ("Any", "Dict", "List", "Tuple", "Optional")},
+                 "PretrainConfig": EQR_SCHEMA.PretrainConfig, "EvalConfig": EQR_EVAL_CONFIG.EvalConfig,
+                 "EMAHelper": EQR_EMA.EMAHelper, "TrainState": EQR_TRAINING.TrainState,
+                 "DataLoader": torch.utils.data.DataLoader, "tree_to_cpu_detached": EQR_TRAINING.tree_to_cpu_detached,
+                 "get_env": lambda name: None,  # utils.env: no environment overrides
+                 "get_run_id": lambda: None, "wandb": SimpleNamespace(run=None),  # no W&B run
+                 **{k: getattr(EQR_PRINTING, k) for k in ("colored_exception", "rank_zero_print_warning",
+                                                          "rank_zero_print_info", "print_info")}}
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace
+
+
+def evaluated_by_eqr(checkpoint_path: Path, vocab_size: int, seq_len: int):
+    """The model EqR's evaluate.py evaluates from a checkpoint file, by its `_run_checkpoint`'s
+    steps with its own functions: `_load_checkpoint` (torch.load), `_base_config` (its
+    PretrainConfig from the file's "config", the evaluation's loss head InferenceLossHead), the
+    model its pretrain.create_model builds from it (arch fields, the dataset's sizes), its
+    init_train_state's EMA helper, `load_model_state_dict(strict=config.load_strict, assign=True)`
+    and `load_ema`. (model, config, checkpoint object)."""
+    run = eqr_functions(EQR_DIR / "evaluate.py", "_load_checkpoint", "_base_config", "_dataset_path", "_seed")
+    load = eqr_functions(EQR_DIR / "utils" / "checkpoint.py", "canonicalize_orig_mod_wrappers",
+                         "load_model_state_dict", "load_ema")
+    ckpt, path = run["_load_checkpoint"](str(checkpoint_path))
+    config = run["_base_config"](EQR_EVAL_CONFIG.EvalConfig(), ckpt, path, 0)
+    classes = {"eqr": EQR, "losses": EQR_LOSSES}
+    load_class = lambda name: getattr(classes[name.split("@")[0]], name.split("@")[1])
+    model_cfg = dict(**config.arch.__pydantic_extra__, batch_size=BATCH, vocab_size=vocab_size, seq_len=seq_len,
+                     causal=False)
+    model = load_class(config.arch.loss.name)(load_class(config.arch.name)(model_cfg),
+                                              **config.arch.loss.__pydantic_extra__)
+    ema = None
+    if config.ema:
+        ema = EQR_EMA.EMAHelper(mu=config.ema_rate)
+        ema.register(model)
+    state = EQR_TRAINING.TrainState(model=model, optimizers=[], optimizer_lrs=[], carry=None, step=0, total_steps=1,
+                                    steps_per_epoch=1, ema_helper=ema)
+    load["load_model_state_dict"](state.model, ckpt.get("model", ckpt), strict=bool(config.load_strict), assign=True)
+    if config.ema and "ema" in ckpt:
+        state = load["load_ema"](ckpt, state, config, 0)
+    return state.model, config, ckpt
+
+
+@pytest.mark.parametrize("variant", ["attention-rope", "mlp_t"])
+def test_an_exported_model_runs_in_eqrs_evaluation_bit_for_bit_and_back(variant, tmp_path, monkeypatch):
+    """`export --format eqr` of a trained eqr run: EqR's evaluate.py steps load
+    checkpoints/step_N.pth strictly (its config's load_strict), the EMA shadow naming every
+    parameter, and its model (InferenceLossHead, as its evaluation) fed our draws gives the logits,
+    q_halt, z_H, z_L, halting and steps of ours bit for bit over 2 training and halt_max_steps
+    evaluation ACT steps. Back: the file, read by `train.py eval`'s loader (its config from the
+    file), and the directory, by --run.init-from's, give our weights bit for bit."""
+    from commands.restore import load_initial_weights, load_weights_for_eval
+    from tests.test_reference_export import trained_checkpoint
+    from training.config import PRESETS
+
+    config = small_config(**VARIANTS[variant])
+    run_dir, trained = trained_checkpoint(tmp_path, config)
+    out = tmp_path / "model"
+    assert train.command_line(["export", str(run_dir), "--format", "eqr", "--out", str(out)]) == 0
+    path = out / "checkpoints" / "step_3.pth"
+    theirs, their_config, ckpt = evaluated_by_eqr(path, config.vocab_size, config.seq_len)
+    assert their_config.load_strict is True and their_config.arch.loss.name == "losses@InferenceLossHead"
+    assert {k.removeprefix("_orig_mod.") for k in ckpt["ema"]["shadow"]} == {n for n, _ in theirs.named_parameters()}
+    assert set(ckpt["model"]) == set(theirs.state_dict())
+
+    # Back: the file through train.py eval's loader, the directory through --run.init-from's.
+    loaded_config, weights, _, _ = load_weights_for_eval(str(path), PRESETS["eqr-maze"][1], [
+        "--model.seq-len", str(config.seq_len), "--model.attention", "sdpa", "--model.halt-exploration-prob", "0"])
+    assert loaded_config.model == config
+    assert set(weights) == {f"model/{k}" for k in trained.state_dict()}
+    assert all(torch.equal(weights[f"model/{k}"], v) for k, v in trained.state_dict().items())
+    started = load_initial_weights(str(out), config)
+    assert all(torch.equal(started[f"model/{k}"], v) for k, v in trained.state_dict().items())
+
+    ours = TRM(loaded_config.model, exploration_seed=0)
+    ours.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})
+    draws = Draws(monkeypatch, noisy=True)
+    for training, steps in ((True, 2), (False, config.halt_max_steps)):
+        ours.train(training), theirs.train(training)
+        data = list(batches(config, steps))
+        carry, their_carry = ours.initial_carry(data[0]), theirs.initial_carry(data[0])
+        with torch.no_grad():
+            for batch in data:
+                carry, outputs, their_carry, _, _, their_outputs = step_side_by_side(
+                    ours, theirs, draws, carry, their_carry, batch)
+                for key in ("logits", "q_halt_logits"):
+                    assert torch.equal(outputs[key], their_outputs[key]), key
+                assert torch.equal(carry.z_H, their_carry.inner_carry.z_H)
+                assert torch.equal(carry.z_L, their_carry.inner_carry.z_L)
+
+
+def test_a_checkpoint_saved_by_eqrs_code_evaluates_here_as_there(tmp_path, monkeypatch):
+    """EqR's own save_checkpoint (utils/checkpoint.py, unchanged) on its compiled model with an EMA
+    that has moved off the weights, its carry (its own dataclasses) and numpy's generator state
+    in the file: `train.py eval`'s loader reads the EMA weights (as EqR's evaluate.py) and the
+    arch's settings from the file's config, --run.init-from the same, and ours then computes
+    what EqR's evaluation of that file computes, bit for bit."""
+    from commands.restore import load_initial_weights, load_weights_for_eval
+    from training.config import PRESETS
+
+    config = small_config(mlp_t=True, pos_encodings="none")
+    _, theirs = ours_and_theirs(config)
+    arch = {"name": "eqr@EqRModel", "short_name": "EqR",  # config/arch/eqr.yaml's fields, our sizes
+            "loss": {"name": "losses@ACTLossHead", "loss_type": "stablemax_cross_entropy"},
+            "halt_exploration_prob": 0.1, "halt_max_steps": 3, "H_cycles": 2, "L_cycles": 2, "H_layers": 0,
+            "L_layers": 2, "hidden_size": 32, "num_heads": 4, "expansion": 2, "pos_encodings": "none",
+            "board_height": None, "board_width": None, "forward_dtype": "float32", "mlp_t": True, "lambda_": 0.9,
+            "noise_scale": 0.02, "H_init_std": 1.0, "L_init_std": 1.0}
+    saved = EQR_SCHEMA.PretrainConfig(
+        arch=arch, dataset={"name": "tiny", "data_path": str(tmp_path / "data")}, global_batch_size=BATCH,
+        epochs=10, lr=1e-4, lr_min_ratio=1.0, lr_warmup_steps=10, weight_decay=1.0, beta1=0.9, beta2=0.95,
+        target_q_update_every=4, ema=True, checkpoint_path=str(tmp_path / "run" / "checkpoints"))
+    theirs.model.config.lambda_, theirs.model.config.noise_scale = 0.9, 0.02
+    compiled = torch.compile(theirs)  # its pretrain.py: tensors saved as _orig_mod.model.inner.*
+    ema = EQR_EMA.EMAHelper(mu=0.5)
+    ema.register(compiled)
+    with torch.no_grad():
+        for p in compiled.parameters():
+            p.mul_(1.5)  # a training step's worth: the EMA is now half way
+    ema.update(compiled)
+    batch = next(batches(config, 1))
+    carry, *_ = theirs(carry=theirs.initial_carry(batch), batch=batch, return_keys=[])
+    state = EQR_TRAINING.TrainState(model=compiled, optimizers=[], optimizer_lrs=[1e-4], carry=carry, step=7,
+                                    total_steps=10, steps_per_epoch=1, ema_helper=ema)
+    def importable(patch):  # EqR's modules where pickle finds its carry's classes (in EqR's checkout)
+        for name, module in (("models", EQR_MODELS), ("models.eqr", EQR), ("models.losses", EQR_LOSSES)):
+            patch.setitem(sys.modules, name, module)
+
+    save = eqr_functions(EQR_DIR / "utils" / "checkpoint.py", "save_checkpoint")["save_checkpoint"]
+    with monkeypatch.context() as patch:
+        importable(patch)
+        save(saved, state, SimpleNamespace(dataset=SimpleNamespace(state_dict=lambda: {"epoch": 1})),
+             next_iteration=1, rank=0)
+    path = tmp_path / "run" / "checkpoints" / "step_7.pth"
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path))  # its classes, numpy's state
+    # Read here without EqR's modules (sys.modules as it was): its classes are not imported.
+
+    loaded, weights, _, _ = load_weights_for_eval(str(path), PRESETS["eqr-sudoku"][1], [
+        "--model.seq-len", str(config.seq_len), "--model.attention", "sdpa"])
+    expected = dataclasses.replace(config, eqr_damping=0.9, eqr_noise=0.02, halt_exploration_prob=0.1)
+    assert loaded.model == expected and loaded.data.path == str(tmp_path / "data") and loaded.optim.ema_rate == 0.999
+    shadow = {n.removeprefix("_orig_mod."): v for n, v in ema.state_dict().items()}
+    names = reference_weights.reference_names(config)
+    assert all(torch.equal(weights[f"model/{ours}"], shadow[f"model.inner.{t}"]) for ours, t in names.items())
+    assert not torch.equal(weights["model/lm_head.weight"], theirs.model.inner.lm_head.weight)  # not the weights
+    started = load_initial_weights(str(path), expected)
+    assert all(torch.equal(started[k], v) for k, v in weights.items())
+
+    with monkeypatch.context() as patch:
+        importable(patch)
+        evaluated, _, _ = evaluated_by_eqr(path, config.vocab_size, config.seq_len)
+    ours = TRM(expected, exploration_seed=0)
+    ours.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})
+    draws = Draws(monkeypatch, noisy=True)
+    ours.eval(), evaluated.eval()
+    carry, their_carry = ours.initial_carry(batch), evaluated.initial_carry(batch)
+    with torch.no_grad():
+        for _ in range(config.halt_max_steps):
+            carry, outputs, their_carry, _, _, their_outputs = step_side_by_side(
+                ours, evaluated, draws, carry, their_carry, batch)
+            assert torch.equal(outputs["logits"], their_outputs["logits"])
+            assert torch.equal(outputs["q_halt_logits"], their_outputs["q_halt_logits"])

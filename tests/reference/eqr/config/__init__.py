@@ -1,0 +1,1 @@
+"""Hydra YAML files and Python schemas for EqR configuration."""
