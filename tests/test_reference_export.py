@@ -199,6 +199,23 @@ def test_what_the_reference_cannot_express_is_refused_by_name(flags, fields, mes
                                    "--out", str(tmp_path / "f32" / "model")]) == 0
 
 
+@pytest.mark.parametrize("format,arch,fields,message", [
+    ("eqr", "trm", {}, "model.arch=trm: EqR's code runs its eqr"),
+    ("urm", "trm", {}, "model.arch=trm: URM's code runs its urm"),
+    ("urm", "urm", dict(puzzle_emb_ndim=0), "model.puzzle_emb_ndim=0: URM's pretrain.load_checkpoint"),
+    ("eqr", "eqr", dict(attention="blockwise", attention_block=8, seq_len=16), "model.attention_block=8"),
+])
+def test_what_eqrs_and_urms_code_cannot_express_is_refused_by_name(format, arch, fields, message, tmp_path):
+    """--format eqr and urm refuse, naming the option, another arch than their code's, a model its
+    loader cannot load (URM's load_checkpoint reads the puzzle table's shape, as the reference's)
+    and attention computed otherwise than their one softmax; nothing is written."""
+    config = small_config(arch, "bfloat16", **fields)
+    run_dir, _ = trained_checkpoint(tmp_path, config, steps=1)
+    with pytest.raises(SystemExit, match=message.replace(".", r"\.")):
+        train.command_line(["export", str(run_dir), "--format", format, "--out", str(tmp_path / "model")])
+    assert not (tmp_path / "model").exists()
+
+
 def tiny_run(demo_path, tmp_path, *extra):
     return ["demo", "--data.path", demo_path, "--data.cache-dir", str(tmp_path / "cache"), "--run.dir",
             str(tmp_path / "run"), "--model.hidden-size", "32", "--model.puzzle-emb-ndim", "32",

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import train
 from model import TRM, ConvSwiGLU, TRMConfig, loss_and_metrics
 from modeling.schemes import SCHEMES, arch_defaults
 from reference.weights import reference_names
@@ -75,7 +76,12 @@ def batch_at(tensors, prefix):
 
 def test_training_steps_equal_urms_recorded_outputs_and_gradients(recorded):
     tensors, meta = recorded
-    model, names = urm_model(tensors, meta)
+    compare_training(*urm_model(tensors, meta), tensors, meta)
+
+
+def compare_training(model: TRM, names: dict[str, str], tensors, meta) -> float:
+    """The recording's training ACT steps run on `model` (URM's weights under `names`), every
+    output, carry, metric and gradient compared with URM's; the largest difference."""
     model.train()
     batch_size, largest = int(meta["batch"]), 0.0
     carry = None
@@ -102,11 +108,16 @@ def test_training_steps_equal_urms_recorded_outputs_and_gradients(recorded):
         largest = max(largest, *errors)
         model.zero_grad(set_to_none=True)
     print(f"largest difference against URM over {meta['train_steps']} training steps: {largest:.3g}")
+    return largest
 
 
 def test_evaluation_steps_equal_urms(recorded):
     tensors, meta = recorded
-    model, _ = urm_model(tensors, meta)
+    compare_evaluation(urm_model(tensors, meta)[0], tensors)
+
+
+def compare_evaluation(model: TRM, tensors) -> None:
+    """The recording's evaluation ACT steps run on `model`, compared with URM's."""
     model.eval()
     batch = batch_at(tensors, "eval.batch")
     carry = model.initial_carry(batch)
@@ -211,3 +222,112 @@ def test_the_trm_reference_export_refuses_urm():
 
     assert any(r.startswith("model.conv_kernel=2 (arch urm): URM's ConvSwiGLU")
                for r in refusals(PRESETS["urm-arc1"][1], 0, None))
+
+
+def their_names(tensors) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """URM's checkpoint names (its compiled ACTLossHead's: `_orig_mod.model.` + its URM's
+    state_dict names) of the recorded weights, with each tensor's shape and the dtype URM's model
+    holds it in: the recording's, but the ConvSwiGLU's conv, which URM builds in bfloat16 (the
+    recording cast it to float32: its metadata's conv_dtype)."""
+    return {"_orig_mod.model." + k.removeprefix("weights."): (tuple(t.shape), torch.bfloat16 if ".dwconv." in k
+                                                                else t.dtype)
+            for k, t in tensors.items() if k.startswith("weights.")}
+
+
+def test_an_exported_model_has_urms_checkpoint_and_config(recorded, tmp_path):
+    """`export --format urm` of a trained urm run at the recording's config: step_N.pt is
+    save_train_state's dict, its model_state_dict the names, shapes and dtypes of URM's own (the
+    recording's weights: strictly the same set), loadable with torch.load's weights_only;
+    all_config.yaml's arch is the recording's URMConfig under its names, and the flat fields
+    evaluate_trained_model.py reads from the line `beta1:` on hold its PretrainConfig's required
+    fields, the arch fields it finds by pattern being the arch's. Back through train.py eval's
+    loader: our weights bit for bit, the convs rounded to bfloat16 (as URM holds them)."""
+    import re
+
+    import yaml
+
+    from commands.restore import load_weights_for_eval
+    from tests.test_reference_export import trained_checkpoint
+    from training.config import PRESETS
+
+    tensors, meta = recorded
+    assert meta["conv_dtype"] == "float32"
+    config = urm_config(meta)
+    run_dir, trained = trained_checkpoint(tmp_path, config)
+    out = tmp_path / "model"
+    assert train.command_line(["export", str(run_dir), "--format", "urm", "--out", str(out)]) == 0
+    saved = torch.load(out / "step_3.pt", weights_only=True)
+    assert set(saved) == {"step", "model_state_dict"} and saved["step"] == 3
+    assert {k: (tuple(v.shape), v.dtype) for k, v in saved["model_state_dict"].items()} == their_names(tensors)
+
+    raw = (out / "all_config.yaml").read_text()
+    arch = yaml.safe_load(raw)["arch"]
+    assert (arch.pop("name"), arch.pop("loss")) == ("urm.urm@URM", {"name": "losses@ACTLossHead",
+                                                                   "loss_type": "stablemax_cross_entropy"})
+    recorded_config = json.loads(meta["config"])
+    assert arch == {k: v for k, v in recorded_config.items()
+                    if k not in ("batch_size", "seq_len", "vocab_size", "num_puzzle_identifiers")}
+    flat = yaml.safe_load(raw[raw.index("\nbeta1:") + 1:])
+    assert "arch" not in flat and {"data_path", "global_batch_size", "epochs", "lr", "lr_min_ratio", "lr_warmup_steps",
+                                   "weight_decay", "beta1", "beta2", "target_q_update_every", "puzzle_emb_lr",
+                                   "puzzle_emb_weight_decay"} <= set(flat)
+    for field in ("loops", "num_heads", "num_layers", "pos_encodings", "puzzle_emb_ndim", "hidden_size",
+                  "H_cycles", "L_cycles"):
+        assert re.search(rf"\b{field}:\s*(\w+)", raw).group(1) == str(arch[field]), field
+    card = json.loads((out / "config.json").read_text())
+    assert any("forward_dtype='float32'" in c for c in card["reference"]["caveats"])
+
+    loaded, weights, _, _ = load_weights_for_eval(str(out / "step_3.pt"), PRESETS["urm-arc1"][1], [
+        "--model.seq-len", str(config.seq_len), "--model.attention", "sdpa", "--model.halt-exploration-prob", "0"])
+    assert loaded.model == config
+    conv_change = 0.0
+    for name, value in trained.state_dict().items():
+        if ".conv_" in name:
+            rounded = value.to(torch.bfloat16).float()
+            assert torch.equal(weights[f"model/{name}"], rounded), name
+            conv_change = max(conv_change, ((rounded - value).abs().max() / value.abs().max()).item())
+        else:
+            assert torch.equal(weights[f"model/{name}"], value), name
+    print(f"the convs' bfloat16 rounding: at most {conv_change:.3g} of each one's largest value")
+
+
+def test_urms_recorded_weights_in_its_checkpoint_format_give_its_outputs_here(recorded, tmp_path):
+    """The recording's weights as URM's save_train_state saves them (`_orig_mod.model.*`, the convs
+    in bfloat16: the recorded values are bf16 ones) beside an all_config.yaml of the recording's
+    URMConfig: `train.py eval`'s loader reads the arch, sizes and settings, and the model it
+    builds gives URM's recorded evaluation; --run.init-from's loader gives the weights whose
+    training steps equal URM's recorded outputs and gradients."""
+    import yaml
+
+    from commands.restore import load_initial_weights, load_weights_for_eval
+    from training.config import PRESETS
+
+    tensors, meta = recorded
+    c = json.loads(meta["config"])
+    state = {}
+    for name, (_, dtype) in their_names(tensors).items():
+        value = tensors["weights." + name.removeprefix("_orig_mod.model.")]
+        assert torch.equal(value.to(dtype).float(), value.float())
+        state[name] = value.to(dtype)
+    folder = tmp_path / "urm_run"
+    folder.mkdir()
+    torch.save({"step": 0, "model_state_dict": state}, folder / "step_0.pt")
+    urm_yaml = {"name": "urm.urm@URM", "loss": {"name": "losses@ACTLossHead", "loss_type": "stablemax_cross_entropy"},
+                **{k: v for k, v in c.items() if k not in ("batch_size", "seq_len", "vocab_size",
+                                                           "num_puzzle_identifiers")}}
+    (folder / "all_config.yaml").write_text(yaml.safe_dump({
+        "arch": urm_yaml, "data_path": "data/urm-fixture", "evaluators": [], "global_batch_size": c["batch_size"],
+        "epochs": 10, "lr": 1e-4, "lr_min_ratio": 1.0, "lr_warmup_steps": 10, "weight_decay": 0.1, "beta1": 0.9,
+        "beta2": 0.95, "target_q_update_every": 4, "puzzle_emb_lr": 1e-2, "puzzle_emb_weight_decay": 0.1,
+        "ema": True, "ema_rate": 0.999}))
+    config = urm_config(meta)
+    loaded, weights, _, _ = load_weights_for_eval(str(folder / "step_0.pt"), PRESETS["sudoku-mlp"][1], [
+        "--model.seq-len", str(c["seq_len"]), "--model.attention", "sdpa", "--model.halt-exploration-prob", "0"])
+    assert loaded.model == config and loaded.data.path == "data/urm-fixture" and loaded.optim.puzzle_emb_lr == 1e-2
+    model = TRM(loaded.model)
+    model.load_state_dict({k.removeprefix("model/"): v for k, v in weights.items()})
+    compare_evaluation(model, tensors)
+    model = TRM(config)
+    model.load_state_dict({k.removeprefix("model/"): v
+                           for k, v in load_initial_weights(str(folder / "step_0.pt"), config).items()})
+    compare_training(model, reference_names(config), tensors, meta)
