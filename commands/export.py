@@ -37,8 +37,9 @@ def export_command(argv: list[str]) -> None:
     check_urls(flags.source, flags.out)
     if flags.format != "ours":
         from reference.model_dir import export_directory
+        from reference.successors import TARGETS
 
-        export_directory(flags.source, flags.out, flags.format)
+        export_directory(flags.source, flags.out, TARGETS[flags.format])
     else:
         export(flags.source, flags.out)
 

@@ -1,7 +1,7 @@
 """The model card (README.md) of a model directory (reference/model_dir.py): what was trained, on
 which dataset, its final metrics, and the commands that evaluate it here and in its arch's own
 code (the reference's, EqR's or URM's: the directory's format, whose Target says how). Written
-from the directory's config.json alone."""
+from the directory's config.json and that Target."""
 from __future__ import annotations
 
 import json
@@ -36,12 +36,10 @@ def examples_read(card: dict) -> tuple[str, bool]:
     return f"on a subset of {read} of the test split's {total} examples (--eval.max-examples)", False
 
 
-def model_card(card: dict, out: str) -> str:
-    """README.md of the model directory `out` described by `card` (its config.json)."""
-    from reference.model_dir import target
-
+def model_card(card: dict, out: str, goal) -> str:
+    """README.md of the model directory `out` described by `card` (its config.json), for the
+    codebase `goal` (its model_dir.Target: how its code evaluates the directory)."""
     config, dataset, reference = card["config"], card["dataset"], card["reference"]
-    goal = target(reference.get("format", "reference"))
     model, arch = config["model"], config["model"]["arch"]
     name = out.rstrip("/").rsplit("/", 1)[-1]
     metrics = card["metrics"]

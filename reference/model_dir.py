@@ -229,9 +229,10 @@ def reference_state_dict(weights: dict[str, torch.Tensor], config: Config,
 class Target:
     """A codebase that a model directory is written for (`train.py export --format NAME`): this
     one is the TRM reference's (its pretrain.py and model files at REFERENCE_COMMIT); EqR's and
-    URM's are in reference/successors.py. A target says what differs: which archs its code has,
-    what of a run it cannot express, its checkpoint's file name and contents (names, dtypes,
-    the dict around the state dict), its config file, extra files and how the card runs it."""
+    URM's, and the registry of all three (TARGETS), are in reference/successors.py. A target
+    says what differs: what of a run its code cannot express, its checkpoint's file name and
+    contents (names, dtypes, the dict around the state dict), its config file, extra files and
+    how the card runs it."""
 
     name = "reference"
     who = "the reference"
@@ -289,16 +290,6 @@ class Target:
         ]
 
 
-TARGETS: dict[str, Target] = {"reference": Target()}
-"""Every export format but ours, by its --format name (reference/successors.py adds eqr and urm)."""
-
-
-def target(name: str) -> Target:
-    import reference.successors  # noqa: F401 (registers its targets)
-
-    return TARGETS[name]
-
-
 def run_dir_of(checkpoint_url: str) -> str:
     """RUN from RUN/checkpoints/step_N."""
     return checkpoint_url.rstrip("/").rsplit("/", 2)[0]
@@ -323,14 +314,14 @@ def _full_steps(config: Config) -> int | None:
     return total_train_steps(metadata, config.optim.epochs, config.optim.global_batch_size)
 
 
-def export_reference(source: str, out: str, say=print, format: str = "reference") -> dict:
+def export_reference(source: str, out: str, say=print, goal: Target | None = None) -> dict:
     """`train.py export SOURCE --format FORMAT --out DIR`: the model directory (module
-    docstring) of SOURCE's EMA weights for the target FORMAT; returns its config.json. Raises
-    ValueError naming what the target's code cannot express."""
-    goal = target(format)
+    docstring) of SOURCE's EMA weights for `goal`, the format's Target (None: the reference's);
+    returns its config.json. Raises ValueError naming what the target's code cannot express."""
+    goal = goal or Target()
     found = checkpoint.weights_of(source, say)
     if found is None:
-        raise ValueError(f"{source} is not a run or checkpoint directory (the {format} format needs the run's "
+        raise ValueError(f"{source} is not a run or checkpoint directory (the {goal.name} format needs the run's "
                          "configuration, which a checkpoint holds)")
     weights, state, url = found
     config = config_from_dict(with_new_fields(state["config"]))
@@ -374,21 +365,22 @@ def export_reference(source: str, out: str, say=print, format: str = "reference"
     storage.write_bytes(storage.join_url(out, "config.json"), json.dumps(card, indent=2).encode())
     from reference.model_card import model_card
 
-    storage.write_bytes(storage.join_url(out, "README.md"), model_card(card, out).encode())
+    storage.write_bytes(storage.join_url(out, "README.md"), model_card(card, out, goal).encode())
     return card
 
 
-def export_directory(source: str, out: str, format: str = "reference") -> None:
+def export_directory(source: str, out: str, goal: Target | None = None) -> None:
     """The command line's `export SOURCE --format FORMAT --out DIR` (its URLs checked by
-    export.export_command): errors as one line each."""
+    export.export_command; `goal` the format's Target): errors as one line each."""
+    goal = goal or Target()
     try:
-        card = export_reference(source, out, format=format)
+        card = export_reference(source, out, goal=goal)
     except (ValueError, checkpoint.CheckpointError) as e:
         raise SystemExit(f"error: {e}")
     ref = card["reference"]
     print(f"exported the EMA weights of {card['source']} (step {card['step']}) to {out}: model.safetensors, "
-          f"{target(format).who}'s {ref['checkpoint']} and all_config.yaml, config.json, README.md (the model card, "
-          f"with the commands that evaluate it here and in {target(format).who}'s code)", flush=True)
+          f"{goal.who}'s {ref['checkpoint']} and all_config.yaml, config.json, README.md (the model card, "
+          f"with the commands that evaluate it here and in {goal.who}'s code)", flush=True)
 
 
 def model_dir_config(url: str) -> dict | None:

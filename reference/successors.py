@@ -31,7 +31,6 @@ import torch
 from modeling.schemes import SCHEMES
 from reference.model_dir import (
     COMPILED_PREFIX,
-    TARGETS,
     Target,
     arc_evaluators,
     curriculum_refusals,
@@ -232,4 +231,5 @@ class URMTarget(Successor):
         ]
 
 
-TARGETS.update(eqr=EqRTarget(), urm=URMTarget())
+TARGETS: dict[str, Target] = {"reference": Target(), "eqr": EqRTarget(), "urm": URMTarget()}
+"""Every export format but ours (one model.safetensors), by its --format name."""
