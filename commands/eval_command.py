@@ -1,6 +1,7 @@
 """`train.py eval`: evaluate given weights (a run directory, a checkpoint, an exported
-model.safetensors or a reference checkpoint) on a dataset's test split, at each test-time setting
-its flags name (testtime/settings.py: K trajectories, noise, depth D, noise latent), one directory each:
+model.safetensors or model directory, or a checkpoint of the reference's, EqR's or URM's code)
+on a dataset's test split, at each test-time setting its flags name (testtime/settings.py: K
+trajectories, noise, depth D, noise latent), one directory each:
 
     {run.dir}/test-time/K{K}-noise{noise}-D{D}[-{latent}]/   metrics.json (last), ARC votes and submission
 
@@ -14,9 +15,10 @@ Every example of the test split is read unless --eval.max-examples is given on t
 puzzles were read. Without --run.dir, a run directory's results go into that directory, as it was
 given (local or gs://: a copy of a run is evaluated into the copy, never into the run.dir of its
 saved config); a checkpoint directory's into its run; a model file or directory's (model.safetensors,
-train.py export --format reference, a reference checkpoint) into MODEL.eval/ beside it, never a
-preset's shared runs/ directory. The first and last lines say where. Nothing is written into the
-run's own eval/: a test-time evaluation never replaces a training evaluation.
+train.py export --format reference|eqr|urm, a checkpoint of the reference's, EqR's or URM's code)
+into MODEL.eval/ beside it, never a preset's shared runs/ directory. The first and last lines say
+where. Nothing is written into the run's own eval/: a test-time evaluation never replaces a
+training evaluation.
 
 A setting's metrics.json records what was read (testtime/identity.py): the weights' fingerprint
 (sha256 over their tensors), the test split's fingerprint (its contents, not its path), the

@@ -19,7 +19,7 @@ class WeightsCommand:
     of the training configuration (they override what the weights' run used)."""
 
     init_from: Annotated[str, tyro.conf.arg(help_behavior_hint="(required)")]
-    """The weights: a run directory (its newest readable checkpoint), a checkpoint directory, an exported model.safetensors or a reference checkpoint; local or gs://."""  # noqa: E501 (one line: tyro keeps line breaks)
+    """The weights: a run directory (its newest readable checkpoint), a checkpoint directory, an exported model.safetensors or model directory, or a checkpoint of the reference's, EqR's or URM's own code; local or gs://."""  # noqa: E501 (one line: tyro keeps line breaks)
     config: Annotated[Config, tyro.conf.arg(name="")] = field(default_factory=Config)
 
 
@@ -35,7 +35,7 @@ def parse_weights_command(command: str, argv: list[str], description: str,
                       prog=f"train.py {command} [PRESET]", description=description)
     if not parsed.init_from:
         raise SystemExit(f"error: {command} needs --init-from URL (a run directory, checkpoint, exported "
-                         "model.safetensors or reference checkpoint)")
+                         "model.safetensors, or a checkpoint of the reference's, EqR's or URM's code)")
     own = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(flags) if f.name != "config"}
     overrides, skip = [], False
     for arg in rest:  # every flag but the command's own (`--flag value` or `--flag=value`)
