@@ -133,8 +133,10 @@ def _inject(what: str, url: str, fn: Callable) -> Callable:
     """fn, or fn with a fault, as the rules of the file TRM_STORAGE_FAULTS say (for tests; read at
     every attempt, so a test switches faults on and off while processes run). One JSON rule a
     line: {"what": OPERATION or "*", "match": a substring of the URL, "mode": "fail" (raise before
-    fn) or "lose" (run fn, then raise: its answer lost), "from": and "until": wall-clock times
-    (optional), "count": at most this many times per process (optional)}."""
+    fn), "lose" (run fn, then raise: its answer lost) or "hold" (touch the file GATE.held, wait
+    until the file GATE (the rule's "gate") exists, then run fn: a request held after the fence's
+    check, so that a test orders it against other processes' writes), "from": and "until":
+    wall-clock times (optional), "count": at most this many times per process (optional)}."""
     path = os.environ.get("TRM_STORAGE_FAULTS")
     if not path:
         return fn
@@ -152,6 +154,14 @@ def _inject(what: str, url: str, fn: Callable) -> Callable:
         if _injected.get(index, 0) >= rule.get("count", float("inf")):
             continue
         _injected[index] = _injected.get(index, 0) + 1
+        if rule.get("mode") == "hold":
+            def held(gate=rule["gate"]):
+                with open(f"{gate}.held", "a"):
+                    pass
+                while not os.path.exists(gate):
+                    time.sleep(0.05)
+                return fn()
+            return held
         if rule.get("mode", "fail") == "lose":
             def lost():
                 fn()

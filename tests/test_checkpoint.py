@@ -209,7 +209,7 @@ def test_a_host_killed_before_the_commit_leaves_no_marker(gcs_url):
     procs = start_writers(gcs_url, 4, timeout_s=20, fault_host=2)
     outputs = [p.communicate(timeout=120) for p in procs]
     assert procs[2].returncode == -signal.SIGKILL
-    assert procs[0].returncode != 0 and "no index of this save from ['host_002.json']" in outputs[0][1]
+    assert procs[0].returncode != 0 and "no index of this save from ['host_002-a1.json']" in outputs[0][1]
     assert not storage.exists(checkpoint.step_dir(gcs_url, 7) + "/COMMITTED")
     assert checkpoint.list_checkpoints(gcs_url) == []
 
@@ -220,12 +220,12 @@ def test_a_stale_step_directory_never_mixes_into_the_commit(gcs_url, tmp_path):
     stale = start_writers(gcs_url, 2, timeout_s=1, step=10, seed=1, attempt="old", hosts={1})
     assert [p.wait(timeout=300) for p in stale] == [0]
     directory = checkpoint.step_dir(gcs_url, 10)
-    assert storage.exists(directory + "/host_001.json") and not storage.exists(directory + "/COMMITTED")
+    assert storage.exists(directory + "/host_001-old.json") and not storage.exists(directory + "/COMMITTED")
 
     gate = tmp_path / "host-1-writes"
     procs = start_writers(gcs_url, 2, timeout_s=300, step=10, seed=2, attempt="new", gates={1: gate})
     deadline = time.time() + 300
-    while not storage.exists(directory + "/host_000.json") and time.time() < deadline:
+    while not storage.exists(directory + "/host_000-new.json") and time.time() < deadline:
         time.sleep(0.2)
     time.sleep(2)  # host 0's part is written and host 1's stale index is there: the old code committed here
     assert procs[1].poll() is None, "host 1 should still be held"
@@ -238,7 +238,70 @@ def test_a_stale_step_directory_never_mixes_into_the_commit(gcs_url, tmp_path):
     for k, v in sample_state(2).items():
         assert torch.equal(tensors[k], v), k
     fs, path = storage.filesystem(directory)
-    assert not any("-old." in f for f in fs.ls(path, detail=False)), "the stale data file was left behind"
+    assert not any("-old." in f for f in fs.ls(path, detail=False)), "the stale files were left behind"
+
+
+def test_a_deposed_hosts_late_index_neither_delays_nor_breaks_the_new_commit(gcs_url):
+    """A deposed host 1 of an old launch (frozen, then woken after another holder took the run
+    over) writes its part of step 10 late: after the new launch's host 1 wrote its index, before
+    host 0 commits, and again after the commit. Its index once had the same name as the new
+    one's (host_001.json), so the commit waited for commit_timeout_s and failed, or the
+    committed checkpoint read as "files of two saves mixed"; now each attempt's index has its
+    own name, and the new save commits at once and reads back whole."""
+    def write(p, attempt, seed, **kwargs):
+        writer = CheckpointWriter(gcs_url, p, 2, attempt=attempt, **kwargs)
+        writer.save(10, host_shards(sample_state(seed), p, 2), {"step": 10, "config": {}})
+        return writer
+
+    write(1, "new", seed=2).wait()
+    write(1, "old", seed=1).wait()  # the deposed host's late write, after the new one's
+    started = time.monotonic()
+    write(0, "new", seed=2, commit_timeout_s=10).wait()  # before: CheckpointError after 10 s
+    assert time.monotonic() - started < 8, "the commit waited for the late index to go"
+    directory = checkpoint.step_dir(gcs_url, 10)
+    fs, path = storage.filesystem(directory)
+    fs.invalidate_cache(path)
+    assert not any("-old." in f for f in fs.ls(path, detail=False)), "the old attempt's files were left behind"
+    write(1, "old", seed=1).wait()  # and once more, after the commit
+
+    tensors, saved = checkpoint.read_checkpoint(directory)
+    assert saved["attempt"] == "new"
+    for k, v in sample_state(2).items():
+        assert torch.equal(tensors[k], v), k
+    assert checkpoint.newest_readable(gcs_url, checkpoint.read_checkpoint)[0] == 10
+
+
+def test_checkpoints_in_the_earlier_index_layouts_still_load(tmp_path):
+    """Checkpoints written before the index's name carried the attempt (host_{p:03d}.json, with the
+    attempt inside) and before attempts existed (host_{p:03d}.json holding the tensors' entries
+    alone, no attempt in COMMITTED or state.json) load as they did."""
+    state = sample_state(3)
+    writers = [CheckpointWriter(str(tmp_path / "run"), p, 2, attempt="a1") for p in (1, 0)]
+    for w in writers:
+        w.save(4, host_shards(state, w.process_index, 2), {"step": 4, "config": {}})
+        w.wait()
+    directory = tmp_path / "run" / "checkpoints" / "step_00000004"
+    for p in (0, 1):
+        (directory / f"host_{p:03d}-a1.json").rename(directory / f"host_{p:03d}.json")
+    tensors, saved = checkpoint.read_checkpoint(str(directory))
+    assert saved["attempt"] == "a1" and all(torch.equal(tensors[k], v) for k, v in state.items())
+
+    # Another save's index under the old name is still refused.
+    index = json.loads((directory / "host_001.json").read_text())
+    (directory / "host_001.json").write_text(json.dumps(dict(index, attempt="other")))
+    with pytest.raises(checkpoint.CheckpointError, match="host_001.json belongs to save attempt other"):
+        checkpoint.read_checkpoint(str(directory))
+
+    for p in (0, 1):  # before attempts: the index was the entries alone
+        index_path = directory / f"host_{p:03d}.json"
+        index_path.write_text(json.dumps(json.loads(index_path.read_text())["tensors"]))
+    for name in ("COMMITTED", "state.json"):
+        saved_json = json.loads((directory / name).read_text())
+        saved_json.pop("attempt")
+        (directory / name).write_text(json.dumps(saved_json))
+    tensors, saved = checkpoint.read_checkpoint(str(directory))
+    assert "attempt" not in saved and all(torch.equal(tensors[k], v) for k, v in state.items())
+    assert checkpoint.weights_of(str(tmp_path / "run"))[2] == str(directory)
 
 
 # -- training runs ----------------------------------------------------------------------------------

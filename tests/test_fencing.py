@@ -6,8 +6,10 @@ ever both wrote (the writers follow one another), that every checkpoint step was
 and that the run ends with the metrics of the same run trained without interruption. The faults:
 a holder's whole process group stopped for twice the lease while another holder takes the run
 over; the study process alone SIGKILLed; claim writes failing for longer than the lease; claim
-writes whose answer was lost; two holders of one name. Each prints its takeover time and what the
-old trainer did (docs/study-runs.md quotes them)."""
+writes whose answer was lost; two holders of one name; a 2-host slice stopped and taken over by
+another 2-host slice, its worker 1 continued mid-save of the new holder, and a deposed host's
+late index. Each prints its takeover time and what the old trainer did (docs/study-runs.md
+quotes them)."""
 import json
 import os
 import re
@@ -18,10 +20,15 @@ import threading
 import time
 
 import pytest
+import torch
 
+import sharding
 from fleet import claims, fencing
 from rundir import storage
+from tests.ports import free_port
 from tests.study_fixtures import PROJECT_DIR, study, wait_for
+from training import checkpoint
+from training.checkpoint import CheckpointWriter, Shard
 
 LEASE_S = 10.0
 """A short lease: this machine, shared and loaded, missed renewals of a 4 s lease (half of it left
@@ -278,6 +285,170 @@ def test_a_claim_write_whose_answer_was_lost_is_found_as_its_own(gcs_url, demo_p
     spans = s.check(straight)
     assert len(spans) == 1 and "lease lost" not in said and "the answer to creating" in said, said
     assert "renewing its lease failed (1 in a row" in said  # after its create landed; the next one went on
+
+
+class Output:
+    """A process's output, read line by line in a thread of its own (four processes write at once:
+    none may block on a full pipe while the test waits on another)."""
+
+    def __init__(self, proc):
+        self.proc, self.lines = proc, []
+        threading.Thread(target=lambda: self.lines.extend(proc.stdout), daemon=True).start()
+
+    def wait_for(self, pattern, timeout=300.0):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            found = [line for line in list(self.lines) if re.search(pattern, line)]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        return None
+
+    def text(self):
+        return "".join(self.lines)
+
+
+def test_a_frozen_worker_1_of_a_taken_over_slice_writes_nothing_and_a_late_index_breaks_no_commit(
+        gcs_url, demo_path, tmp_path):
+    """Two simulated 2-host slices (sharding.SIMULATED_SLICE_ENV; holders vmA and vmB, `--whole-slice
+    --worker 0|1` each) on one run. vmA trains past a committed checkpoint, then both its hosts'
+    process groups are stopped (the slice paused) and vmB takes the run over after the lease and
+    resumes it on its two hosts. While vmB saves its first checkpoint (worker 0's part held by an
+    injected "hold" until the test lets it go; worker 1's index written), vmA's worker 1 is
+    continued: its trainer dies without writing. Then the write a fence cannot stop (a request
+    sent by a host stopped right after its deadline check) is made for it: vmA's attempt's host 1
+    part of that step, index last, as the real writer of this checkout names it. The new save
+    commits at once (before, the late `host_001.json` replaced vmB's index and the commit waited
+    for commit_timeout_s, 1800 s) and the run ends on vmB; every committed checkpoint reads back
+    (what a resume reads), each written by one attempt. Not covered: the late write coming from
+    the frozen process itself (at its thaw its fence kills it first, so that write cannot be timed
+    from outside), and the final metrics against an uninterrupted run (a third 2-host run)."""
+    lease_s, max_steps = LEASE_S, 16
+    study_file, audit = tmp_path / "study.txt", tmp_path / "audit.jsonl"
+    study_file.write_text(f"r demo --data.path {demo_path} --model.hidden-size 32 --model.puzzle-emb-ndim 32 "
+                          f"--optim.global-batch-size 32 --optim.max-steps {max_steps} --run.ckpt-every 4 "
+                          "--run.log-every 2 --eval.every-epochs 1000 --run.keep-checkpoints 10\n")
+    run_dir = storage.join_url(gcs_url, "r")
+    watch = Watch(run_dir)
+
+    def slice_of(holder):
+        address = f"tcp://127.0.0.1:{free_port()}"
+        workers = []
+        for w in (0, 1):
+            faults = tmp_path / f"faults-{holder}-{w}.jsonl"  # each worker's own rules
+            faults.touch()
+            env = {"TRM_STORAGE_AUDIT": str(audit), "TRM_STORAGE_FAULTS": str(faults), "CPU_NUM_DEVICES": "4",
+                   sharding.SIMULATED_SLICE_ENV: f"{w}/2@{address}"}
+            workers.append(Output(study("run", str(study_file), "--out", gcs_url, "--holder", holder, "--lease-s",
+                                        str(lease_s), "--whole-slice", "--worker", str(w), env=env,
+                                        start_new_session=True)))
+        return workers
+
+    def committed():
+        fs, path = storage.filesystem(run_dir + "/checkpoints")
+        fs.invalidate_cache()
+        return sorted(int(m.split("/")[-2].split("_")[1]) for m in fs.glob(path + "/step_*/COMMITTED"))
+
+    def audited():
+        return [json.loads(line) for line in audit.read_text().splitlines() if line.strip()]
+
+    workers = slice_of("vmA")
+    a0, a1 = workers
+    try:
+        assert a0.wait_for(r"study: r: starting"), a0.text()
+        workers += slice_of("vmB")
+        b0, b1 = workers[2:]
+        assert b0.wait_for(r"study: waiting: 1 run") and b1.wait_for(r"following worker 0's claims"), b0.text()
+        # Stop slice vmA (both hosts' process groups) once a checkpoint of step 4 or later is committed.
+        assert a0.wait_for(rf"^step ([5-9]|1[0-9])/{max_steps}", timeout=600), a0.text()
+        deadline = time.time() + 120
+        while True:
+            for w in (a0, a1):
+                os.killpg(w.proc.pid, signal.SIGSTOP)
+            frozen = time.time()
+            time.sleep(0.2)  # a request already sent lands
+            steps = committed()
+            if steps or time.time() > deadline:
+                break
+            for w in (a0, a1):
+                os.killpg(w.proc.pid, signal.SIGCONT)
+            time.sleep(0.2)
+        assert steps and steps[-1] + 4 <= max_steps, (steps, a0.text())
+        resumed_from, target = steps[-1], steps[-1] + 4
+        marker = f"{checkpoint.step_dir(run_dir, resumed_from)}/COMMITTED"
+        old_attempt = json.loads(storage.read_bytes(marker))["attempt"]
+        old_trainers = watch.alive()
+        assert len(old_trainers) == 2, old_trainers
+        [old_1] = [p for p in old_trainers if int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
+                   == a1.proc.pid]
+        gate = tmp_path / "vmB-worker-0-saves"
+        (tmp_path / "faults-vmB-0.jsonl").write_text(json.dumps(
+            {"what": "writing", "match": f"step_{target:08d}/host_000", "mode": "hold", "gate": str(gate),
+             "count": 1}) + "\n")
+
+        assert b0.wait_for(r"study: r: taking over from vmA", timeout=120), b0.text()
+        taken = time.time()
+        took = taken - frozen
+        # vmB's save of `target`: worker 1's index written, worker 0's part held.
+        until = time.time() + 300
+        while not (os.path.exists(f"{gate}.held") and any(
+                f"step_{target:08d}/host_001" in r["url"] and r["url"].endswith(".json") for r in audited())):
+            assert time.time() < until, b0.text() + b1.text()
+            time.sleep(0.1)
+        os.killpg(a1.proc.pid, signal.SIGCONT)  # vmA's worker 1 wakes
+        thawed = time.time()
+        while old_1 in watch.alive() and time.time() < thawed + 30:
+            time.sleep(0.05)
+        dead_after = max(0.0, watch.last_alive(old_1) - thawed)  # 0: no sample after the thaw saw it
+        assert dead_after < 2.0, a1.text()
+        # The request a fence cannot stop: vmA's host 1 part of this step, landing now.
+        late = CheckpointWriter(run_dir, 1, 2, attempt=old_attempt)
+        late.save(target, {"model/late": Shard(torch.zeros(2), (2,))}, {"step": target, "config": {}})
+        late.wait()
+        gate.touch()
+        released = time.time()
+        while target not in committed() and time.time() < released + 60:
+            time.sleep(0.2)
+        commit_s = time.time() - released
+        assert target in committed(), f"vmB's checkpoint of step {target} not committed {commit_s:.0f} s after " \
+                                      "the late index"
+        os.killpg(a0.proc.pid, signal.SIGCONT)
+        for w in (b0, b1, a0, a1):
+            w.proc.wait(timeout=600)
+    finally:
+        watch.close()
+        for w in workers:
+            if w.proc.poll() is None:
+                os.killpg(w.proc.pid, signal.SIGCONT)
+                os.killpg(w.proc.pid, signal.SIGKILL)
+    said = {name: w.text() for name, w in (("a0", a0), ("a1", a1), ("b0", b0), ("b1", b1))}
+    assert [w.proc.returncode for w in (a0, a1, b0, b1)] == [0, 0, 0, 0], said
+    assert re.search(r"study: r: (stopped, its )?lease lost", said["a1"]), said["a1"]
+
+    # No write of vmA's trainers landed after the takeover; vmB's commits each once, by its attempt.
+    writes = sorted((r for r in audited() if r["url"].startswith(run_dir + "/")), key=lambda r: r["time"])
+    old_writes = [r for r in writes if r["pid"] in old_trainers]
+    assert old_writes and max(r["time"] for r in old_writes) < taken, old_writes[-3:]
+    commits = [r["url"] for r in writes if r["url"].endswith("/COMMITTED")]
+    assert len(commits) == len(set(commits)), commits
+    final = json.loads(storage.read_bytes(run_dir + "/final.json"))
+    assert final["step"] == max_steps
+    steps = committed()
+    assert steps == list(range(4, max_steps + 1, 4)), steps
+    new_attempt = json.loads(storage.read_bytes(checkpoint.step_dir(run_dir, target) + "/COMMITTED"))["attempt"]
+    assert new_attempt != old_attempt
+    for step in steps:  # what a resume reads, every one of them
+        tensors, state = checkpoint.read_checkpoint(checkpoint.step_dir(run_dir, step))
+        assert state["attempt"] == (old_attempt if step <= resumed_from else new_attempt), step
+        assert "model/late" not in tensors and state["hosts"] == 2
+    fs, path = storage.filesystem(checkpoint.step_dir(run_dir, target))
+    fs.invalidate_cache()
+    assert not [f for f in fs.ls(path, detail=False) if old_attempt in f], "the late files were left behind"
+    assert checkpoint.newest_readable(run_dir, checkpoint.read_checkpoint)[0] == max_steps
+    print(f"2-host slices: vmA stopped at committed step {resumed_from}, taken over by vmB {took:.1f} s later "
+          f"(lease {lease_s:g} s); vmA's worker 1's trainer died {dead_after:.2f} s after its thaw (sampled every "
+          f"20 ms), its last write {thawed - max(r['time'] for r in old_writes if r['pid'] == old_1):.1f} s before "
+          f"the thaw; vmB's step {target} committed {commit_s:.1f} s after the late index")
 
 
 def test_holders_of_one_name_do_not_take_each_others_runs(tmp_path):

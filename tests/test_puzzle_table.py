@@ -78,7 +78,8 @@ def test_split_table_trains_evaluates_and_saves_like_the_replicated_table(arc_pa
     assert table.shape == (10, 32) and table.abs().sum() > 0  # SignSGD moved the rows of the batches' ids
 
     def table_entry(run_dir):
-        return json.loads((checkpoint_dir(run_dir) / "host_000.json").read_text())["tensors"][TABLE]
+        [index_file] = checkpoint_dir(run_dir).glob("host_000-*.json")
+        return json.loads(index_file.read_text())["tensors"][TABLE]
     assert table_entry(split_dir)["row_start"] == 0 and table_entry(split_dir)["rows"] == 10
     assert table_entry(replicated_dir)["row_start"] is None
     for run_dir in (split_dir, replicated_dir):

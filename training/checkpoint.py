@@ -4,11 +4,19 @@ A checkpoint is a directory `{run_dir}/checkpoints/step_{N:08d}/`:
 
     host_{p:03d}-{attempt}.safetensors  the tensors host p owns: its share of the replicated
                                tensors and its rows of the batch-sharded ones (the ACT carry)
-    host_{p:03d}.json          host p's index: the save attempt, and per tensor its file, dtype,
+    host_{p:03d}-{attempt}.json  host p's index: the save attempt, and per tensor its file, dtype,
                                global shape, rows; written after the safetensors file
     state.json                 what is not a tensor: step, config, hosts, attempt (process 0)
     COMMITTED                  written last by process 0 (with the attempt), once every host's
                                index of this attempt exists
+
+Both of a host's files carry the save attempt in their name, so no write of another attempt
+(an interrupted earlier save, or a deposed host of an old launch writing late) can replace a
+file of this one: the commit waits for exactly this attempt's index names, and a reader takes
+the attempt from COMMITTED and reads those names. Checkpoints written before the index's name
+carried the attempt have `host_{p:03d}.json` (with the attempt inside, or none at all in the
+oldest); readers fall back to it. Once committed, process 0 removes the step directory's files
+of other attempts (data files and indexes; a late write after that is litter, never read).
 
 Hosts write in parallel from a background thread; nothing crosses hosts but files, so a
 host that dies before finishing leaves no COMMITTED marker, and discovery skips the
@@ -37,7 +45,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from rundir.storage import exists, filesystem, join_url, read_bytes, with_retries, write_bytes
+from rundir.storage import StorageError, exists, filesystem, join_url, read_bytes, with_retries, write_bytes
 
 COMMIT_MARKER = "COMMITTED"
 STEP_DIR = re.compile(r"step_(\d{8})$")
@@ -64,6 +72,14 @@ def step_dir(run_dir: str, step: int) -> str:
 
 def host_file(p: int) -> str:
     return f"host_{p:03d}"
+
+
+def index_file(p: int, attempt: str | None) -> str:
+    """The name of host p's index of save `attempt` (None: the name before attempts were in it)."""
+    return f"{host_file(p)}.json" if attempt is None else f"{host_file(p)}-{attempt}.json"
+
+
+HOST_FILE = re.compile(r"host_\d{3}(-(?P<attempt>[^.]+))?\.(json|safetensors)$")
 
 
 # -- ownership ------------------------------------------------------------------------------------
@@ -164,7 +180,7 @@ class CheckpointWriter:
                        "rows": None if shard.row_start is None else shard.tensor.shape[0]}
                  for key, shard in shards.items()}
         write_bytes(join_url(directory, data_file), safetensors_bytes(tensors) if tensors else b"")
-        write_bytes(join_url(directory, f"{name}.json"),
+        write_bytes(join_url(directory, index_file(self.process_index, self.attempt)),
                     json.dumps({"attempt": self.attempt, "tensors": index}).encode())
 
     def _commit(self, step: int, state: dict) -> None:
@@ -176,13 +192,11 @@ class CheckpointWriter:
             fs.invalidate_cache(path)
             listed = {os.path.basename(p) for p in with_retries("listing", directory,
                                                                lambda: fs.ls(path, detail=False))}
-            for p in sorted(waiting):
-                if f"{host_file(p)}.json" in listed and read_index(directory, p)[0] == self.attempt:
-                    waiting.discard(p)
+            waiting = {p for p in waiting if index_file(p, self.attempt) not in listed}
             if not waiting:
                 break
             if time.time() > deadline:
-                missing = [f"{host_file(p)}.json" for p in sorted(waiting)]
+                missing = [index_file(p, self.attempt) for p in sorted(waiting)]
                 raise CheckpointError(f"checkpoint {directory} not committed: no index of this save from "
                                       f"{missing} after {self.commit_timeout_s:.0f}s (a host died or cannot write)")
             time.sleep(0.2)
@@ -190,8 +204,9 @@ class CheckpointWriter:
                     json.dumps(dict(state, hosts=self.process_count, attempt=self.attempt)).encode())
         write_bytes(join_url(directory, COMMIT_MARKER),
                     json.dumps({"step": step, "time": time.time(), "attempt": self.attempt}).encode())
-        for name in sorted(listed):  # data files of earlier, interrupted saves of this step
-            if name.endswith(".safetensors") and not name.endswith(f"-{self.attempt}.safetensors"):
+        for name in sorted(listed):  # data files and indexes of other saves of this step
+            match = HOST_FILE.match(name)
+            if match and match.group("attempt") != self.attempt:
                 try:  # through with_retries: a deposed trainer stops here (the fence, fleet/fencing.py)
                     with_retries("removing", join_url(directory, name),
                                  lambda name=name: fs.rm(f"{path.rstrip('/')}/{name}"), attempts=1)
@@ -233,13 +248,27 @@ def list_checkpoints(run_dir: str, committed_only: bool = True) -> list[tuple[in
     return sorted(found, reverse=True)
 
 
-def read_index(url: str, p: int) -> tuple[str | None, dict]:
-    """(save attempt, tensor name -> entry) of host p's index in checkpoint directory `url`;
-    the attempt is None in checkpoints written before attempts existed."""
-    index = json.loads(read_bytes(join_url(url, f"{host_file(p)}.json")))
-    if "tensors" in index and "attempt" in index:
-        return index["attempt"], index["tensors"]
-    return None, index
+def read_index(url: str, p: int, attempt: str | None) -> tuple[str, str | None, dict]:
+    """(file name, save attempt, tensor name -> entry) of host p's index of save `attempt` (the
+    commit's) in checkpoint directory `url`: `host_{p:03d}-{attempt}.json`, or where there is none
+    (a checkpoint written before index names carried the attempt) `host_{p:03d}.json`, whose
+    attempt the caller compares with the commit's; the attempt is None in checkpoints written
+    before attempts existed. A missing index raises storage.StorageError naming the new name."""
+    names = [index_file(p, None)] if attempt is None else [index_file(p, attempt), index_file(p, None)]
+    first_error = None
+    for name in names:
+        try:
+            payload = read_bytes(join_url(url, name))
+        except StorageError as e:
+            if not isinstance(e.__cause__, FileNotFoundError):
+                raise
+            first_error = first_error or e
+            continue
+        index = _parse_json(payload, join_url(url, name))
+        if "tensors" in index and "attempt" in index:
+            return name, index["attempt"], index["tensors"]
+        return name, None, index
+    raise first_error
 
 
 def remove_if_present(url: str) -> None:
@@ -269,9 +298,9 @@ def read_checkpoint(url: str, row_range: Callable[[str, tuple], tuple[int, int]]
         raise CheckpointError(f"{join_url(url, 'state.json')} does not say how many hosts wrote the checkpoint")
     index = {}
     for p in range(state["hosts"]):
-        host_attempt, entries = read_index(url, p)
+        name, host_attempt, entries = read_index(url, p, attempt)
         if host_attempt != attempt:
-            raise CheckpointError(f"{url}: {host_file(p)}.json belongs to save attempt {host_attempt}, the "
+            raise CheckpointError(f"{url}: {name} belongs to save attempt {host_attempt}, the "
                                   f"commit to {attempt} (files of two saves of this step are mixed)")
         for key, entry in entries.items():
             index.setdefault(key, []).append(entry)
