@@ -286,6 +286,13 @@ def test_checkpoints_in_the_earlier_index_layouts_still_load(tmp_path):
     tensors, saved = checkpoint.read_checkpoint(str(directory))
     assert saved["attempt"] == "a1" and all(torch.equal(tensors[k], v) for k, v in state.items())
 
+    # A deposed process 0's late state.json (another attempt's) under this commit is refused.
+    good_state = (directory / "state.json").read_text()
+    (directory / "state.json").write_text(json.dumps(dict(json.loads(good_state), attempt="old")))
+    with pytest.raises(checkpoint.CheckpointError, match="state.json belongs to save attempt old, the commit to a1"):
+        checkpoint.read_checkpoint(str(directory))
+    (directory / "state.json").write_text(good_state)
+
     # Another save's index under the old name is still refused.
     index = json.loads((directory / "host_001.json").read_text())
     (directory / "host_001.json").write_text(json.dumps(dict(index, attempt="other")))

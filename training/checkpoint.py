@@ -296,6 +296,9 @@ def read_checkpoint(url: str, row_range: Callable[[str, tuple], tuple[int, int]]
     state = _parse_json(read_bytes(join_url(url, "state.json")), join_url(url, "state.json"))
     if not isinstance(state.get("hosts"), int):
         raise CheckpointError(f"{join_url(url, 'state.json')} does not say how many hosts wrote the checkpoint")
+    if state.get("attempt") != attempt:  # a deposed process 0's late state.json or marker
+        raise CheckpointError(f"{url}: state.json belongs to save attempt {state.get('attempt')}, the commit to "
+                              f"{attempt} (files of two saves of this step are mixed)")
     index = {}
     for p in range(state["hosts"]):
         name, host_attempt, entries = read_index(url, p, attempt)
