@@ -63,6 +63,22 @@ def pytest_configure(config):
         config.option.timeout = TEST_TIMEOUT_S
 
 
+LONGEST_FIRST = ("test_recipes_urm.py", "test_tpu_compile.py", "test_study.py", "test_archs_runs.py",
+                 "test_recipes_eqr.py", "test_train.py", "test_fencing.py", "test_launch.py", "test_archs.py",
+                 "test_wandb.py", "test_recipes.py", "test_outage.py", "test_faults.py", "test_eval.py",
+                 "test_device_order.py", "test_bench.py", "test_checkpoint.py")
+"""Test files by their time in the whole suite, longest first (docs/measurements.md: how measured):
+test.sh's two pytest-xdist workers take whole files in collection order (--no-loadscope-reorder),
+so the longest start first and the short ones fill in at the end, where xdist's own order (by the
+number of tests) can start a long file late and leave the other worker idle for its end. Files
+not named here follow, in pytest's order."""
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
+
 @pytest.fixture
 def one_torch_thread():
     """Eager ops on tensors as small as the tests' run ~30x faster on one thread than on two busy cores."""
