@@ -1,10 +1,13 @@
 """The recipe tests' shared machinery (tests/test_recipes*.py: the presets as users run them, one
 file per family so that the families train in parallel): the narrowing flags, the datasets that
-build_data.py's command line builds from small source files, and the check of one preset's
-training. What is narrowed and why: test_recipes.py's docstring."""
+build_data.py's command line builds from small source files, and the tests themselves, which
+each file imports with its own RECIPES ({preset: (training steps, the least relative fall of the
+mean loss)}). What is narrowed and why: test_recipes.py's docstring."""
 import dataclasses
 import math
 import statistics
+
+import pytest
 
 import build_data
 import data
@@ -63,11 +66,24 @@ def recipe_args(preset, path, run_dir, steps):
             *narrow, *WARMUP, "--optim.max-steps", str(steps), "--run.log-every", "1"]
 
 
-def trains_with_finite_falling_loss(preset, path, tmp_path, steps, least_fall):
-    """Train `preset` narrowed for `steps` on `path`: every logged loss finite, the mean loss of the
-    last quarter of the steps at least `least_fall` (relative) below the first quarter's, and the
+def pytest_generate_tests(metafunc):
+    """`preset` runs over the importing file's RECIPES."""
+    if "preset" in metafunc.fixturenames:
+        metafunc.parametrize("preset", list(metafunc.module.RECIPES))
+
+
+@pytest.fixture(scope="module")
+def recipe_data(request, tmp_path_factory):
+    """Dataset roots by preset of the importing file's RECIPES (build_recipe_data)."""
+    return build_recipe_data(tmp_path_factory.mktemp("recipes"), request.module.RECIPES)
+
+
+def test_recipe_trains_with_finite_falling_loss(preset, recipe_data, tmp_path, request):
+    """Train `preset` narrowed for its steps: every logged loss finite, the mean loss of the last
+    quarter of the steps at least its least fall (relative) below the first quarter's, and the
     final evaluation's metrics finite."""
-    result = train.main(parse_config(recipe_args(preset, path, tmp_path, steps)))
+    steps, least_fall = request.module.RECIPES[preset]
+    result = train.main(parse_config(recipe_args(preset, recipe_data[preset], tmp_path, steps)))
     history = result["history"]
     assert [h["step"] for h in history] == list(range(1, steps + 1))
     not_finite = [(h["step"], h["lm_loss"], h["q_halt_loss"]) for h in history
@@ -81,7 +97,7 @@ def trains_with_finite_falling_loss(preset, path, tmp_path, steps, least_fall):
     assert final["count"] > 0 and all(math.isfinite(v) for v in final.values()), final
 
 
-def numerics_are_the_presets(recipe_data, tmp_path):
+def test_recipe_numerics_are_the_presets(recipe_data, tmp_path):
     """The tier's overrides change widths, the batch and the warmup, nothing else: the saved
     config of a run equals the preset's in every other field (bfloat16 included)."""
     for preset, path in recipe_data.items():

@@ -19,9 +19,12 @@ The one schedule change: lr_warmup_steps 2000 -> 3, or lr would stay near 0 for 
 With the stablemax of before 71973c6 (its unused 1/(1-x) branch overflowing at bf16 logits of
 exactly 1.0) every one of these runs logs a NaN loss from step 2 on.
 """
-import pytest
-
-from tests.recipe_fixtures import build_recipe_data, numerics_are_the_presets, trains_with_finite_falling_loss
+from tests.recipe_fixtures import (  # noqa: F401 - the tests and their fixture, run over RECIPES
+    pytest_generate_tests,
+    recipe_data,
+    test_recipe_numerics_are_the_presets,
+    test_recipe_trains_with_finite_falling_loss,
+)
 
 # preset: (training steps, the least relative fall of the mean loss from the first quarter of the
 # steps to the last). All rows of a batch run their 16 ACT segments together, so 16 steps train
@@ -36,19 +39,6 @@ RECIPES = {
     "arc2": (16, 0.05),
 }
 
-
-@pytest.fixture(scope="module")
-def recipe_data(tmp_path_factory):
-    return build_recipe_data(tmp_path_factory.mktemp("recipes"), RECIPES)
-
-
-@pytest.mark.parametrize("preset", list(RECIPES))
-def test_recipe_trains_with_finite_falling_loss(preset, recipe_data, tmp_path):
-    trains_with_finite_falling_loss(preset, recipe_data[preset], tmp_path, *RECIPES[preset])
-
-
-def test_recipe_numerics_are_the_presets(recipe_data, tmp_path):
-    numerics_are_the_presets(recipe_data, tmp_path)
 
 
 def test_every_preset_but_demo_has_a_recipe_test():

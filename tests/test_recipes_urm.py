@@ -2,9 +2,12 @@
 and batch, the preset's numerics and arch (its ConvSwiGLU, one hidden state, truncated
 backpropagation; urm-arc2's Muon), on datasets built by build_data.py's command line. Every
 logged loss finite, the loss falling."""
-import pytest
-
-from tests.recipe_fixtures import build_recipe_data, numerics_are_the_presets, trains_with_finite_falling_loss
+from tests.recipe_fixtures import (  # noqa: F401 - the tests and their fixture, run over RECIPES
+    pytest_generate_tests,
+    recipe_data,
+    test_recipe_numerics_are_the_presets,
+    test_recipe_trains_with_finite_falling_loss,
+)
 
 # preset: (training steps, the least relative fall of the mean loss; test_recipes.py's RECIPES).
 # URM's ARC recipes apply 48 blocks per ACT step, 24 of them with backward (arc1's TRM: 30 and
@@ -17,16 +20,3 @@ RECIPES = {
     "urm-sudoku": (32, 0.05),
 }
 
-
-@pytest.fixture(scope="module")
-def recipe_data(tmp_path_factory):
-    return build_recipe_data(tmp_path_factory.mktemp("recipes"), RECIPES)
-
-
-@pytest.mark.parametrize("preset", list(RECIPES))
-def test_recipe_trains_with_finite_falling_loss(preset, recipe_data, tmp_path):
-    trains_with_finite_falling_loss(preset, recipe_data[preset], tmp_path, *RECIPES[preset])
-
-
-def test_recipe_numerics_are_the_presets(recipe_data, tmp_path):
-    numerics_are_the_presets(recipe_data, tmp_path)
