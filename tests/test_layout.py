@@ -213,3 +213,12 @@ def test_the_product_cites_only_what_it_ships():
         text = path.read_bytes().decode(errors="replace")
         citing += [f"{name}:{n}" for n, line in enumerate(text.splitlines(), 1) if notes in line]
     assert citing == [], citing
+
+
+def test_the_suites_longest_files_first_are_files_of_the_suite():
+    """tests/conftest.py's LONGEST_FIRST orders test.sh's workers; a renamed file left in it would
+    silently start late."""
+    tests_dir = Path(__file__).resolve().parent
+    [LONGEST_FIRST] = [ast.literal_eval(node.value) for node in ast.parse((tests_dir / "conftest.py").read_text()).body
+                       if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "LONGEST_FIRST"]
+    assert [name for name in LONGEST_FIRST if not (tests_dir / name).is_file()] == []
