@@ -181,10 +181,12 @@ def test_device_order_interleaved_hosts_train_save_and_evaluate_as_contiguous_on
     assert "device layout (host order): 0,1,4,5 | 2,3,6,7; each host's rows land on its own devices" in outputs[0][0]
     assert_same_run(run_dir, contiguous_run)
     # Each host saved its own rows of the carry and of the split table: host 0 the first half.
+    step_dir = run_dir / "checkpoints" / "step_00000004"
+    attempt = json.loads((step_dir / "COMMITTED").read_text())["attempt"]
     for host, (carry_rows, table_rows) in enumerate((((0, 16), (0, 20)), ((16, 32), (20, 37)))):
-        index = json.loads((run_dir / "checkpoints" / "step_00000004" / f"host_{host:03d}.json").read_text())
+        _, _, tensors = checkpoint.read_index(str(step_dir), host, attempt)
         for name, (start, stop) in (("carry/steps", carry_rows), ("model/puzzle_embedding.weight", table_rows)):
-            saved = index["tensors"][name]
+            saved = tensors[name]
             assert (saved["row_start"], saved["row_start"] + saved["rows"]) == (start, stop), (host, name)
 
 
