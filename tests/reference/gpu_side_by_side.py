@@ -2,13 +2,15 @@
 a developer's check, never run by pytest (tests/test_archs.py, test_eqr.py and test_urm.py are the
 CPU tests at tiny sizes that this one scales up).
 
-    # On a GPU machine, from the repository's root (URM's code extracted into .urm_src, its
-    # HEAD of github.com/UbiquantAI/URM: git --git-dir URM.git archive HEAD | tar -x -C .urm_src;
-    # pydantic, which the TRM reference's, EqR's and URM's configs are, from wheels in .whl):
+    # On a GPU machine, from the repository's root, with .urm_src (URM's files: HEAD of
+    # github.com/UbiquantAI/URM, e.g. `git --git-dir URM.git archive HEAD | tar -x -C .urm_src`)
+    # and .whl (wheels of pydantic, which the TRM reference's, EqR's and URM's configs are, and
+    # its dependencies: `pip download --only-binary=:all: --python-version 3.12 --platform
+    # manylinux2014_x86_64 -d .whl pydantic==2.14.4`), neither committed; ~2-4 minutes on an H200:
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-        --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 tests/reference/gpu_side_by_side.py --out $OUT/sbs.json
-    # Here, on the CPU, at narrow widths (the presets' depth: cycles, layers, ACT steps):
+        --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 \\
+        python3 tests/reference/gpu_side_by_side.py --out $OUT/sbs.json
+    # Here, on the CPU, at narrow widths (the presets' depth: cycles, layers, ACT steps; ~3 minutes):
     .venv/bin/python tests/reference/gpu_side_by_side.py --device cpu --small --out /tmp/sbs.json
 
 What it checks. For each preset (default: sudoku-att, sudoku-mlp, arc1 with arch trm against the
@@ -690,10 +692,10 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     print(HEADER, flush=True)
     scales = [float(x) for x in args.weight_scales.split(",") if x]
-    for preset in presets:
-        arch = PRESETS[preset][1].model.arch
-        for scale in scales:
-            judged = scale == scales[0]
+    for scale in scales:  # the judged runs of every preset first, then the informational ones
+        judged = scale == scales[0]
+        for preset in presets:
+            arch = PRESETS[preset][1].model.arch
             for dtype in [d for d in args.dtypes.split(",") if d]:
                 try:
                     record = run_one(preset, dtype, scale, judged, reference_for(arch), args, device)
