@@ -7,8 +7,10 @@ CPU tests at tiny sizes that this one scales up).
     # and .whl (wheels of pydantic, which the TRM reference's, EqR's and URM's configs are, and
     # its dependencies: `pip download --only-binary=:all: --python-version 3.12 --platform
     # manylinux2014_x86_64 -d .whl pydantic==2.14.4`), neither committed; ~2-4 minutes on an H200:
+    # (the wheels unzipped where pip is missing; the JSON is rewritten after every run):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
-        --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 \\
+        --target /tmp/site .whl/*.whl || { mkdir -p /tmp/site; for w in .whl/*.whl; do \\
+        python3 -m zipfile -e "$w" /tmp/site; done; }; PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 \\
         python3 tests/reference/gpu_side_by_side.py --out $OUT/sbs.json
     # Here, on the CPU, at narrow widths (the presets' depth: cycles, layers, ACT steps; ~3 minutes):
     .venv/bin/python tests/reference/gpu_side_by_side.py --device cpu --small --out /tmp/sbs.json
@@ -26,10 +28,11 @@ setting, a puzzle table of --rows rows and a synthetic random batch (BATCH per p
     model by reference/weights.reference_state_dict. Weight scales (--weight-scales, default
     0.5,1): 0.5, as tests/test_eqr.py and record_urm.py, is judged; 1, the init's own scale, is
     reported as information. At the init's scale the untrained recursion amplifies rounding by
-    orders of magnitude (at width 32 on a CPU: sudoku-att's float32 states 1e-5 apart after one
-    ACT step, 1e-2 after seven; bfloat16 0.1 to 0.8 within one step), so that a difference there
-    says how chaotic the untrained model is rather than whether the two compute the same thing;
-    at half scale the same code at the same sizes is contractive (3e-7 and 1e-2 there);
+    orders of magnitude (at width 32 on a CPU: sudoku-att's float32 states 2e-5 apart after one
+    ACT step, 1e-2 after seven; bfloat16 0.1 to 0.8 within one step, and each bf16 model as far
+    from the float32 twin below), so that a difference there says how chaotic the untrained model
+    is rather than whether the two compute the same thing; at half scale the same code at the
+    same sizes is contractive (5e-7 and 2e-2 there);
   * --train-steps ACT steps in training mode (a new random batch each step: rows that halted take
     its examples; forward, the ACT loss, backward of loss / batch) then --eval-steps steps in
     evaluation mode (no gradient), exploration off in both (ours: halt_exploration_prob 0; URM's
@@ -52,15 +55,15 @@ setting, a puzzle table of --rows rows and a synthetic random batch (BATCH per p
   * one training ACT step of each timed (forward, loss, backward; --warmup then --repeats timed,
     synchronised; the median): informational only, not a verdict.
 
-Verdict (exit status 1 on any failure of a judged run; the JSON holds everything): every
-relative difference of every step within TOL[dtype] and (float32) halting identical. TOL float32 = 1e-4: ours and the
-reference compute the same sums by other decompositions (q, k, v and gate, up as separate matmuls,
-blockwise attention against the fused SDPA kernel), whose float32 rounding (1.2e-7) the recursion
-amplifies; tests/test_archs.py measured up to 7.4e-5 over 3 ACT steps of another summation order
-at tiny sizes, and 1e-4 is its bar. TOL bfloat16 = 5e-2: one bf16 ulp is 3.9e-3 of a value and a
-flip grows through one ACT step's block passes (3.8e-2 measured there, OUTPUTS_TOL): differences
-at that level are bf16 rounding, not a disagreement of the math; a real bug (a wrong scale, a
-missing term) moves values by O(1).
+Verdict (exit status 1 on any failure of a judged run; the JSON holds everything): every relative
+difference of every step within TOL[dtype] and (float32) halting identical. TOL float32 = 1e-4:
+ours and the reference compute the same sums by other decompositions (q, k, v and gate, up as
+separate matmuls, blockwise attention against the fused SDPA kernel), whose float32 rounding
+(1.2e-7) the recursion amplifies; tests/test_archs.py measured up to 7.4e-5 over 3 ACT steps of
+another summation order at tiny sizes, and 1e-4 is its bar. TOL bfloat16 = 5e-2: one bf16 ulp is
+3.9e-3 of a value and a flip grows through one ACT step's block passes (3.8e-2 measured there,
+OUTPUTS_TOL): differences at that level are bf16 rounding, not a disagreement of the math; a real
+bug (a wrong scale, a missing term) moves values by O(1).
 
 Shims (none is the references' code): `flash_attn_interface.flash_attn_func` (URM's attention
 imports flash-attn unconditionally, EqR's calls it on CUDA tensors) is torch's
@@ -72,10 +75,10 @@ do. No torch.compile runs: nothing here compiles (URM's compiled msign is in its
 imported). Each reference's modules are imported under their own package names (`models`, ...)
 and taken out of sys.modules again, so the three `models` packages do not collide.
 
-Imports: torch, numpy, einops (the TRM reference's layers), safetensors-free; pydantic (the three
-references' configs). training/config.py imports tyro and, through rundir/storage.py, fsspec at
-module level but uses them only in functions this script never calls: where either is missing a
-stub module stands in. Nothing imports torch_xla.
+Imports: torch, numpy, einops (the TRM reference's layers) and pydantic (the three references'
+configs), nothing else outside the standard library. training/config.py imports tyro and, through
+rundir/storage.py, fsspec at module level but uses them only in functions this script never calls:
+where either is missing a stub module stands in. Nothing imports torch_xla.
 """
 from __future__ import annotations
 
