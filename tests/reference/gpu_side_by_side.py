@@ -6,7 +6,7 @@ CPU tests at tiny sizes that this one scales up).
     # github.com/UbiquantAI/URM, e.g. `git --git-dir URM.git archive HEAD | tar -x -C .urm_src`)
     # and .whl (wheels of pydantic, which the TRM reference's, EqR's and URM's configs are, and
     # its dependencies: `pip download --only-binary=:all: --python-version 3.12 --platform
-    # manylinux2014_x86_64 -d .whl pydantic==2.14.4`), neither committed; ~2-4 minutes on an H200:
+    # manylinux2014_x86_64 -d .whl pydantic==2.14.4`), neither committed; ~2-4 minutes on an H200
     # (the wheels unzipped where pip is missing; the JSON is rewritten after every run):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
         --target /tmp/site .whl/*.whl || { mkdir -p /tmp/site; for w in .whl/*.whl; do \\
