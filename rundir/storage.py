@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator
 
@@ -102,19 +103,29 @@ def set_fence(check: Callable[[str], None] | None) -> None:
     _fence = check
 
 
+_fence_passed = threading.local()  # .time: when this thread's last write passed the fence
+
+
 def _check_fence(url: str, op: str) -> None:
     """Ask the fence (if any) before changing `url`; recorded in the audit file (if any)."""
     if _fence is not None:
         _fence(url)
-    if op != "writing":  # writes are recorded once they landed (write_file)
+    if op == "writing":  # writes are recorded once they landed (write_file), with this time
+        _fence_passed.time = time.time()
+    else:
         _audit(op, url)
 
 
-def _audit(op: str, url: str) -> None:
-    """One line in the audit file (TRM_STORAGE_AUDIT, for tests): who changed what, when."""
+def _audit(op: str, url: str, checked: float | None = None) -> None:
+    """One line in the audit file (TRM_STORAGE_AUDIT, for tests): who changed what, when; for a
+    write, `checked`: when its last attempt passed the fence (a process stopped between the
+    landing and this line records a later time than the landing's)."""
     path = os.environ.get("TRM_STORAGE_AUDIT")
     if path:
-        line = json.dumps({"pid": os.getpid(), "op": op, "url": url, "time": time.time()}) + "\n"
+        record = {"pid": os.getpid(), "op": op, "url": url, "time": time.time()}
+        if checked is not None:
+            record["checked"] = checked
+        line = json.dumps(record) + "\n"
         descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(descriptor, line.encode())  # one write with O_APPEND: lines never interleave
@@ -358,7 +369,7 @@ def write_file(url: str, write: Callable, **retry) -> None:
         with fs.open(path, "wb") as f:  # an object appears whole when its upload completes
             write(f)
     with_retries("writing", url, attempt, **retry)
-    _audit("writing", url)
+    _audit("writing", url, getattr(_fence_passed, "time", None))
 
 
 def _write_local(path: str, write: Callable) -> None:

@@ -119,9 +119,9 @@ class Study:
         self.watch.close()
         writes = self.writes()
         spans = {}
-        for w in writes:
-            first, _ = spans.get(w["pid"], (w["time"], 0))
-            spans[w["pid"]] = (first, w["time"])
+        for w in writes:  # each write at the time it passed the fence (storage._audit's "checked")
+            first, _ = spans.get(w["pid"], (decided(w), 0))
+            spans[w["pid"]] = (first, decided(w))
         ordered = sorted(spans.items(), key=lambda item: item[1][0])
         for (p, (_, last)), (q, (first, _)) in zip(ordered, ordered[1:]):
             assert last < first, f"trainers {p} and {q} of the run both wrote: {p} until {last}, {q} from {first}"
@@ -130,6 +130,14 @@ class Study:
         final = json.loads(storage.read_bytes(self.run_dir + "/final.json"))
         assert final["step"] == 40 and final["metrics"] == straight
         return dict(ordered)
+
+
+def decided(write: dict) -> float:
+    """When an audited write passed its fence check: the time a trainer decided to make it. Its
+    landing is recorded after the request returns, so a process stopped in between records a
+    landing long after the fact (the write of a checkpoint's COMMITTED that landed before a freeze,
+    recorded at the thaw)."""
+    return write.get("checked", write["time"])
 
 
 def _step_reached(lines, holder_proc, at_least):
@@ -428,7 +436,7 @@ def test_a_frozen_worker_1_of_a_taken_over_slice_writes_nothing_and_a_late_index
     # No write of vmA's trainers landed after the takeover; vmB's commits each once, by its attempt.
     writes = sorted((r for r in audited() if r["url"].startswith(run_dir + "/")), key=lambda r: r["time"])
     old_writes = [r for r in writes if r["pid"] in old_trainers]
-    assert old_writes and max(r["time"] for r in old_writes) < taken, old_writes[-3:]
+    assert old_writes and max(decided(r) for r in old_writes) < taken, old_writes[-3:]
     commits = [r["url"] for r in writes if r["url"].endswith("/COMMITTED")]
     assert len(commits) == len(set(commits)), commits
     final = json.loads(storage.read_bytes(run_dir + "/final.json"))
@@ -447,7 +455,7 @@ def test_a_frozen_worker_1_of_a_taken_over_slice_writes_nothing_and_a_late_index
     assert checkpoint.newest_readable(run_dir, checkpoint.read_checkpoint)[0] == max_steps
     print(f"2-host slices: vmA stopped at committed step {resumed_from}, taken over by vmB {took:.1f} s later "
           f"(lease {lease_s:g} s); vmA's worker 1's trainer died {dead_after:.2f} s after its thaw (sampled every "
-          f"20 ms), its last write {thawed - max(r['time'] for r in old_writes if r['pid'] == old_1):.1f} s before "
+          f"20 ms), its last write {thawed - max(decided(r) for r in old_writes if r['pid'] == old_1):.1f} s before "
           f"the thaw; vmB's step {target} committed {commit_s:.1f} s after the late index")
 
 
