@@ -63,10 +63,11 @@ def pytest_configure(config):
         config.option.timeout = TEST_TIMEOUT_S
 
 
-LONGEST_FIRST = ("test_recipes_urm.py", "test_tpu_compile.py", "test_study.py", "test_archs_runs.py",
-                 "test_recipes_eqr.py", "test_train.py", "test_fencing.py", "test_launch.py", "test_archs.py",
-                 "test_wandb.py", "test_recipes.py", "test_outage.py", "test_faults.py", "test_eval.py",
-                 "test_device_order.py", "test_bench.py", "test_checkpoint.py")
+LONGEST_FIRST = ("test_recipes_eqr.py", "test_tpu_compile.py", "test_recipes_urm.py", "test_fencing.py",
+                 "test_launch.py", "test_study.py", "test_recipes.py", "test_outage.py", "test_faults.py",
+                 "test_train.py", "test_checkpoint.py", "test_archs_runs.py", "test_ptrm.py", "test_smoke.py",
+                 "test_device_order.py", "test_wandb.py", "test_study_testtime.py", "test_eval.py", "test_archs.py",
+                 "test_puzzle_table.py", "test_bench.py", "test_halting.py", "test_cpu_mesh.py")
 """Test files by their time in the whole suite, longest first (docs/measurements.md: how measured):
 test.sh's two pytest-xdist workers take whole files in collection order (--no-loadscope-reorder),
 so the longest start first and the short ones fill in at the end, where xdist's own order (by the
