@@ -5,7 +5,6 @@ its noise) replaced by the ones our counter hash drew; and the draws themselves:
 the right distributions, different per row, step, update and position."""
 import ast
 import dataclasses
-import importlib
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +17,7 @@ from model import TRM, TRMConfig, loss_and_metrics
 from modeling import counter_hash
 from modeling.schemes import SCHEMES, arch_defaults
 from reference import weights as reference_weights
+from tests.reference.loading import load_family
 
 EQR_DIR = Path(__file__).resolve().parent / "reference" / "eqr"
 BATCH = 6
@@ -26,19 +26,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def load_eqr(*names):
-    """EqR's modules `names`, imported with their folder first on sys.path under their own
-    package names (`models`, `utils`, `config`, `evaluators`), which are then put back as they
-    were: TRM's vendored reference (tests/reference/, test_archs.py) has a `models` package too."""
-    ours = lambda name: name.split(".")[0] in ("models", "utils", "config", "evaluators")
-    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if ours(name)}
-    sys.path.insert(0, str(EQR_DIR))
-    try:
-        return [importlib.import_module(name) for name in names]
-    finally:
-        sys.path.remove(str(EQR_DIR))
-        for name in [name for name in sys.modules if ours(name)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+    """EqR's modules `names` under their own package names (tests/reference/loading.py): TRM's
+    vendored reference (tests/reference/, test_archs.py) has a `models` package too."""
+    return load_family(EQR_DIR, *names)
 
 
 EQR_MODELS, EQR, EQR_LOSSES, EQR_EMA, EQR_TRAINING, EQR_PRINTING, EQR_SCHEMA, EQR_EVAL_CONFIG = load_eqr(

@@ -108,11 +108,11 @@ for _name in ("tyro", "fsspec"):  # training/config.py's module-level imports, u
         sys.modules[_name] = types.ModuleType(_name)
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from model import TRM, TRMConfig, loss_and_metrics  # noqa: E402
 from modeling.schemes import SCHEMES  # noqa: E402
 from reference import weights as reference_weights  # noqa: E402
+from tests.reference.loading import install_flash_attn_shim, load_family  # noqa: E402
 from training.config import PRESETS  # noqa: E402
 
 TOL = {"float32": 1e-4, "bfloat16": 5e-2}
@@ -129,32 +129,6 @@ WORST = 5  # gradients named in the report
 
 # ----------------------------------------------------------------------------------------------
 # The references' code
-
-
-def install_flash_attn_shim() -> None:
-    def flash_attn_func(q, k, v, causal=False, **_):
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-        return y.transpose(1, 2).contiguous()
-
-    shim = types.ModuleType("flash_attn_interface")
-    shim.flash_attn_func = flash_attn_func
-    sys.modules["flash_attn_interface"] = shim
-
-
-def load_family(folder: Path, *names: str) -> list[types.ModuleType]:
-    """Modules `names` of one reference (its folder first on sys.path, under its own package names),
-    which are then taken out of sys.modules again: the TRM reference, EqR and URM each have a
-    `models` package."""
-    theirs = lambda name: name.split(".")[0] in ("models", "utils", "config", "evaluators")
-    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if theirs(name)}
-    sys.path.insert(0, str(folder))
-    try:
-        return [importlib.import_module(name) for name in names]
-    finally:
-        sys.path.remove(str(folder))
-        for name in [name for name in sys.modules if theirs(name)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
 
 
 class Reference:

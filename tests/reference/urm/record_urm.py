@@ -62,10 +62,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import types
 
 import torch
-import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
+from tests.reference.loading import install_flash_attn_shim  # noqa: E402  (the repository's root first)
 
 SEED = 5  # a seed whose exploration draws change no row's halting (the script checks)
 BATCH = 6
@@ -101,13 +102,7 @@ def checkout(git_dir: str) -> str:
 
 
 def install_shims() -> None:
-    def flash_attn_func(q, k, v, causal=False, **_):
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-        return y.transpose(1, 2).contiguous()
-
-    shim = types.ModuleType("flash_attn_interface")
-    shim.flash_attn_func = flash_attn_func
-    sys.modules["flash_attn_interface"] = shim
+    install_flash_attn_shim()
     torch._dynamo.config.disable = True
 
 
