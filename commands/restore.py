@@ -166,7 +166,12 @@ def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers:
         except checkpoint.CheckpointError as e:
             raise ConfigError(str(e)) from None
         if found is None and not url.endswith(".safetensors"):
-            load_reference_state_dict(model, read_checkpoint_file(url).weights)
+            theirs = None
+            try:
+                theirs = read_checkpoint_file(url).weights
+                load_reference_state_dict(model, theirs)
+            except ValueError as e:
+                raise ConfigError(f"--run.init-from {url}: {e}{other_arch_hint(theirs, model_config)}") from None
             return {f"model/{k}": v for k, v in model.state_dict().items()}
         if found is None:
             weights, _, trained_on = checkpoint.read_exported(url)
@@ -188,6 +193,18 @@ def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers:
         raise ConfigError(f"the weights of {url} do not fit this model (check mlp_t, pos_encodings, "
                           f"hidden_size, L_layers, puzzle_emb_ndim): {e}") from None
     return {f"model/{k}": v for k, v in model.state_dict().items()}
+
+
+def other_arch_hint(state_dict: dict[str, torch.Tensor] | None, config: TRMConfig) -> str:
+    """", a checkpoint of arch X: pass --model.arch X" when the reference-format `state_dict`
+    holds another arch's model than `config`'s (what reference_config recognises), else ""."""
+    from reference.weights import reference_config
+
+    try:
+        arch = reference_config(state_dict, config).arch if state_dict is not None else config.arch
+    except ValueError:
+        return ""
+    return "" if arch == config.arch else f"; the file holds a model of arch {arch}: pass --model.arch {arch}"
 
 
 RESULTS_SUFFIX = ".eval"

@@ -298,6 +298,15 @@ def test_an_eqr_checkpoint_is_recognised_and_loads(tmp_path):
     fresh = TRM(config)
     reference_weights.load_reference_state_dict(fresh, state)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), ours.state_dict().values()))
+    # Given to a TRM run as --run.init-from: one line that names the file's arch, no traceback.
+    from commands.restore import load_initial_weights
+    from training.config import ConfigError
+
+    torch.save(state, tmp_path / "eqr.pt")
+    trm = dataclasses.replace(config, **{**arch_defaults("trm"), "puzzle_emb_ndim": 8})
+    with pytest.raises(ConfigError, match=r"--run.init-from \S+eqr.pt: reference checkpoint does not match this "
+                                          r"TRMConfig .*; the file holds a model of arch eqr: pass --model.arch eqr"):
+        load_initial_weights(str(tmp_path / "eqr.pt"), trm)
 
 
 def test_eqr_trains_on_the_demo_on_the_mesh_and_resumes_exactly(demo_path, tmp_path):
