@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 
 import torch
@@ -297,4 +298,13 @@ def load_weights_for_eval(source: str, base: Config, overrides: list[str]):
         load_reference_state_dict(model, state_dict, resize_puzzle_table=False)
     except ValueError as e:
         raise SystemExit(f"error: {source}: {e}")
-    return config, {f"model/{k}": v for k, v in model.state_dict().items()}, 0, trained_on
+    return config, {f"model/{k}": v for k, v in model.state_dict().items()}, file_step(saved.step, source), trained_on
+
+
+def file_step(saved_step, source: str) -> int:
+    """The training step of an arch's own checkpoint file: the step saved in it (EqR's, URM's), else
+    the one its name gives (the reference's step_N, EqR's step_N.pth, URM's step_N.pt), else 0."""
+    if isinstance(saved_step, int) or (isinstance(saved_step, torch.Tensor) and saved_step.numel() == 1):
+        return int(saved_step)
+    named = re.fullmatch(r"step_(\d+)(\.\w+)?", source.rstrip("/").rsplit("/", 1)[-1])
+    return int(named.group(1)) if named else 0

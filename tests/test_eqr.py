@@ -488,8 +488,9 @@ def test_a_checkpoint_saved_by_eqrs_code_evaluates_here_as_there(tmp_path, monke
     assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path))  # its classes, numpy's state
     # Read here without EqR's modules (sys.modules as it was): its classes are not imported.
 
-    loaded, weights, _, _ = load_weights_for_eval(str(path), PRESETS["eqr-sudoku"][1], [
+    loaded, weights, step, _ = load_weights_for_eval(str(path), PRESETS["eqr-sudoku"][1], [
         "--model.seq-len", str(config.seq_len), "--model.attention", "sdpa"])
+    assert step == 7  # the step EqR saved (reported with the evaluation's results; was 0)
     expected = dataclasses.replace(config, eqr_damping=0.9, eqr_noise=0.02, halt_exploration_prob=0.1)
     assert loaded.model == expected and loaded.data.path == str(tmp_path / "data") and loaded.optim.ema_rate == 0.999
     shadow = {n.removeprefix("_orig_mod."): v for n, v in ema.state_dict().items()}
