@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # test.sh: the README's test command, and what CI runs (.ci/run): .venv created or reused
 # (venv.sh), the system tools the tests need (shellcheck) installed with apt-get when missing and
-# running as root, then `ruff check .` and `python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests` (two
-# processes: see below). Arguments go to pytest in place of `-n 2 --dist loadfile ... tests`, in one
+# running as root, then `ruff check .` and `python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests` (three
+# processes: see below). Arguments go to pytest in place of `-n 3 --dist loadfile ... tests`, in one
 # process: bash test.sh tests/test_docs.py, or bash test.sh tests/test_launch.py -k dry.
 # Why bash scripts and not a Makefile: see demo.sh.
 set -euo pipefail
@@ -31,12 +31,13 @@ ensure_tool shellcheck "tests/test_launch.py checks the shell scripts with it"
 say "ruff check ."
 "$VENV/bin/python" -m ruff check .
 if [ $# -eq 0 ]; then
-    # The whole suite in TRM_TEST_WORKERS (default 2) pytest-xdist processes, each taking whole files
+    # The whole suite in TRM_TEST_WORKERS (default 3) pytest-xdist processes, each taking whole files
     # (a file's module fixtures, e.g. test_tpu_compile's compiles, run once): much of the suite waits
-    # on subprocesses, sleeps and timeouts, so two workers finish it in well under the time of one
-    # even on 2 cores. TRM_TEST_WORKERS=0 runs it in this process.
-    # --no-loadscope-reorder: the files in tests/conftest.py's order, the longest first.
-    set -- -n "${TRM_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder tests
+    # on subprocesses, sleeps, leases and timeouts, so three workers keep 2 cores busy where two left
+    # them idle (measured 2026-11-28 on 2 cores: 31 minutes at -n 3, 1.84 cores busy on average;
+    # 48 at -n 2 with the machine shared for its first half; docs/measurements.md). TRM_TEST_WORKERS=0
+    # runs it in this process.
+    set -- -n "${TRM_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder tests
 fi
 say "python -m pytest -q $*"
 exec "$VENV/bin/python" -m pytest -q "$@"

@@ -69,9 +69,9 @@ LONGEST_FIRST = ("test_recipes_eqr.py", "test_tpu_compile.py", "test_recipes_urm
                  "test_device_order.py", "test_wandb.py", "test_study_testtime.py", "test_eval.py", "test_archs.py",
                  "test_puzzle_table.py", "test_bench.py", "test_halting.py", "test_cpu_mesh.py")
 """Test files by their time in the whole suite, longest first (docs/measurements.md: how measured):
-test.sh's two pytest-xdist workers take whole files in collection order (--no-loadscope-reorder),
+test.sh's three pytest-xdist workers take whole files in collection order (--no-loadscope-reorder),
 so the longest start first and the short ones fill in at the end, where xdist's own order (by the
-number of tests) can start a long file late and leave the other worker idle for its end. Files
+number of tests) can start a long file late and leave the other workers idle for its end. Files
 not named here follow, in pytest's order."""
 
 

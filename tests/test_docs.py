@@ -91,7 +91,7 @@ def test_the_quick_start_is_demo_sh_and_test_sh_and_ci_runs_test_sh(tmp_path):
     clone = StandInClone(tmp_path)
     ok = [clone.run(script) for script in ("test.sh", ".ci/run")]
     assert all(result.returncode == 0 for result in ok), [result.stdout + result.stderr for result in ok]
-    suite = "-m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests"  # CI: test.sh, the whole suite
+    suite = "-m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests"  # CI: test.sh, the whole suite
     assert clone.calls() == ["-m venv .venv", INSTALL, "-m ruff check .", suite, "-m ruff check .", suite]
     assert "test.sh: reusing .venv" in ok[1].stdout
 

@@ -77,7 +77,7 @@ def test_first_run_installs_the_next_reuse_and_a_changed_requirements_file_insta
     assert "demo.sh: installing requirements-test.txt into .venv (about 4 GB" in out
 
     out = ok(clone.run("test.sh"))
-    assert clone.calls() == ["-m ruff check .", "-m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests"]
+    assert clone.calls() == ["-m ruff check .", "-m pytest -q -n 3 --dist loadfile --no-loadscope-reorder tests"]
     assert "test.sh: reusing .venv (requirements unchanged since its last install)\n" in out
     ok(clone.run("demo.sh", "--help"))
     assert clone.calls() == ["train.py demo --help"]
