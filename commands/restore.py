@@ -197,8 +197,9 @@ def load_initial_weights(url: str, model_config: TRMConfig, dataset_identifiers:
 
 
 def other_arch_hint(state_dict: dict[str, torch.Tensor] | None, config: TRMConfig) -> str:
-    """", a checkpoint of arch X: pass --model.arch X" when the reference-format `state_dict`
-    holds another arch's model than `config`'s (what reference_config recognises), else ""."""
+    """"; the file holds a model of arch X: pass --model.arch X" when the reference-format
+    `state_dict` holds another arch's model than `config`'s (what reference_config recognises),
+    else ""."""
     from reference.weights import reference_config
 
     try:
