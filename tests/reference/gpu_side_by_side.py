@@ -44,7 +44,8 @@ setting, a puzzle table of --rows rows and a synthetic random batch (BATCH per p
   * float32 (forward_dtype float32, TF32 off everywhere: the equivalence check) and the preset's
     own forward_dtype, bfloat16, with each reference's own dtype handling (URM's ConvSwiGLU conv in
     bfloat16 as URM builds it: our conv weights rounded to bf16 values first, so both hold the same
-    numbers). Both dtypes hand the reference our carry after each step (states, halting, steps),
+    numbers). Both dtypes of the judged runs hand the reference our carry after each step (states,
+    halting, steps; the informational scales' float32 runs go on independently, with no twin),
     so that every step's difference is measured from the same state instead of compounding;
     rows whose halting the two decided differently are counted. Each step is also run by a twin
     of ours from the same carry, and each model's values are compared with the twin's: in
