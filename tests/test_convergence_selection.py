@@ -4,9 +4,6 @@ residual tracked over the ACT steps on a hand-made batch (closed form), the same
 top-k accuracy as EqR's own evaluate() (tests/reference/eqr/evaluators/eval_fn.py, run on CPU
 with a model that replays a logits sequence), EqR's breadth (its K rows draw different initial
 states) and the settings that allow it without test-time noise."""
-import importlib
-import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +12,7 @@ import torch
 
 from fleet.plan import ScalingGrid
 from model import TRM, Carry
+from tests.reference.loading import load_family
 from testtime import noisy_trajectories
 from testtime import settings as testtime_settings
 
@@ -26,15 +24,6 @@ def load_eval_fn():
     modules it imports only for type annotations (config.schema, dataset.puzzle_dataset) and the
     two packages not installed here (tqdm: a progress bar that only iterates; omegaconf: used only
     with an eval_dir) are stand-ins; every sys.modules name touched is put back after."""
-    ours = lambda name: name.split(".")[0] in ("models", "utils", "evaluators", "config", "dataset", "tqdm",
-                                                "omegaconf")
-    saved = {name: sys.modules.pop(name) for name in list(sys.modules) if ours(name)}
-    stand_ins = {
-        "omegaconf": SimpleNamespace(OmegaConf=None),
-        "config": SimpleNamespace(), "config.schema": SimpleNamespace(PretrainConfig=object),
-        "dataset": SimpleNamespace(), "dataset.puzzle_dataset": SimpleNamespace(PuzzleDatasetMetadata=object),
-    }
-
     class Bar:  # tqdm.tqdm as eval_fn uses it: iterate, close
         def __init__(self, iterable=None, *args, **kwargs):
             self.iterable = iterable
@@ -45,19 +34,9 @@ def load_eval_fn():
         def close(self):
             pass
 
-    stand_ins["tqdm"] = SimpleNamespace(tqdm=Bar)
-    for name, value in stand_ins.items():
-        module = types.ModuleType(name)
-        module.__dict__.update(vars(value))
-        sys.modules[name] = module
-    sys.path.insert(0, str(EQR_DIR))
-    try:
-        return importlib.import_module("evaluators.eval_fn")
-    finally:
-        sys.path.remove(str(EQR_DIR))
-        for name in [name for name in sys.modules if ours(name)]:
-            del sys.modules[name]
-        sys.modules.update(saved)
+    stand_ins = {"omegaconf": {"OmegaConf": None}, "config": {}, "config.schema": {"PretrainConfig": object},
+                 "dataset": {}, "dataset.puzzle_dataset": {"PuzzleDatasetMetadata": object}, "tqdm": {"tqdm": Bar}}
+    return load_family(EQR_DIR, "evaluators.eval_fn", stand_ins=stand_ins)[0]
 
 
 def carry_of(labels: torch.Tensor, steps: int) -> Carry:

@@ -3,10 +3,7 @@ what EqR's own builder writes (tests/reference/eqr/dataset/build_maze_unique_dat
 ours on small configs that reach each of its branches), the recipe's properties checked on the
 mazes themselves, the command line's defaults = EqR's README command, and the errors."""
 import dataclasses
-import importlib
 import json
-import sys
-import types
 from collections import deque
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import data
 from data import ARRAY_NAMES, SPLITS
 from puzzles import maze_unique
 from puzzles.maze_unique import MazeUniqueOptions, build_maze_unique
+from tests.reference.loading import load_family
 
 EQR_DATASET_DIR = Path(__file__).parent / "reference" / "eqr" / "dataset"
 # EqR's README, "Build Maze-Unique" (its --output-dir left out): the dataset its eqr_maze_unique.yaml trains on.
@@ -30,9 +28,6 @@ def load_eqr_builder():
     """EqR's build_maze_unique_dataset.py, imported unchanged with its folder first on sys.path.
     `tqdm` (a progress bar: here one that does nothing) and `argdantic` (its command line: here a
     decorator that returns the function) are stand-ins; every sys.modules name touched is put back."""
-    names = ("build_maze_unique_dataset", "common", "tqdm", "argdantic")
-    saved = {name: sys.modules.pop(name) for name in names if name in sys.modules}
-
     class Bar:
         def __init__(self, *args, **kwargs):
             pass
@@ -50,17 +45,9 @@ def load_eqr_builder():
         def command(self, **kwargs):
             return lambda function: function
 
-    for name, attributes in (("tqdm", {"tqdm": Bar}), ("argdantic", {"ArgParser": ArgParser})):
-        sys.modules[name] = types.ModuleType(name)
-        sys.modules[name].__dict__.update(attributes)
-    sys.path.insert(0, str(EQR_DATASET_DIR))
-    try:
-        return importlib.import_module("build_maze_unique_dataset")
-    finally:
-        sys.path.remove(str(EQR_DATASET_DIR))
-        for name in names:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
+    return load_family(EQR_DATASET_DIR, "build_maze_unique_dataset",
+                       stand_ins={"tqdm": {"tqdm": Bar}, "argdantic": {"ArgParser": ArgParser}},
+                       packages=("common",))[0]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Running the references' own code beside ours (ours, not theirs): their modules imported under
 their own package names, and the one stand-in their attention needs off a GPU with flash-attn.
-Used by tests/test_eqr.py, tests/reference/gpu_side_by_side.py and tests/reference/urm/record_urm.py."""
+Used by tests/test_eqr.py, test_convergence_selection.py, test_maze_unique.py,
+tests/reference/gpu_side_by_side.py and tests/reference/urm/record_urm.py."""
 from __future__ import annotations
 
 import importlib
@@ -14,12 +15,20 @@ THEIR_PACKAGES = ("models", "utils", "config", "evaluators")
 """The top-level packages of the TRM reference, EqR and URM (each has a `models`)."""
 
 
-def load_family(folder: Path, *names: str) -> list[types.ModuleType]:
+def load_family(folder: Path, *names: str, stand_ins: dict[str, dict] | None = None,
+                packages: tuple[str, ...] = ()) -> list[types.ModuleType]:
     """Modules `names` of the reference in `folder`, imported with it first on sys.path under their
     own package names, which are then put back as they were, so that the references' `models`
-    packages do not collide."""
-    theirs = lambda name: name.split(".")[0] in THEIR_PACKAGES
+    packages do not collide. `stand_ins`: modules installed for the import (name -> attributes:
+    a package not installed here, or one imported only for annotations); `packages`: other
+    top-level names the import brings in, put back too."""
+    stand_ins = stand_ins or {}
+    tops = {*THEIR_PACKAGES, *packages, *(name.split(".")[0] for name in (*names, *stand_ins))}
+    theirs = lambda name: name.split(".")[0] in tops
     saved = {name: sys.modules.pop(name) for name in list(sys.modules) if theirs(name)}
+    for name, attributes in stand_ins.items():
+        sys.modules[name] = types.ModuleType(name)
+        sys.modules[name].__dict__.update(attributes)
     sys.path.insert(0, str(folder))
     try:
         return [importlib.import_module(name) for name in names]
